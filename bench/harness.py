@@ -1,0 +1,219 @@
+"""The per-rank benchmark loop (one process per rank, gloo).
+
+Per rank: build the workload, set every system up (memory measured from
+before ``setup`` through a warm-up save), then ``repeats`` rounds in which the
+systems take turns (the order rotates each round), a barrier around every
+save and restore; then the slowdown pass (training steps idle, then while each
+system saves); then the extras. Each rank writes ``raw/rank<r>.json``; rank 0
+merges them (:mod:`bench.report`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import statistics
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench import systems as S
+from bench.workload import Peak, make_workload, matmul_step, rss_bytes, shm_used_bytes
+
+__all__ = ["rank_main"]
+
+
+def _agree(ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank."""
+    t = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item()) == 0
+
+
+def _shm(system: S.System, before: int, world: int) -> tuple[int, str]:
+    own = system.shm_bytes()
+    if own is not None:
+        return own, "own files"
+    return max(0, shm_used_bytes() - before) // world, "statvfs /dev/shm delta / ranks"
+
+
+def _steps(n: int, size: int) -> list[float]:
+    return [matmul_step(size) for _ in range(n)]
+
+
+def _overlapped(system: S.System, step: int, size: int) -> dict[str, Any]:
+    """Run training steps while ``system`` saves; return the step times and the save's timings."""
+    times: list[float] = []
+    t0 = time.perf_counter()
+    if system.background:
+        marks = system.begin(step)
+        t1 = time.perf_counter()
+        while not system.done():
+            times.append(matmul_step(size))
+        events = system.finish()
+        timing = S.timings(t0, t1, marks, events)
+        mode = "after the stall, while the system's background work runs"
+    else:
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["t"] = system.save(step)
+            except BaseException as e:  # noqa: BLE001
+                box["e"] = e
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        while th.is_alive():
+            times.append(matmul_step(size))
+        th.join()
+        if "e" in box:
+            raise box["e"]
+        timing = box["t"]
+        mode = "whole save in a side thread (what it would cost off the critical path)"
+    return {"step_s": times, "timing": timing, "mode": mode}
+
+
+def rank_main(rank: int, cfg: dict[str, Any]) -> None:
+    """Entry point of one rank (``torch.multiprocessing.spawn`` target)."""
+    world = cfg["ranks"]
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group(
+        "gloo",
+        init_method=cfg["init_method"],
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=cfg["pg_timeout_s"]),
+    )
+    try:
+        _run(rank, world, cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    S.load_builtin()
+    pg = dist.new_group(backend="gloo")
+    work = make_workload(rank, int(cfg["size_gib"] * 2**30), cfg["tensors"])
+    rss_workload = rss_bytes()
+    ctx = S.BenchContext(
+        rank=rank, world=world, work=work, shm_dir=cfg["shm_dir"], disk_dir=cfg["disk_dir"], pg=pg,
+        options=cfg.get("options", {}),
+    )
+    out: dict[str, Any] = {
+        "rank": rank, "state_bytes": work.nbytes, "rss_workload_bytes": rss_workload,
+        "systems": {}, "skipped": dict(S.SKIPPED),
+    }
+    active: list[S.System] = []
+    step = 1
+    for name in cfg["systems"]:
+        cls = S.SYSTEMS.get(name)
+        if cls is None:
+            out["skipped"].setdefault(name, "not registered")
+            continue
+        system = cls(ctx)
+        rec: dict[str, Any] = {"kind": cls.kind, "describe": cls.describe, "restores": cls.restores,
+                               "background": cls.background, "samples": [], "restore_s": []}
+        gc.collect()
+        S.barrier()
+        shm0 = shm_used_bytes()
+        peak = Peak().start()
+        reason = ""
+        try:
+            system.setup()
+        except S.SystemUnavailable as e:
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 - skip the system, say why
+            reason = f"setup failed: {type(e).__name__}: {e}"
+        if not _agree(not reason):
+            out["skipped"][name] = reason or "skipped on another rank"
+            print(f"[bench] rank {rank}: skipping {name}: {out['skipped'][name]}", flush=True)
+            continue
+        S.barrier()
+        warm = system.save(step)
+        step += 1
+        rec["shm_bytes"], rec["shm_method"] = _shm(system, shm0, world)
+        S.barrier()
+        if cls.restores:
+            system.restore()
+        S.barrier()
+        system.cleanup()
+        S.barrier()
+        gc.collect()
+        rec["first_peak_extra_bytes"] = peak.peak() - peak.base
+        rec["standing_bytes"] = rss_bytes() - peak.base
+        rec["peak_method"] = peak.method
+        rec["warmup"] = warm
+        rec["transient_bytes"] = []
+        out["systems"][name] = rec
+        active.append(system)
+
+    for rnd in range(cfg["repeats"]):
+        k = rnd % max(1, len(active))
+        for system in active[k:] + active[:k]:
+            rec = out["systems"][system.name]
+            work.perturb()
+            gc.collect()
+            S.barrier()
+            peak = Peak().start()
+            t = system.save(step)
+            step += 1
+            rec["transient_bytes"].append(peak.peak() - peak.base)
+            t["round"] = rnd
+            rec["samples"].append(t)
+            S.barrier()
+            if system.restores:
+                t0 = time.perf_counter()
+                system.restore()
+                rec["restore_s"].append(time.perf_counter() - t0)
+                S.barrier()
+            system.cleanup()
+            S.barrier()
+
+    n_idle, mm = cfg["idle_steps"], cfg["matmul_n"]
+    for system in active:
+        rec = out["systems"][system.name]
+        work.perturb()
+        S.barrier()
+        _steps(3, mm)
+        idle = _steps(n_idle, mm)
+        S.barrier()
+        ov = _overlapped(system, step, mm)
+        step += 1
+        S.barrier()
+        system.cleanup()
+        S.barrier()
+        idle_med = statistics.median(idle)
+        busy_med = statistics.median(ov["step_s"]) if ov["step_s"] else None
+        rec["slowdown"] = {
+            "idle_step_s": idle, "busy_step_s": ov["step_s"], "idle_median_s": idle_med,
+            "busy_median_s": busy_med, "mode": ov["mode"], "save_under_load": ov["timing"],
+            "slowdown": None if busy_med is None else busy_med / idle_med - 1.0,
+        }
+
+    for system in active:
+        try:
+            out["systems"][system.name]["extras"] = system.extras()
+        except Exception as e:  # noqa: BLE001
+            out["systems"][system.name]["extras"] = {"error": f"{type(e).__name__}: {e}"}
+    S.barrier()
+    for system in active:
+        try:
+            system.teardown()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    os.makedirs(os.path.join(cfg["out"], "raw"), exist_ok=True)
+    with open(os.path.join(cfg["out"], "raw", f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    S.barrier()
+    if rank == 0:
+        from bench.report import merge_and_write
+
+        merge_and_write(cfg)
+    S.barrier()

@@ -1,0 +1,110 @@
+"""Command line: ``python -m bench.run [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--out DIR]``.
+
+Spawns ``--ranks`` processes (gloo on loopback), runs :func:`bench.harness.rank_main`
+in each, and prints the markdown table rank 0 wrote to ``OUT/results.md``
+(raw figures in ``OUT/results.json``). :func:`main` is what ``tierstore bench``
+calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from typing import Any
+
+__all__ = ["main", "build_parser", "DEFAULT_SYSTEMS"]
+
+DEFAULT_SYSTEMS = [
+    "copy", "torch_save_shm", "torch_save_disk", "dcp_save", "dcp_async", "dcp_async_staged",
+    "tierstore_host",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (defaults: the full benchmark of BENCHMARKS.md)."""
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small state (64 MiB/rank), 2 rounds, short slowdown pass")
+    p.add_argument("--size-gib", type=float, default=None, help="params + AdamW state per rank (default 1, quick 1/16)")
+    p.add_argument("--tensors", type=int, default=200, help="tensors per rank (4 per layer)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3, quick 2)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated; see bench.systems")
+    p.add_argument("--out", default=None, help="output directory (default bench/results/<timestamp>)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default CPUs // ranks)")
+    p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default a temp dir)")
+    p.add_argument("--matmul-n", type=int, default=384, help="size of the stand-in training step")
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the table; return 0 on success, 1 on failure."""
+    args = build_parser().parse_args(argv)
+    size = args.size_gib if args.size_gib is not None else (1 / 16 if args.quick else 1.0)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   now.strftime("%Y%m%dT%H%M%SZ"))
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    # Freed large blocks go straight back to the OS, so RSS shows what a system really holds.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+
+    from bench.report import machine_info
+
+    shm_dir = tempfile.mkdtemp(prefix="tierstore-bench-", dir="/dev/shm")
+    disk_dir = tempfile.mkdtemp(prefix="tierstore-bench-", dir=args.disk_dir)
+    cfg: dict[str, Any] = {
+        "date": now.isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "ranks": args.ranks,
+        "size_gib": size,
+        "tensors": args.tensors,
+        "repeats": repeats,
+        "quick": args.quick,
+        "systems": [s for s in args.systems.split(",") if s],
+        "threads": args.threads or max(1, (os.cpu_count() or 1) // args.ranks),
+        "idle_steps": 10 if args.quick else 30,
+        "matmul_n": args.matmul_n,
+        "out": out,
+        "shm_dir": shm_dir,
+        "disk_dir": disk_dir,
+        "init_method": f"tcp://127.0.0.1:{_free_port()}",
+        "pg_timeout_s": 600,
+        "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"],
+        "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    import torch.multiprocessing as mp
+
+    from bench.harness import rank_main
+
+    try:
+        mp.spawn(rank_main, args=(cfg,), nprocs=args.ranks, join=True)
+    except Exception as e:  # noqa: BLE001 - report and fail
+        print(f"bench failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    md_path = os.path.join(out, "results.md")
+    if not os.path.exists(md_path):
+        print("bench failed: no results.md written", file=sys.stderr)
+        return 1
+    with open(md_path, encoding="utf-8") as f:
+        print(f.read())
+    print(f"results: {md_path} and {os.path.join(out, 'results.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

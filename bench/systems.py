@@ -1,0 +1,182 @@
+"""The System interface every benchmarked checkpointing system implements, and its registry.
+
+Protocol, on every rank, in one process group (the harness barriers between
+calls, never while a system's background work runs):
+
+1. ``setup()`` once; it may allocate standing buffers (they count as extra
+   host memory).
+2. Per round: ``save(step)`` -> timings, then ``restore()`` where
+   ``restores`` is true, then ``cleanup()`` (untimed: drops the files or keys
+   this save produced).
+3. ``teardown()`` once.
+
+``save(step)`` is ``begin(step)`` (blocks until the snapshot is safe from the
+next optimizer step: that is the *stall*) then ``finish()`` (blocks until the
+background work, if any, is complete). The harness may call ``begin`` and then
+run training steps while ``done()`` is false before ``finish()``; that is how
+the training slowdown is measured. All times are seconds from the start of
+``save``; ``committed_s`` and ``durable_s`` are None where the system has no
+such level.
+
+New systems register with ``@register("name")``; tierstore's own systems live
+in other modules and are added by :func:`load_builtin` when importable.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, TypeVar
+
+import torch.distributed as dist
+
+from bench.workload import Workload
+
+__all__ = [
+    "BenchContext",
+    "System",
+    "SystemUnavailable",
+    "SYSTEMS",
+    "SKIPPED",
+    "register",
+    "load_builtin",
+]
+
+
+@dataclass
+class BenchContext:
+    """What a system gets from the harness.
+
+    Attributes:
+        rank: this rank; world: the number of ranks.
+        work: the live model state of this rank (restore writes into it).
+        shm_dir: a per-run directory under /dev/shm, shared by the ranks.
+        disk_dir: a per-run directory on local disk, shared by the ranks.
+        pg: a gloo process group reserved for the systems' own collectives
+            (the harness barriers on the default group).
+        options: free-form options from the command line.
+    """
+
+    rank: int
+    world: int
+    work: Workload
+    shm_dir: str
+    disk_dir: str
+    pg: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class SystemUnavailable(Exception):
+    """Raised by ``setup()`` when a system cannot run here; the harness skips it with the reason."""
+
+
+class System:
+    """One checkpointing system under test. Subclasses override the hooks.
+
+    Class attributes:
+        name: registry name (set by :func:`register`).
+        kind: ``"bound"``, ``"peer"`` or ``"tierstore"`` (ratios use it).
+        restores: whether ``restore()`` is measured.
+        background: whether ``save`` has work after the stall (else the
+            slowdown pass runs the whole save in a side thread).
+        describe: one line for the report.
+    """
+
+    name: ClassVar[str] = "?"
+    kind: ClassVar[str] = "peer"
+    restores: ClassVar[bool] = True
+    background: ClassVar[bool] = False
+    describe: ClassVar[str] = ""
+
+    def __init__(self, ctx: BenchContext) -> None:
+        self.ctx = ctx
+
+    def setup(self) -> None:
+        """Allocate what the system keeps between saves."""
+
+    def begin(self, step: int) -> dict[str, float]:
+        """Start a save; return once the snapshot is safe. May return extra marks (perf_counter times)."""
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        """Whether the background work of the current save has finished."""
+        return True
+
+    def finish(self) -> dict[str, float | None]:
+        """Block until the save is complete; return perf_counter times of
+        ``complete`` and, where the system has them, ``committed`` and ``durable``."""
+        t = time.perf_counter()
+        return {"complete": t, "committed": None, "durable": None}
+
+    def save(self, step: int) -> dict[str, float | None]:
+        """Save ``step``; return ``stall_s``, ``complete_s``, ``committed_s``, ``durable_s`` (+ marks)."""
+        t0 = time.perf_counter()
+        marks = self.begin(step)
+        t1 = time.perf_counter()
+        events = self.finish()
+        return timings(t0, t1, marks, events)
+
+    def restore(self) -> None:
+        """Load the last saved state back into ``ctx.work`` in place."""
+
+    def extras(self) -> dict[str, Any]:
+        """Extra figures for the report (measured once, outside the timed rounds)."""
+        return {}
+
+    def shm_bytes(self) -> int | None:
+        """Bytes this system holds in /dev/shm now; None if it cannot tell (the harness uses statvfs)."""
+        return 0
+
+    def cleanup(self) -> None:
+        """Drop the files or keys of the last save (untimed)."""
+
+    def teardown(self) -> None:
+        """Release everything."""
+
+
+def timings(
+    t0: float, t1: float, marks: dict[str, float], events: dict[str, float | None]
+) -> dict[str, float | None]:
+    """Turn perf_counter times into seconds from ``t0``."""
+
+    def rel(v: float | None) -> float | None:
+        return None if v is None else max(0.0, v - t0)
+
+    out: dict[str, float | None] = {
+        "stall_s": t1 - t0,
+        "complete_s": rel(events.get("complete")),
+        "committed_s": rel(events.get("committed")),
+        "durable_s": rel(events.get("durable")),
+    }
+    for k, v in marks.items():
+        out[f"{k}_s"] = rel(v)
+    return out
+
+
+SYSTEMS: dict[str, type[System]] = {}
+SKIPPED: dict[str, str] = {}
+
+S = TypeVar("S", bound=type[System])
+
+
+def register(name: str) -> Callable[[S], S]:
+    """Class decorator: add a System to :data:`SYSTEMS` under ``name``."""
+
+    def deco(cls: S) -> S:
+        cls.name = name
+        SYSTEMS[name] = cls
+        return cls
+
+    return deco
+
+
+def load_builtin() -> None:
+    """Import the built-in systems: the bound, the peers and, where importable, tierstore's."""
+    import bench.peers  # noqa: F401
+    import bench.tierstore_systems  # noqa: F401
+
+
+def barrier() -> None:
+    """Barrier on the default group (a no-op without one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,134 @@
+"""tierstore's systems, added to the registry when ``tierstore.store.open`` is importable.
+
+``tierstore_host``: the save copies every layer into pre-allocated staging
+tensors (the stall: the snapshot), then a background thread puts each layer
+group through ``store.put`` as a shard keyed ``bench/<layer>/<step>/<rank>``;
+it is *committed* when the last put returns. Restore gets every shard back and
+copies it into the live tensors. Where tierstore cannot be imported or opened,
+the system is skipped and the reason lands in :data:`bench.systems.SKIPPED`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from bench.systems import SKIPPED, System, SystemUnavailable, register
+
+__all__ = ["TierstoreHost", "shard_tensors"]
+
+MODEL = "bench"
+
+
+def shard_tensors(shard: Any) -> Mapping[str, torch.Tensor]:
+    """The tensors of what ``store.get`` returned (a mapping, or an object with ``.tensors``)."""
+    if isinstance(shard, Mapping):
+        return shard
+    tensors = getattr(shard, "tensors", None)
+    if isinstance(tensors, Mapping):
+        return tensors
+    raise TypeError(f"cannot find tensors in {type(shard).__name__}")
+
+
+try:
+    from tierstore import store as _store_mod
+
+    _open = getattr(_store_mod, "open")
+except Exception as e:  # noqa: BLE001 - any import failure means: skip, with the reason
+    _open = None
+    SKIPPED["tierstore_host"] = f"tierstore.store.open is not importable ({type(e).__name__}: {e})"
+
+
+if _open is not None:
+
+    @register("tierstore_host")
+    class TierstoreHost(System):
+        """Snapshot into staging tensors, then ``store.put`` per layer in a background thread."""
+
+        kind = "tierstore"
+        background = True
+        describe = "tierstore: snapshot to staging, store.put per layer (host tier)"
+
+        def setup(self) -> None:
+            from tierstore.keys import ShardKey
+
+            self._key = ShardKey
+            try:
+                self.store = _open(**self.ctx.options.get("tierstore_open", {}))
+            except Exception as e:  # noqa: BLE001
+                raise SystemUnavailable(f"tierstore.open() failed: {type(e).__name__}: {e}") from e
+            self.staging = {
+                layer: {k: torch.empty_like(t) for k, t in group.items()}
+                for layer, group in self.ctx.work.layers.items()
+            }
+            self.keys: list[Any] = []
+            self._thread: threading.Thread | None = None
+
+        def _layer(self, layer: str) -> str:
+            return layer.split(".", 1)[1] if "." in layer else layer
+
+        def begin(self, step: int) -> dict[str, float]:
+            for layer, group in self.ctx.work.layers.items():
+                dst = self.staging[layer]
+                for k, t in group.items():
+                    dst[k].copy_(t)
+            self.keys = [
+                self._key(MODEL, self._layer(layer), step, self.ctx.rank) for layer in self.staging
+            ]
+            self._t_done: float | None = None
+            self._err: BaseException | None = None
+            self._ev = threading.Event()
+            self._thread = threading.Thread(target=self._put_all, name="bench-tierstore-put", daemon=True)
+            self._thread.start()
+            return {}
+
+        def _put_all(self) -> None:
+            try:
+                for key, group in zip(self.keys, self.staging.values()):
+                    self.store.put(key, group)
+                self._t_done = time.perf_counter()
+            except BaseException as e:  # noqa: BLE001 - re-raised in finish()
+                self._err = e
+            finally:
+                self._ev.set()
+
+        def done(self) -> bool:
+            return self._ev.is_set()
+
+        def finish(self) -> dict[str, float | None]:
+            self._ev.wait()
+            if self._thread is not None:
+                self._thread.join()
+            if self._err is not None:
+                raise self._err
+            return {"complete": self._t_done, "committed": self._t_done, "durable": None}
+
+        def restore(self) -> None:
+            for key, group in zip(self.keys, self.ctx.work.layers.values()):
+                shard = self.store.get(key)
+                if shard is None:
+                    raise RuntimeError(f"tierstore lost shard {key}")
+                got = shard_tensors(shard)
+                for k, t in group.items():
+                    t.copy_(got[k])
+
+        def shm_bytes(self) -> int | None:
+            return None
+
+        def cleanup(self) -> None:
+            for key in self.keys:
+                try:
+                    self.store.delete(key)
+                except Exception:  # noqa: BLE001 - best effort, untimed
+                    pass
+
+        def teardown(self) -> None:
+            self.cleanup()
+            close = getattr(self.store, "close", None)
+            if close is not None:
+                close()
+            self.staging = {}

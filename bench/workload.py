@@ -1,0 +1,189 @@
+"""The benchmark workload and the host measurements it needs.
+
+The workload is a GPT-style model state per rank: fp32 parameters plus AdamW
+state (``exp_avg``, ``exp_avg_sq``, ``step``), grouped by layer. Every tensor
+name carries the rank, so DCP writes every rank's bytes (identical plain
+tensors are written once across ranks otherwise).
+
+Memory figures read the kernel directly: ``VmRSS``/``VmHWM`` from
+``/proc/self/status`` (the peak is reset by writing ``5`` to
+``/proc/self/clear_refs``, so sampling costs nothing), and ``/dev/shm`` usage
+by walking a directory or, where a system cannot name its files, from
+``statvfs`` of the whole mount.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Workload",
+    "make_workload",
+    "rss_bytes",
+    "Peak",
+    "dir_bytes",
+    "shm_used_bytes",
+    "matmul_step",
+]
+
+_COLS = 1024
+
+
+@dataclass
+class Workload:
+    """One rank's model state.
+
+    Attributes:
+        rank: this rank.
+        layers: layer name -> tensor name -> tensor (``param``, ``exp_avg``,
+            ``exp_avg_sq``, ``step``), the live training state.
+        flat: ``"<layer>.<tensor>"`` -> tensor, the same tensors, flat.
+        nbytes: total bytes of the state.
+    """
+
+    rank: int
+    layers: dict[str, dict[str, torch.Tensor]]
+    flat: dict[str, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The flat state as DCP and ``torch.save`` see it (distinct names per rank)."""
+        return self.flat
+
+    def perturb(self) -> None:
+        """Stand in for an optimizer step: change every tensor a little, in place."""
+        for group in self.layers.values():
+            group["step"].add_(1)
+            group["param"].add_(1e-3)
+
+
+def make_workload(rank: int, total_bytes: int, n_tensors: int = 200, seed: int = 0) -> Workload:
+    """Build a state of about ``total_bytes`` in ``n_tensors`` tensors.
+
+    Each layer holds four tensors (param, exp_avg, exp_avg_sq, a scalar step),
+    so there are ``n_tensors // 4`` layers; the three large tensors of a layer
+    are ``[rows, 1024]`` fp32, sized so the total comes to ``total_bytes``.
+    Every element is written (random data), so the pages are resident.
+    """
+    n_layers = max(1, n_tensors // 4)
+    per_tensor = total_bytes / (n_layers * 3)
+    rows = max(1, int(per_tensor // (_COLS * 4)))
+    gen = torch.Generator().manual_seed(seed + rank)
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    flat: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    for i in range(n_layers):
+        name = f"r{rank}.h{i:03d}"
+        p = torch.randn(rows, _COLS, generator=gen)
+        group = {
+            "param": p,
+            "exp_avg": torch.randn(rows, _COLS, generator=gen) * 1e-3,
+            "exp_avg_sq": torch.rand(rows, _COLS, generator=gen) * 1e-6,
+            "step": torch.tensor(float(i)),
+        }
+        layers[name] = group
+        for tname, t in group.items():
+            flat[f"{name}.{tname}"] = t
+            nbytes += t.numel() * t.element_size()
+    return Workload(rank=rank, layers=layers, flat=flat, nbytes=nbytes)
+
+
+def _status_kib(field_name: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise KeyError(field_name)
+
+
+def rss_bytes() -> int:
+    """The resident set size of this process, in bytes."""
+    return _status_kib("VmRSS") * 1024
+
+
+class Peak:
+    """Peak RSS over a region, from the kernel's high-water mark.
+
+    ``start()`` resets ``VmHWM`` to the current RSS (``/proc/self/clear_refs``);
+    ``peak()`` reads it. Where the reset is refused, a sampling thread is the
+    fallback (5 ms period).
+    """
+
+    def __init__(self) -> None:
+        self.base = 0
+        self._thread: Any = None
+        self._stop = False
+        self._max = 0
+        self.method = "VmHWM"
+
+    def start(self) -> "Peak":
+        self.base = rss_bytes()
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+                f.write("5")
+        except OSError:
+            import threading
+
+            self.method = "sampled"
+            self._max = self.base
+            self._stop = False
+
+            def sample() -> None:
+                while not self._stop:
+                    self._max = max(self._max, rss_bytes())
+                    time.sleep(0.005)
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def peak(self) -> int:
+        """Peak RSS since ``start()``, in bytes (stops the sampler if any)."""
+        if self._thread is not None:
+            self._stop = True
+            self._thread.join()
+            self._thread = None
+            return max(self._max, rss_bytes())
+        return _status_kib("VmHWM") * 1024
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path`` (0 if it does not exist)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def shm_used_bytes() -> int:
+    """Bytes in use on /dev/shm as a whole (other processes count too)."""
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+class _MatmulState:
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+
+
+_MM = _MatmulState()
+
+
+def matmul_step(n: int = 384) -> float:
+    """One stand-in training step (an ``n x n`` fp32 matmul); returns its seconds."""
+    if _MM.a is None or _MM.a.shape[0] != n:
+        _MM.a = torch.randn(n, n)
+        _MM.b = torch.randn(n, n)
+    t0 = time.perf_counter()
+    c = _MM.a @ _MM.b  # type: ignore[operator]
+    _MM.a.add_(c, alpha=1e-9)
+    return time.perf_counter() - t0

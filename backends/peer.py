@@ -1,0 +1,343 @@
+"""The peer tier: replicas in the host tier of other nodes, through their agents, over UCX.
+
+Protocol (who calls what): the tier manager calls :meth:`PeerBackend.put`,
+``get``, ``delete``, ``exists``, ``list`` and ``close`` from any thread. Each
+call runs as a coroutine on the instance's own event-loop thread (``ucxx`` is
+asynchronous) and the caller blocks on its result. The agents speak the
+protocol of :mod:`backends.agent_protocol`.
+
+Placement: for each object name the live peers (all but ``local_node_id``)
+are ranked by rendezvous hashing (xxh64 of node id and name), so the order is
+deterministic per name, spreads load, and never names a node twice. ``put``
+writes to the first ``replication`` peers in parallel; a peer that cannot be
+reached is replaced by the next in the ranking, and if fewer than
+``replication`` replicas could be written the put raises
+:class:`~tierstore.errors.TierUnavailableError` naming the nodes that failed.
+``get`` and ``exists`` try the peers in ranked order (so a replica placed on a
+fallback node is still found); ``delete`` and ``list`` ask every peer.
+
+Errors: a miss is ``None``/``False``; if no peer could be reached at all the
+call raises ``TierUnavailableError`` (fields ``nodes`` and ``key``). Error
+replies map to typed errors (``AuthenticationError``, ``InvalidKeyError``,
+``TierFullError``, ``CorruptObjectError``, ``KeyExistsError``,
+``ProtocolError``). ``if_absent`` is checked per replica, not atomically
+across replicas (``atomic_create_once = False``).
+
+Connections: one endpoint per peer, cached, one request at a time on it; a
+transport failure drops the endpoint and the request is retried once on a new
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from backends import agent_protocol as P
+from backends.base import Backend, Buffer, as_buffers, validate_object_name
+from backends.ucx_util import import_ucxx
+from tierstore.errors import ConfigError, CorruptObjectError, ProtocolError, TierUnavailableError
+
+__all__ = ["PeerAddress", "PeerBackend", "redis_discovery", "rank_peers"]
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where one node's agent listens."""
+
+    node_id: str
+    host: str
+    port: int
+
+
+Discovery = Callable[[], Sequence[PeerAddress]]
+
+
+def redis_discovery(client: Any) -> Discovery:
+    """A discovery callable reading the agents' registrations (``ts:nodes``, ``ts:node:<id>``)."""
+
+    def discover() -> list[PeerAddress]:
+        out = []
+        for raw in sorted(client.smembers("ts:nodes")):
+            node_id = raw.decode() if isinstance(raw, bytes) else raw
+            info = client.hgetall(f"ts:node:{node_id}")
+            addr = info.get(b"address") or info.get("address")
+            if not addr:
+                continue  # registration expired: the agent is gone
+            host, _, port = (addr.decode() if isinstance(addr, bytes) else addr).rpartition(":")
+            out.append(PeerAddress(node_id, host, int(port)))
+        return out
+
+    return discover
+
+
+def rank_peers(name: str, peers: Sequence[PeerAddress], exclude: str | None = None) -> list[PeerAddress]:
+    """Peers ordered by rendezvous score for ``name`` (highest first), without ``exclude``."""
+    uniq = {p.node_id: p for p in peers if p.node_id != exclude}
+    return sorted(uniq.values(), key=lambda p: xxhash.xxh64_intdigest(f"{p.node_id}\0{name}".encode()), reverse=True)
+
+
+class _Unreachable(Exception):
+    def __init__(self, peer: PeerAddress, cause: BaseException) -> None:
+        super().__init__(f"{peer.node_id} ({peer.host}:{peer.port}): {type(cause).__name__}: {cause}")
+        self.peer = peer
+
+
+class _Conn:
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.lock = asyncio.Lock()
+
+
+class PeerBackend(Backend):
+    """Objects replicated to other nodes' host tiers through their agents.
+
+    Args:
+        peers: the agents, or a callable returning them (e.g. :func:`redis_discovery`), asked per call.
+        secret: the shared secret the agents were started with.
+        replication: how many distinct peers each put writes to.
+        local_node_id: this node's id, never chosen as a replica.
+        timeout_s: limit for one request to one peer (payload included).
+        connect_timeout_s: limit for connecting to a peer.
+        chunk_shift: payload chunk size, ``1 << chunk_shift`` bytes (default 16 MiB).
+        verify: send and check xxh3-128 checksums of payloads.
+    """
+
+    tier = "peer"
+    survives = "node"
+    zero_copy_get = False
+    reservable = False
+    atomic_create_once = False
+
+    def __init__(self, peers: Sequence[PeerAddress] | Discovery, *, secret: bytes, replication: int = 1,
+                 local_node_id: str | None = None, timeout_s: float = 60.0, connect_timeout_s: float = 5.0,
+                 chunk_shift: int = P.DEFAULT_CHUNK_SHIFT, verify: bool = True) -> None:
+        if not secret:
+            raise ConfigError("PeerBackend needs the agents' shared secret", field="secret")
+        if replication < 1:
+            raise ConfigError(f"replication must be >= 1, got {replication}", field="replication")
+        if not P.MIN_CHUNK_SHIFT <= chunk_shift <= P.MAX_CHUNK_SHIFT:
+            raise ConfigError(f"chunk_shift must be in {P.MIN_CHUNK_SHIFT}..{P.MAX_CHUNK_SHIFT}", field="chunk_shift")
+        self._discover: Discovery = peers if callable(peers) else (lambda s=tuple(peers): s)
+        self.secret = bytes(secret)
+        self.replication = replication
+        self.local_node_id = local_node_id
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.chunk_shift = chunk_shift
+        self.verify = verify
+        self._ucxx = import_ucxx()
+        self._transport_errors = (self._ucxx.exceptions.UCXError, asyncio.TimeoutError, OSError)
+        self._conns: dict[PeerAddress, _Conn] = {}
+        self._rid = 0
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ts-peer-ucx", daemon=True)
+        self._thread.start()
+
+    # -- plumbing ------------------------------------------------------------------
+    def _call(self, coro: Any) -> Any:
+        if self._closed:
+            coro.close()
+            raise TierUnavailableError("PeerBackend is closed", tier="peer")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _ranked(self, name: str) -> list[PeerAddress]:
+        return rank_peers(name, list(self._discover()), exclude=self.local_node_id)
+
+    async def _connect(self, peer: PeerAddress) -> tuple[_Conn, bool]:
+        conn = self._conns.get(peer)
+        if conn is not None and not conn.ep.closed:
+            return conn, False
+        ep = await self._ucxx.create_endpoint(peer.host, peer.port, connect_timeout=self.connect_timeout_s)
+        conn = self._conns[peer] = _Conn(ep)
+        return conn, True
+
+    def _drop(self, peer: PeerAddress, conn: _Conn) -> None:
+        if self._conns.get(peer) is conn:
+            del self._conns[peer]
+        if not conn.ep.closed:
+            conn.ep.abort()
+
+    async def _recv_reply(self, ep: Any) -> P.Reply:
+        frame = bytearray(P.REPLY_FRAME_SIZE)
+        await ep.recv(frame)
+        return P.unpack_reply(frame)
+
+    async def _exchange(self, ep: Any, op: int, key: str, payload: memoryview | None, flags: int,
+                        digest: bytes) -> tuple[P.Reply, memoryview | None]:
+        self._rid += 1
+        chunk = 1 << self.chunk_shift
+        n = 0 if payload is None else payload.nbytes
+        await ep.send(P.pack_request(self.secret, op, key, flags=flags, payload_len=n, digest=digest,
+                                     request_id=self._rid, chunk_shift=self.chunk_shift))
+        reply = await self._recv_reply(ep)
+        if op == P.Op.PUT and reply.status == P.Status.READY:
+            assert payload is not None
+            spans = P.chunk_spans(n, chunk)
+            await asyncio.gather(*(ep.send(payload[a:b], tag=i + 1) for i, (a, b) in enumerate(spans)))
+            reply = await self._recv_reply(ep)
+        if op in (P.Op.GET, P.Op.LIST) and reply.status == P.Status.OK:
+            buf = memoryview(bytearray(reply.payload_len))
+            spans = P.chunk_spans(reply.payload_len, chunk)
+            await asyncio.gather(*(ep.recv(buf[a:b], tag=i + 1) for i, (a, b) in enumerate(spans)))
+            if reply.flags & P.FLAG_CHECKSUM and P.checksum([buf]) != reply.checksum:
+                raise CorruptObjectError(f"checksum mismatch reading {key!r} from a peer", key=key, tier="peer")
+            return reply, buf
+        return reply, None
+
+    async def _request(self, peer: PeerAddress, op: int, key: str, payload: memoryview | None = None,
+                       flags: int = 0, digest: bytes = bytes(16)) -> tuple[P.Reply, memoryview | None]:
+        """One request to one peer; a transport failure on a cached connection is retried once."""
+        for attempt in (0, 1):
+            try:
+                conn, fresh = await asyncio.wait_for(self._connect(peer), self.connect_timeout_s + 1)
+            except (*self._transport_errors, ProtocolError) as e:
+                raise _Unreachable(peer, e) from e
+            async with conn.lock:
+                try:
+                    return await asyncio.wait_for(self._exchange(conn.ep, op, key, payload, flags, digest),
+                                                  self.timeout_s)
+                except (*self._transport_errors, ProtocolError) as e:
+                    self._drop(peer, conn)
+                    if fresh or attempt:
+                        raise _Unreachable(peer, e) from e
+                except BaseException:
+                    self._drop(peer, conn)
+                    raise
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _unavailable(what: str, key: str, failures: list[_Unreachable]) -> TierUnavailableError:
+        nodes = [f.peer.node_id for f in failures]
+        detail = "; ".join(str(f) for f in failures) or "no peers known"
+        return TierUnavailableError(f"peer tier: {what} {key!r} failed: {detail}", key=key, tier="peer", nodes=nodes)
+
+    # -- the interface ---------------------------------------------------------------
+    def put(self, name: str, data: Buffer | Sequence[Buffer], *, if_absent: bool = False) -> None:
+        validate_object_name(name)
+        bufs = as_buffers(data)
+        payload = bufs[0] if len(bufs) == 1 else memoryview(b"".join(bufs))
+        self._call(self._put(name, payload, if_absent, self._ranked(name)))
+
+    async def _put(self, name: str, payload: memoryview, if_absent: bool, candidates: list[PeerAddress]) -> None:
+        flags = (P.FLAG_CHECKSUM if self.verify else 0) | (P.FLAG_IF_ABSENT if if_absent else 0)
+        digest = P.checksum([payload]) if self.verify else bytes(16)
+        failures: list[_Unreachable] = []
+        written = 0
+        errors: list[BaseException] = []
+        while written < self.replication and candidates and not errors:
+            batch = candidates[: self.replication - written]
+            del candidates[: len(batch)]
+            results = await asyncio.gather(
+                *(self._request(p, P.Op.PUT, name, payload, flags, digest) for p in batch), return_exceptions=True)
+            for peer, res in zip(batch, results):
+                if isinstance(res, _Unreachable):
+                    failures.append(res)
+                elif isinstance(res, BaseException):
+                    errors.append(res)
+                elif res[0].status == P.Status.OK:
+                    written += 1
+                else:
+                    errors.append(P.error_for_status(res[0], key=name, tier="peer", node=peer.node_id))
+        if errors:
+            raise errors[0]
+        if written < self.replication:
+            raise self._unavailable(f"replicating ({written}/{self.replication} replicas written)", name, failures)
+
+    def get(self, name: str) -> memoryview | None:
+        validate_object_name(name)
+        return self._call(self._first(name, P.Op.GET, self._ranked(name)))
+
+    def exists(self, name: str) -> bool:
+        validate_object_name(name)
+        return self._call(self._first(name, P.Op.EXISTS, self._ranked(name))) is not None
+
+    async def _first(self, name: str, op: int, peers: list[PeerAddress]) -> Any:
+        flags = P.FLAG_CHECKSUM if (self.verify and op == P.Op.GET) else 0
+        failures: list[_Unreachable] = []
+        corrupt: CorruptObjectError | None = None
+        for peer in peers:
+            try:
+                reply, data = await self._request(peer, op, name, flags=flags)
+            except _Unreachable as e:
+                failures.append(e)
+                continue
+            except CorruptObjectError as e:
+                corrupt = e
+                continue
+            if reply.status == P.Status.OK:
+                return data if op == P.Op.GET else True
+            if reply.status != P.Status.NOT_FOUND:
+                raise P.error_for_status(reply, key=name, tier="peer", node=peer.node_id)
+        if corrupt is not None:
+            raise corrupt
+        if failures and len(failures) == len(peers) or not peers:
+            raise self._unavailable("reading", name, failures)
+        return None
+
+    async def _all(self, op: int, key: str, peers: list[PeerAddress]) -> list[tuple[P.Reply, memoryview | None]]:
+        results = await asyncio.gather(*(self._request(p, op, key) for p in peers), return_exceptions=True)
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, _Unreachable):
+                raise r
+        if not ok:
+            raise self._unavailable(P.Op.NAMES[op].lower(), key, [r for r in results if isinstance(r, _Unreachable)])
+        return ok
+
+    def delete(self, name: str) -> bool:
+        validate_object_name(name)
+        replies = self._call(self._all(P.Op.DELETE, name, self._ranked(name)))
+        for reply, _ in replies:
+            if reply.status not in (P.Status.OK, P.Status.NOT_FOUND):
+                raise P.error_for_status(reply, key=name, tier="peer")
+        return any(reply.status == P.Status.OK for reply, _ in replies)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        P.validate_prefix(prefix)
+        names: set[str] = set()
+        for reply, data in self._call(self._all(P.Op.LIST, prefix, self._ranked(prefix))):
+            if reply.status != P.Status.OK:
+                raise P.error_for_status(reply, key=prefix, tier="peer")
+            if data is not None and data.nbytes:
+                names.update(bytes(data).decode().split("\n"))
+        return iter(sorted(names))
+
+    def ping(self) -> dict[str, bool]:
+        """Which peers answer, by node id."""
+
+        peers = list(self._discover())
+
+        async def _ping() -> dict[str, bool]:
+            res = await asyncio.gather(*(self._request(p, P.Op.PING, "") for p in peers), return_exceptions=True)
+            return {p.node_id: not isinstance(r, BaseException) and r[0].status == P.Status.OK
+                    for p, r in zip(peers, res)}
+
+        return self._call(_ping())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+
+        async def _close_all() -> None:
+            for conn in list(self._conns.values()):
+                if not conn.ep.closed:
+                    conn.ep.abort()
+            self._conns.clear()
+
+        try:
+            asyncio.run_coroutine_threadsafe(_close_all(), self._loop).result(10)
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __repr__(self) -> str:
+        return f"<PeerBackend tier=peer replication={self.replication} local={self.local_node_id}>"
+

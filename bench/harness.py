@@ -3,8 +3,8 @@
 Per rank: build the workload, set every system up (memory measured from
 before ``setup`` through a warm-up save), then ``repeats`` rounds in which the
 systems take turns (the order rotates each round), a barrier around every
-save and restore; then the slowdown pass (training steps idle, then while each
-system saves); then the extras. Each rank writes ``raw/rank<r>.json``; rank 0
+save and restore; then the slowdown pass (training steps idle, while each system
+saves, idle again; idle and busy in the same window); then the extras. Each rank writes ``raw/rank<r>.json``; rank 0
 merges them (:mod:`bench.report`).
 """
 
@@ -45,6 +45,15 @@ def _shm(system: S.System, before: int, world: int) -> tuple[int, str]:
 
 def _steps(n: int, size: int) -> list[float]:
     return [matmul_step(size) for _ in range(n)]
+
+
+def _idle(seconds: float, size: int) -> list[float]:
+    """Training steps for ``seconds`` (at least 5), nothing else running on this rank."""
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        times.append(matmul_step(size))
+    return times
 
 
 def _overlapped(system: S.System, step: int, size: int) -> dict[str, Any]:
@@ -176,16 +185,18 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
             system.cleanup()
             S.barrier()
 
-    n_idle, mm = cfg["idle_steps"], cfg["matmul_n"]
+    idle_s, mm = cfg["idle_s"], cfg["matmul_n"]
     for system in active:
         rec = out["systems"][system.name]
         work.perturb()
         S.barrier()
         _steps(3, mm)
-        idle = _steps(n_idle, mm)
+        idle = _idle(idle_s / 2, mm)
         S.barrier()
         ov = _overlapped(system, step, mm)
         step += 1
+        S.barrier()
+        idle += _idle(idle_s / 2, mm)
         S.barrier()
         system.cleanup()
         S.barrier()

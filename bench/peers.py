@@ -130,6 +130,11 @@ class TorchSaveShm(_FileSystem):
             return {"complete": t, "committed": t, "durable": t}
         return {"complete": t, "committed": t, "durable": None}
 
+    def shm_bytes(self) -> int | None:
+        if self.root_base != "shm" or not os.path.exists(self.path):
+            return 0
+        return os.stat(self.path).st_blocks * 512
+
     def restore(self) -> None:
         loaded = torch.load(self.path, mmap=True, weights_only=True)
         _load_into(self.ctx.work.flat, loaded)

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default bench/results/<timestamp>)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default CPUs // ranks)")
     p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default a temp dir)")
-    p.add_argument("--matmul-n", type=int, default=384, help="size of the stand-in training step")
+    p.add_argument("--matmul-n", type=int, default=512, help="size of the stand-in training step")
     return p
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "systems": [s for s in args.systems.split(",") if s],
         "threads": args.threads or max(1, (os.cpu_count() or 1) // args.ranks),
-        "idle_steps": 10 if args.quick else 30,
+        "idle_s": 0.6 if args.quick else 2.0,
         "matmul_n": args.matmul_n,
         "out": out,
         "shm_dir": shm_dir,

@@ -1,0 +1,288 @@
+"""The Redis index: schema, connection, object records and placement.
+
+Every key of a model carries the hash tag ``{model}`` so that all of a
+model's keys live in one Redis Cluster slot and the Lua scripts that touch
+several of them stay atomic there. The schema (``m`` is the model name)::
+
+    ts:models                      SET    model names
+    ts:{m}:epoch                   STRING the job's current epoch (fencing)
+    ts:{m}:objs                    ZSET   "layer/step/rank" scored by step
+    ts:{m}:obj:<layer>/<step>/<rank>
+                                   HASH   kind, size, checksum, base, target, epoch,
+                                          created, t:<tier> = "1" per tier holding it
+    ts:{m}:steps                   ZSET   step numbers scored by step
+    ts:{m}:step:<N>                HASH   state, world, epoch, started, decided, durable, ...
+    ts:{m}:votes:<N>               HASH   rank -> JSON vote
+    ts:{m}:manifest:<N>            STRING the committed manifest (JSON)
+    ts:{m}:events                  pub/sub channel: "<step> <state>"
+    ts:node:<id> / ts:nodes        node agents (registered by the agents)
+
+Errors from redis-py are translated here into :class:`TierUnavailableError`
+(server gone), :class:`AccessDeniedError` (AUTH) and :class:`FencedError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import redis
+
+from tierstore.errors import AccessDeniedError, ConfigError, FencedError, TierUnavailableError
+from tierstore.keys import ShardKey, validate_name
+
+__all__ = ["Index", "ObjectRecord", "translate_redis_errors", "redact_url"]
+
+_FENCED = "TSFENCED"
+
+# Record an object and its placement, refusing a stale epoch. KEYS: epoch, objs, obj. ARGV: epoch,
+# objname, step, kind, size, checksum, base, target, created, tier...
+_RECORD = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local ep = tonumber(ARGV[1])
+if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
+redis.call('ZADD', KEYS[2], tonumber(ARGV[3]), ARGV[2])
+redis.call('HSET', KEYS[3], 'kind', ARGV[4], 'size', ARGV[5], 'checksum', ARGV[6], 'base', ARGV[7],
+           'target', ARGV[8], 'epoch', ARGV[1], 'created', ARGV[9])
+for i = 10, #ARGV do redis.call('HSET', KEYS[3], 't:' .. ARGV[i], '1') end
+return cur
+"""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (safe to log)."""
+    p = urlparse(url)
+    if p.password:
+        netloc = p.netloc.replace(f":{p.password}@", ":***@")
+        return p._replace(netloc=netloc).geturl()
+    return url
+
+
+@contextmanager
+def translate_redis_errors(what: str, url: str = "") -> Iterator[None]:
+    """Translate redis-py errors into tierstore's tree, keeping the cause."""
+    try:
+        yield
+    except redis.exceptions.AuthenticationError as e:
+        raise AccessDeniedError(f"{what}: the index server refused the credentials", url=redact_url(url)) from e
+    except redis.exceptions.NoPermissionError as e:
+        raise AccessDeniedError(f"{what}: no permission on the index server: {e}", url=redact_url(url)) from e
+    except redis.exceptions.ResponseError as e:
+        msg = str(e)
+        if msg.startswith(_FENCED):
+            current = int(msg.split()[1]) if len(msg.split()) > 1 else None
+            raise FencedError(f"{what}: rejected, the job's epoch is now {current}", epoch=current) from e
+        if "NOAUTH" in msg or "WRONGPASS" in msg:
+            raise AccessDeniedError(f"{what}: the index server needs valid credentials", url=redact_url(url)) from e
+        raise TierUnavailableError(f"{what}: the index server answered an error: {e}", url=redact_url(url)) from e
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+        raise TierUnavailableError(
+            f"{what}: the index server at {redact_url(url)} cannot be reached ({e})", url=redact_url(url)
+        ) from e
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """What the index knows of one stored object."""
+
+    key: ShardKey
+    kind: str
+    size: int
+    checksum: str
+    base: ShardKey | None = None
+    target: ShardKey | None = None
+    epoch: int = 0
+    created: float = 0.0
+    tiers: frozenset[str] = field(default_factory=frozenset)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": str(self.key),
+            "kind": self.kind,
+            "size": self.size,
+            "checksum": self.checksum,
+            "base": str(self.base) if self.base else None,
+            "target": str(self.target) if self.target else None,
+            "epoch": self.epoch,
+            "tiers": sorted(self.tiers),
+        }
+
+
+def _s(v: bytes | str | None) -> str:
+    if v is None:
+        return ""
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class Index:
+    """A connection to the index server and the schema's key helpers.
+
+    Args:
+        url: ``redis://[user:pass@]host:port/db``, ``rediss://...`` (TLS) or
+            ``unix:///path/to/socket``. A password may also come from ``password``.
+        password: AUTH password (overrides the URL's).
+        client: an existing redis-py client to use instead (tests, clusters).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        password: str | None = None,
+        client: redis.Redis | None = None,
+        socket_timeout: float = 10.0,
+        ssl_ca_certs: str | None = None,
+    ) -> None:
+        self.url = url or ""
+        if client is None:
+            if not url:
+                raise ConfigError("the index needs a URL (redis://, rediss:// or unix://) or a client")
+            scheme = urlparse(url).scheme
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ConfigError(f"unsupported index URL scheme {scheme!r} in {redact_url(url)}")
+            kwargs: dict[str, Any] = {"socket_timeout": socket_timeout, "health_check_interval": 30}
+            if password is not None:
+                kwargs["password"] = password
+            if scheme == "rediss" and ssl_ca_certs:
+                kwargs["ssl_ca_certs"] = ssl_ca_certs
+            client = redis.Redis.from_url(url, **kwargs)
+        self.r = client
+        self._record = self.r.register_script(_RECORD)
+
+    def close(self) -> None:
+        self.r.close()
+
+    # -- keys ----------------------------------------------------------------------
+    @staticmethod
+    def k(model: str, *parts: object) -> str:
+        return ":".join([f"ts:{{{model}}}", *map(str, parts)])
+
+    @staticmethod
+    def objname(key: ShardKey) -> str:
+        return f"{key.layer}/{key.step}/{key.rank}"
+
+    def ping(self) -> None:
+        with translate_redis_errors("ping", self.url):
+            self.r.ping()
+
+    # -- models and epochs -----------------------------------------------------------
+    def models(self) -> list[str]:
+        with translate_redis_errors("list models", self.url):
+            return sorted(_s(m) for m in self.r.smembers("ts:models"))
+
+    def epoch(self, model: str) -> int:
+        with translate_redis_errors("read epoch", self.url):
+            return int(self.r.get(self.k(model, "epoch")) or 0)
+
+    def bump_epoch(self, model: str) -> int:
+        """Start a new incarnation of the job: older epochs are fenced from now on."""
+        validate_name(model, "model")
+        with translate_redis_errors("bump epoch", self.url):
+            self.r.sadd("ts:models", model)
+            return int(self.r.incr(self.k(model, "epoch")))
+
+    # -- objects -------------------------------------------------------------------
+    def record_object(
+        self,
+        key: ShardKey,
+        *,
+        kind: str,
+        size: int,
+        checksum: str,
+        tiers: list[str],
+        base: ShardKey | None = None,
+        target: ShardKey | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        """Record an object and the tiers holding it; refuse it if ``epoch`` is stale (``FencedError``)."""
+        m = key.model
+        with translate_redis_errors(f"record {key}", self.url):
+            self.r.sadd("ts:models", m)
+            self._record(
+                keys=[self.k(m, "epoch"), self.k(m, "objs"), self.k(m, "obj", self.objname(key))],
+                args=[
+                    -1 if epoch is None else epoch,
+                    self.objname(key),
+                    key.step,
+                    kind,
+                    size,
+                    checksum,
+                    str(base) if base else "",
+                    str(target) if target else "",
+                    repr(time.time()),
+                    *tiers,
+                ],
+            )
+
+    def add_tier(self, key: ShardKey, tier: str) -> None:
+        with translate_redis_errors(f"add tier {tier} to {key}", self.url):
+            okey = self.k(key.model, "obj", self.objname(key))
+            if self.r.exists(okey):
+                self.r.hset(okey, f"t:{tier}", "1")
+
+    def remove_tier(self, key: ShardKey, tier: str) -> None:
+        with translate_redis_errors(f"remove tier {tier} from {key}", self.url):
+            self.r.hdel(self.k(key.model, "obj", self.objname(key)), f"t:{tier}")
+
+    def set_object_field(self, key: ShardKey, field_name: str, value: str) -> None:
+        with translate_redis_errors(f"annotate {key}", self.url):
+            self.r.hset(self.k(key.model, "obj", self.objname(key)), field_name, value)
+
+    def get_object(self, key: ShardKey) -> ObjectRecord | None:
+        with translate_redis_errors(f"read record of {key}", self.url):
+            h = self.r.hgetall(self.k(key.model, "obj", self.objname(key)))
+        return self._parse_record(key, h) if h else None
+
+    def get_objects(self, keys: list[ShardKey]) -> list[ObjectRecord | None]:
+        with translate_redis_errors("read records", self.url):
+            pipe = self.r.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(self.k(key.model, "obj", self.objname(key)))
+            rows = pipe.execute()
+        return [self._parse_record(k, h) if h else None for k, h in zip(keys, rows)]
+
+    @staticmethod
+    def _parse_record(key: ShardKey, h: dict) -> ObjectRecord:
+        d = {_s(k): _s(v) for k, v in h.items()}
+        return ObjectRecord(
+            key=key,
+            kind=d.get("kind", "full"),
+            size=int(d.get("size") or 0),
+            checksum=d.get("checksum", ""),
+            base=ShardKey.parse(d["base"]) if d.get("base") else None,
+            target=ShardKey.parse(d["target"]) if d.get("target") else None,
+            epoch=int(d.get("epoch") or 0),
+            created=float(d.get("created") or 0.0),
+            tiers=frozenset(k[2:] for k in d if k.startswith("t:")),
+        )
+
+    def delete_object(self, key: ShardKey) -> None:
+        with translate_redis_errors(f"delete record of {key}", self.url):
+            pipe = self.r.pipeline(transaction=True)
+            pipe.zrem(self.k(key.model, "objs"), self.objname(key))
+            pipe.delete(self.k(key.model, "obj", self.objname(key)))
+            pipe.execute()
+
+    def list_objects(
+        self, model: str, layer: str | None = None, step: int | None = None, rank: int | None = None
+    ) -> list[ShardKey]:
+        """Keys recorded for ``model``, filtered; sorted by (layer, step, rank)."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"list objects of {model}", self.url):
+            if step is None:
+                names = self.r.zrange(self.k(model, "objs"), 0, -1)
+            else:
+                names = self.r.zrangebyscore(self.k(model, "objs"), step, step)
+        out = []
+        for n in names:
+            lay, st, rk = _s(n).split("/")
+            if layer is not None and lay != layer:
+                continue
+            if rank is not None and int(rk) != rank:
+                continue
+            out.append(ShardKey(model, lay, int(st), int(rk)))
+        return sorted(out, key=lambda k: (k.layer, k.step, k.rank))

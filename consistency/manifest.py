@@ -1,0 +1,119 @@
+"""Step manifests: the JSON record of a committed step, validated on read.
+
+Schema (``version`` 1)::
+
+    {"version": 1, "model": str, "step": int, "world": int, "epoch": int,
+     "committed_at": float, "layout": {...} | null, "durable": bool (durable copy only),
+     "ranks": {"<rank>": {"objects": [{"key", "kind", "size", "checksum",
+                                       "base", "target", "tiers"}...],
+                          "extra": {...} | null}}}
+
+``layout`` is what the trainer declared when the step began: its
+``layers`` (every layer of the model, saved at this step or not) and the
+parallel sizes (``dp``, ``tp``, ``pp``) where known.
+
+A manifest of another version, another model, with missing ranks, objects
+of another model or step, or malformed fields is refused with
+:class:`ManifestError`. Never parsed with anything but ``json``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tierstore.errors import ManifestError
+from tierstore.keys import ShardKey
+
+__all__ = ["MANIFEST_VERSION", "parse_manifest", "durable_manifest_name", "manifest_objects", "MAX_MANIFEST_BYTES"]
+
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 256 << 20
+_KINDS = ("full", "delta", "ref")
+
+
+def durable_manifest_name(model: str, step: int) -> str:
+    """The durable tier's object name of a step's manifest (written last, create-once)."""
+    return f"{model}/_manifest/{step:012d}.json"
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise ManifestError(f"invalid manifest: {what}")
+
+
+def parse_manifest(raw: bytes | str | dict, *, model: str | None = None, step: int | None = None) -> dict[str, Any]:
+    """Parse and validate a manifest; return it as a dict.
+
+    Raises:
+        ManifestError: naming what is wrong.
+    """
+    if isinstance(raw, dict):
+        m = raw
+    else:
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {len(raw)} bytes is larger than {MAX_MANIFEST_BYTES}")
+        try:
+            m = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from e
+    _need(isinstance(m, dict), "not an object")
+    version = m.get("version")
+    if version != MANIFEST_VERSION:
+        raise ManifestError(f"unknown manifest version {version!r} (this tierstore reads version {MANIFEST_VERSION})")
+    _need(isinstance(m.get("model"), str), "model must be a string")
+    if model is not None and m["model"] != model:
+        raise ManifestError(f"manifest is of model {m['model']!r}, expected {model!r}")
+    _need(isinstance(m.get("step"), int) and m["step"] >= 0, "step must be a non-negative int")
+    if step is not None and m["step"] != step:
+        raise ManifestError(f"manifest is of step {m['step']}, expected {step}")
+    world = m.get("world")
+    _need(isinstance(world, int) and 1 <= world <= 1 << 20, "world must be a positive int")
+    ranks = m.get("ranks")
+    _need(isinstance(ranks, dict), "ranks must be an object")
+    _need(sorted(ranks, key=lambda r: int(r) if str(r).isdigit() else -1) == [str(r) for r in range(world)],
+          f"ranks must be exactly 0..{world - 1}, got {sorted(ranks)[:8]}")
+    _need(m.get("layout") is None or isinstance(m["layout"], dict), "layout must be an object or null")
+    for r, vote in ranks.items():
+        _need(isinstance(vote, dict), f"rank {r}: vote must be an object")
+        objs = vote.get("objects")
+        _need(isinstance(objs, list), f"rank {r}: objects must be a list")
+        _need(vote.get("extra") is None or isinstance(vote["extra"], dict), f"rank {r}: extra must be an object")
+        for o in objs:
+            _need(isinstance(o, dict), f"rank {r}: an object entry is not an object")
+            try:
+                key = ShardKey.parse(o.get("key"))
+                base = ShardKey.parse(o["base"]) if o.get("base") else None
+                target = ShardKey.parse(o["target"]) if o.get("target") else None
+            except Exception as e:
+                raise ManifestError(f"rank {r}: bad object key: {e}") from e
+            _need(key.model == m["model"], f"rank {r}: object {key} belongs to another model")
+            _need(key.step == m["step"], f"rank {r}: object {key} belongs to another step")
+            _need(o.get("kind") in _KINDS, f"rank {r}: object {key} has unknown kind {o.get('kind')!r}")
+            _need(isinstance(o.get("size"), int) and o["size"] >= 0, f"rank {r}: object {key} has a bad size")
+            _need(isinstance(o.get("checksum"), str), f"rank {r}: object {key} has no checksum")
+            for ref in (base, target):
+                if ref is not None:
+                    _need(ref.model == m["model"], f"rank {r}: object {key} points into another model")
+            if o["kind"] == "delta":
+                _need(base is not None and base.step < key.step, f"rank {r}: delta {key} needs an older base")
+            if o["kind"] == "ref":
+                _need(target is not None and target.step <= key.step and target != key,
+                      f"rank {r}: ref {key} needs a target that is not itself")
+    return m
+
+
+def manifest_objects(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every object entry of a parsed manifest, all ranks."""
+    return [o for vote in m["ranks"].values() for o in vote["objects"]]
+
+
+def manifest_layers(m: dict[str, Any]) -> list[str]:
+    """The layers the model had at this step: the declared layout, else those saved."""
+    layout = m.get("layout") or {}
+    if isinstance(layout.get("layers"), list):
+        return list(layout["layers"])
+    return sorted({ShardKey.parse(o["key"]).layer for o in manifest_objects(m)})
+
+
+__all__ += ["manifest_layers"]

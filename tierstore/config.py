@@ -1,0 +1,128 @@
+"""Configuration: one frozen dataclass, passed explicitly, with one env layer.
+
+Explicit arguments win over ``TIERSTORE_*`` environment variables, which win
+over defaults. The environment is read only in :meth:`StoreConfig.from_env`.
+
+=============================  ===============================================
+variable                       field
+=============================  ===============================================
+``TIERSTORE_HOME``             ``home`` (data directory; default ``./.tierstore``)
+``TIERSTORE_REDIS``            ``redis_url`` (``redis://``, ``rediss://``, ``unix://``)
+``TIERSTORE_REDIS_PASSWORD``   ``redis_password``
+``TIERSTORE_DURABLE``          ``durable_url`` (``file://...``, ``s3://bucket/prefix``, ``none``)
+``TIERSTORE_S3_ENDPOINT``      ``s3_endpoint_url``
+``TIERSTORE_HOST_ROOT``        ``host_root`` (shared-memory directory of the host tier)
+``TIERSTORE_HOST_CAPACITY``    ``host_capacity_bytes``
+``TIERSTORE_NODE``             ``node_id``
+=============================  ===============================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from tierstore.errors import ConfigError
+
+__all__ = ["StoreConfig"]
+
+_ENV = {
+    "home": "TIERSTORE_HOME",
+    "redis_url": "TIERSTORE_REDIS",
+    "redis_password": "TIERSTORE_REDIS_PASSWORD",
+    "durable_url": "TIERSTORE_DURABLE",
+    "s3_endpoint_url": "TIERSTORE_S3_ENDPOINT",
+    "host_root": "TIERSTORE_HOST_ROOT",
+    "host_capacity_bytes": "TIERSTORE_HOST_CAPACITY",
+    "node_id": "TIERSTORE_NODE",
+}
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """How a :class:`~tierstore.store.TierStore` is put together.
+
+    Memory bound: the host tier holds at most ``host_capacity_bytes`` of
+    shared memory (objects, reservations and the reuse pool together; the pool
+    alone at most ``host_pool_bytes``). Migration to the durable tier reads
+    objects from the host tier in place, so it adds at most
+    ``migration_workers`` x the S3 backend's part buffers, not a copy of the
+    state.
+
+    Attributes:
+        home: data directory of the embedded default (index server, durable dir).
+        redis_url: the index; ``None`` starts the embedded server in ``home``.
+        redis_password: AUTH password (never logged).
+        durable_url: ``file://dir`` or ``s3://bucket/prefix``; ``None`` means
+            ``home/durable``; ``"none"`` disables the durable tier.
+        s3_endpoint_url: for S3-compatible servers (moto, MinIO).
+        host_root: the host tier's shared-memory directory; ``None`` derives
+            one in ``/dev/shm`` from ``home`` and ``node_id``.
+        host_capacity_bytes: host tier budget; ``None`` is unbounded.
+        host_pool_bytes: freed segments kept for reuse (fast snapshots).
+        node_id: this node's name (agents, peer placement).
+        migrate: migrate every put to the durable tier in the background.
+        migration_queue: at most this many objects wait for migration; a put
+            blocks when the queue is full (back-pressure, bounded memory).
+        migration_workers: threads migrating to the durable tier.
+        max_delta_chain: longest delta chain a read follows.
+    """
+
+    home: str = ".tierstore"
+    redis_url: str | None = None
+    redis_password: str | None = None
+    durable_url: str | None = None
+    s3_endpoint_url: str | None = None
+    host_root: str | None = None
+    host_capacity_bytes: int | None = None
+    host_pool_bytes: int = 8 << 30
+    node_id: str = ""
+    migrate: bool = True
+    migration_queue: int = 1024
+    migration_workers: int = 1
+    max_delta_chain: int = 64
+
+    def __post_init__(self) -> None:
+        if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:
+            raise ConfigError("host_capacity_bytes must be positive")
+        if self.migration_queue <= 0 or self.migration_workers <= 0:
+            raise ConfigError("migration_queue and migration_workers must be positive")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:
+        """Defaults, overridden by ``TIERSTORE_*`` variables, overridden by ``explicit``."""
+        env = os.environ if environ is None else environ
+        known = {f.name for f in fields(cls)}
+        unknown = set(explicit) - known
+        if unknown:
+            raise ConfigError(f"unknown configuration fields: {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name, var in _ENV.items():
+            if var in env and env[var] != "":
+                values[name] = env[var]
+        if "host_capacity_bytes" in values:
+            try:
+                values["host_capacity_bytes"] = int(values["host_capacity_bytes"])
+            except ValueError as e:
+                raise ConfigError(f"TIERSTORE_HOST_CAPACITY must be an integer: {e}") from e
+        values.update({k: v for k, v in explicit.items() if v is not None})
+        return cls(**values)
+
+    def resolved(self) -> StoreConfig:
+        """A copy with derived defaults filled in (absolute home, node id, host root)."""
+        home = str(Path(self.home).resolve())
+        node = self.node_id or socket.gethostname().split(".")[0] or "node"
+        host_root = self.host_root
+        if host_root is None:
+            digest = hashlib.sha256(home.encode()).hexdigest()[:12]
+            base = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(home, "shm")
+            host_root = os.path.join(base, f"tierstore-{digest}", node)
+        durable = self.durable_url
+        if durable is None:
+            durable = "file://" + os.path.join(home, "durable")
+        return replace(self, home=home, node_id=node, host_root=host_root, durable_url=durable)

@@ -1,0 +1,168 @@
+"""Background migration of host-tier objects to the durable tier.
+
+The tier manager enqueues each object after it is published in the host
+tier. Worker threads read it in place from shared memory (no copy into the
+trainer's heap), verify its checksum, write it to the durable tier and record
+the new placement in the index. The queue is bounded: a full queue blocks the
+enqueuing thread (back-pressure), so memory stays bounded whatever the rate.
+
+Errors are never dropped: each is recorded on the object in the index
+(``migration_error``), kept here, and raised by :meth:`Migrator.flush`.
+Callbacks registered with :meth:`Migrator.when_done` run once every object
+of a group has migrated (the tier manager uses them to mark steps durable).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from backends.base import Backend
+from consistency.index import Index
+from tierstore import codec
+from tierstore.errors import CorruptObjectError, TierStoreError, TierUnavailableError
+from tierstore.keys import ShardKey
+
+__all__ = ["Migrator", "MigrationError"]
+
+log = logging.getLogger(__name__)
+
+
+class MigrationError(TierUnavailableError):
+    """Objects could not be migrated to the durable tier; ``failures`` lists (key, error)."""
+
+
+@dataclass
+class _Group:
+    pending: set[ShardKey]
+    callback: Callable[[list[tuple[ShardKey, BaseException]]], None]
+    failures: list[tuple[ShardKey, BaseException]]
+
+
+class Migrator:
+    """Moves objects from ``source`` (host tier) to ``target`` (durable tier).
+
+    Protocol: :meth:`enqueue` after an object is published and indexed;
+    :meth:`when_done` to learn when a set of objects has migrated;
+    :meth:`flush` to wait for everything queued so far; :meth:`close` at the end.
+    """
+
+    def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1):
+        self.source = source
+        self.target = target
+        self.index = index
+        self._q: queue.Queue[tuple[ShardKey, str] | None] = queue.Queue(maxsize=maxsize)
+        self._lock = threading.Lock()
+        self._errors: list[tuple[ShardKey, BaseException]] = []
+        self._done: set[ShardKey] = set()
+        self._groups: list[_Group] = []
+        self._threads = [
+            threading.Thread(target=self._run, name=f"tierstore-migrate-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+        self.bytes_migrated = 0
+
+    def enqueue(self, key: ShardKey, checksum: str) -> None:
+        self._q.put((key, checksum))
+
+    def when_done(
+        self, keys: Iterable[ShardKey], callback: Callable[[list[tuple[ShardKey, BaseException]]], None]
+    ) -> None:
+        """Call ``callback(failures)`` once every key has been migrated (or has failed)."""
+        group = _Group(set(keys), callback, [])
+        with self._lock:
+            failed = {k: e for k, e in self._errors}
+            for k in list(group.pending):
+                if k in self._done:
+                    group.pending.discard(k)
+                elif k in failed:
+                    group.pending.discard(k)
+                    group.failures.append((k, failed[k]))
+            if group.pending:
+                self._groups.append(group)
+                return
+        self._fire(group)
+
+    def _fire(self, group: _Group) -> None:
+        try:
+            group.callback(group.failures)
+        except Exception:  # a callback's failure must not kill the worker
+            log.exception("migration callback failed")
+
+    def _finish(self, key: ShardKey, error: BaseException | None) -> None:
+        ready = []
+        with self._lock:
+            if error is None:
+                self._done.add(key)
+            else:
+                self._errors.append((key, error))
+            for g in self._groups:
+                if key in g.pending:
+                    g.pending.discard(key)
+                    if error is not None:
+                        g.failures.append((key, error))
+                    if not g.pending:
+                        ready.append(g)
+            self._groups = [g for g in self._groups if g.pending]
+            if len(self._done) > 100_000:
+                self._done.clear()  # bounded memory; groups registered later re-check the index
+        for g in ready:
+            self._fire(g)
+
+    def _migrate(self, key: ShardKey, checksum: str) -> None:
+        name = str(key)
+        blob = self.source.get(name)
+        if blob is None:
+            raise TierUnavailableError(f"{key} vanished from the host tier before migration", key=str(key))
+        try:
+            stored = codec.verify(blob)
+            if stored != checksum:
+                raise CorruptObjectError(f"{key}: host copy has checksum {stored}, index says {checksum}")
+            self.target.put(name, blob)
+        finally:
+            if isinstance(blob, memoryview):
+                blob.release()
+        self.index.add_tier(key, self.target.tier)
+        self.bytes_migrated += len(blob) if not isinstance(blob, memoryview) else blob.nbytes
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                key, checksum = item
+                try:
+                    self._migrate(key, checksum)
+                    self._finish(key, None)
+                except Exception as e:  # recorded, surfaced by flush()
+                    log.warning("migration of %s failed: %s", key, e)
+                    try:
+                        self.index.set_object_field(key, "migration_error", str(e)[:500])
+                    except TierStoreError:
+                        pass
+                    self._finish(key, e)
+            finally:
+                self._q.task_done()
+
+    def flush(self) -> None:
+        """Wait until everything queued so far has migrated; raise :class:`MigrationError` on failures."""
+        self._q.join()
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            names = ", ".join(str(k) for k, _ in errors[:5])
+            raise MigrationError(
+                f"{len(errors)} object(s) failed to migrate to the durable tier: {names}: {errors[0][1]}",
+                failures=errors,
+            ) from errors[0][1]
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)

@@ -1,0 +1,483 @@
+"""The tier manager: ``tierstore.open()`` and :class:`TierStore`.
+
+A put is copied once, straight into the host tier's shared-memory object (the
+snapshot), sealed with its checksum, published, recorded in the index, and
+queued for migration to the durable tier. A get asks the index what it knows,
+then reads the fastest tier holding the object, verifies the checksum, and
+falls back to the next tier on a miss, an unreachable tier or a mismatch; refs
+and delta chains are resolved into full tensors.
+
+The commit protocol (:meth:`TierStore.begin_step`, :meth:`vote`,
+:meth:`wait_step`, :meth:`resolve`, :meth:`open_epoch`) is delegated to
+:mod:`consistency`; see ``DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from backends.base import Backend
+from backends.host import HostBackend
+from consistency.index import Index, ObjectRecord
+from tierstore import codec
+from tierstore.config import StoreConfig
+from tierstore.errors import (
+    CorruptObjectError,
+    InvalidKeyError,
+    InvalidValueError,
+    NoValidCopyError,
+    RestoreMismatchError,
+    TierFullError,
+    TierStoreError,
+    TierUnavailableError,
+)
+from tierstore.keys import ShardKey, validate_name
+from tierstore.migration import Migrator
+
+__all__ = ["open", "TierStore", "ObjectInfo", "PendingObject", "KINDS"]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("full", "delta", "ref")
+_INTERNAL = "_ts"  # metadata entry holding kind/base/target, so objects describe themselves
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object as written: what a vote carries for it."""
+
+    key: ShardKey
+    kind: str
+    size: int
+    checksum: str
+    base: ShardKey | None = None
+    target: ShardKey | None = None
+    tiers: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": str(self.key),
+            "kind": self.kind,
+            "size": self.size,
+            "checksum": self.checksum,
+            "base": str(self.base) if self.base else None,
+            "target": str(self.target) if self.target else None,
+            "tiers": list(self.tiers),
+        }
+
+    @classmethod
+    def from_record(cls, rec: ObjectRecord) -> ObjectInfo:
+        return cls(rec.key, rec.kind, rec.size, rec.checksum, rec.base, rec.target, tuple(sorted(rec.tiers)))
+
+
+@dataclass
+class PendingObject:
+    """A snapshot copied into the host tier but not yet sealed and published.
+
+    Call :meth:`finish` (from any thread) to seal, publish, index and queue
+    migration; or :meth:`abort` to drop it.
+    """
+
+    store: TierStore
+    key: ShardKey
+    plan: Any
+    reservation: Any
+    kind: str
+    base: ShardKey | None
+    target: ShardKey | None
+    epoch: int | None
+    _done: bool = field(default=False, repr=False)
+
+    def finish(self) -> ObjectInfo:
+        if self._done:
+            raise RuntimeError(f"{self.key} already finished")
+        self._done = True
+        return self.store._publish(self)
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self.reservation.abort()
+
+
+def _check_key(key: object) -> ShardKey:
+    if isinstance(key, ShardKey):
+        return key
+    if isinstance(key, str):
+        return ShardKey.parse(key)
+    raise InvalidKeyError(f"a key must be a ShardKey or 'model/layer/step/rank', got {type(key).__name__}", field="key")
+
+
+class TierStore:
+    """Tiered, versioned storage of checkpoint shards. Build it with :func:`open`.
+
+    Thread-safe. Owns its index client, backends and migration threads;
+    :meth:`close` releases them (it does not stop the embedded server).
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: Index,
+        host: HostBackend,
+        durable: Backend | None = None,
+        *,
+        peer: Backend | None = None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.host = host
+        self.peer = peer
+        self.durable = durable
+        self.tiers: list[Backend] = [t for t in (host, peer, durable) if t is not None]
+        self._migrator = (
+            Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers)
+            if durable is not None and config.migrate
+            else None
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+        from consistency.twophase import StepProtocol
+
+        self.steps = StepProtocol(index, durable)
+
+    # -- writing -------------------------------------------------------------------
+    def snapshot(
+        self,
+        key: ShardKey | str,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        kind: str = "full",
+        base: ShardKey | None = None,
+        target: ShardKey | None = None,
+        epoch: int | None = None,
+    ) -> PendingObject:
+        """Copy ``tensors`` into the host tier (the only part a trainer waits for).
+
+        Returns a :class:`PendingObject`; the tensors may change as soon as
+        this returns. Nothing is visible to readers until ``finish()``.
+
+        Raises:
+            InvalidKeyError, InvalidValueError: bad key, kind or values.
+            TierFullError: no room in the host tier even after eviction.
+        """
+        key = _check_key(key)
+        self._check_open()
+        if kind not in KINDS:
+            raise InvalidValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if kind == "delta" and base is None:
+            raise InvalidValueError(f"{key}: a delta object needs its base")
+        if kind == "ref" and target is None:
+            raise InvalidValueError(f"{key}: a ref object needs its target")
+        if not isinstance(tensors, Mapping):
+            raise InvalidValueError(f"{key}: tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
+        meta = dict(metadata or {})
+        if _INTERNAL in meta:
+            raise InvalidValueError(f"{key}: metadata key {_INTERNAL!r} is reserved")
+        meta[_INTERNAL] = {
+            "kind": kind,
+            "base": str(_check_key(base)) if base else None,
+            "target": str(_check_key(target)) if target else None,
+        }
+        plan = codec.plan(tensors, meta)
+        res = self._reserve(key, plan.nbytes)
+        try:
+            plan.write(res.buffer)
+        except BaseException:
+            res.abort()
+            raise
+        return PendingObject(self, key, plan, res, kind, base, target, epoch)
+
+    def _reserve(self, key: ShardKey, nbytes: int):
+        try:
+            return self.host.reserve(str(key), nbytes)
+        except TierFullError:
+            from consistency.gc import evict_host
+
+            freed = evict_host(self, nbytes)
+            log.info("host tier full: evicted %d bytes for %s", freed, key)
+            return self.host.reserve(str(key), nbytes)
+
+    def _publish(self, p: PendingObject) -> ObjectInfo:
+        checksum = p.plan.seal(p.reservation.buffer)
+        size = p.plan.nbytes
+        p.reservation.commit()
+        try:
+            self.index.record_object(
+                p.key, kind=p.kind, size=size, checksum=checksum, tiers=[self.host.tier],
+                base=p.base, target=p.target, epoch=p.epoch,
+            )
+        except TierStoreError:
+            self.host.delete(str(p.key))  # fenced or index gone: the object must not linger unindexed
+            raise
+        if self._migrator is not None:
+            self._migrator.enqueue(p.key, checksum)
+        return ObjectInfo(p.key, p.kind, size, checksum, p.base, p.target, (self.host.tier,))
+
+    def put(
+        self,
+        key: ShardKey | str,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        kind: str = "full",
+        base: ShardKey | None = None,
+        target: ShardKey | None = None,
+        epoch: int | None = None,
+    ) -> ObjectInfo:
+        """Store one shard; it is in the host tier when this returns, durable later (see :meth:`flush`)."""
+        return self.snapshot(key, tensors, metadata, kind=kind, base=base, target=target, epoch=epoch).finish()
+
+    # -- reading -------------------------------------------------------------------
+    def get(
+        self,
+        key: ShardKey | str,
+        *,
+        out: Mapping[str, torch.Tensor] | None = None,
+        raw: bool = False,
+    ) -> codec.Shard | None:
+        """Read a shard from the fastest tier holding a valid copy; ``None`` if it is unknown.
+
+        Args:
+            out: preallocated tensors to read into in place (shape and dtype must match).
+            raw: return delta/ref objects as stored instead of resolving them.
+
+        Raises:
+            NoValidCopyError: the object is known but no tier has a copy that passes its checksum.
+            RestoreMismatchError: ``out`` does not fit the stored tensors.
+        """
+        key = _check_key(key)
+        self._check_open()
+        return self._get(key, out, raw, depth=0)
+
+    def _read_blob(self, key: ShardKey, rec: ObjectRecord | None):
+        """The first valid copy of ``key`` as (blob, tier); ``None`` if no tier has any copy."""
+        failures: list[str] = []
+        for tier in self.tiers:
+            try:
+                blob = tier.get(str(key))
+            except TierStoreError as e:
+                failures.append(f"{tier.tier}: {e}")
+                continue
+            if blob is None:
+                continue
+            try:
+                stored = codec.verify(blob)
+                if rec is not None and rec.checksum and stored != rec.checksum:
+                    raise CorruptObjectError(f"checksum {stored} differs from the index's {rec.checksum}")
+            except CorruptObjectError as e:
+                log.warning("%s: bad copy in the %s tier (%s); trying the next tier", key, tier.tier, e)
+                failures.append(f"{tier.tier}: {e}")
+                continue
+            return blob, tier.tier
+        if failures or rec is not None:
+            raise NoValidCopyError(
+                f"no valid copy of {key} in any tier ({'; '.join(failures) or 'no tier holds it'})",
+                key=str(key),
+                failures=failures,
+            )
+        return None
+
+    def _get(self, key: ShardKey, out, raw: bool, depth: int) -> codec.Shard | None:
+        if depth > self.config.max_delta_chain:
+            raise CorruptObjectError(f"{key}: delta/ref chain longer than {self.config.max_delta_chain}", key=str(key))
+        rec = self.index.get_object(key)
+        found = self._read_blob(key, rec)
+        if found is None:
+            return None
+        blob, _tier = found
+        info = codec.inspect(blob)
+        internal = info.metadata.get(_INTERNAL) or {}
+        kind = internal.get("kind", "full")
+        if raw or kind == "full":
+            shard = codec.decode(blob, out=out if not raw or kind == "full" else None)
+        elif kind == "ref":
+            shard = self._get(ShardKey.parse(internal["target"]), out, False, depth + 1)
+            if shard is None:
+                raise NoValidCopyError(f"{key} refers to {internal['target']}, which is gone", key=str(key))
+        elif kind == "delta":
+            shard = self._apply_delta(key, blob, ShardKey.parse(internal["base"]), out, depth)
+        else:
+            raise CorruptObjectError(f"{key}: unknown object kind {kind!r}", key=str(key))
+        shard.metadata.pop(_INTERNAL, None)
+        if isinstance(blob, memoryview):
+            del info
+        return shard
+
+    def _apply_delta(self, key: ShardKey, blob, base_key: ShardKey, out, depth: int) -> codec.Shard:
+        from tierstore.delta import apply_xor_delta
+
+        base = self._get(base_key, None, False, depth + 1)
+        if base is None:
+            raise NoValidCopyError(f"{key} is a delta on {base_key}, which is gone", key=str(key))
+        stored = codec.decode(blob)
+        layout = stored.metadata.get("_delta") or {}
+        result: dict[str, torch.Tensor] = {}
+        for name, delta in stored.tensors.items():
+            if name not in base.tensors:
+                raise CorruptObjectError(f"{key}: delta tensor {name!r} has no base in {base_key}", key=str(key))
+            target = out.get(name) if out else None
+            spec = layout.get(name)
+            b = base.tensors[name]
+            if spec and (list(b.shape) != list(spec["shape"]) or str(b.dtype).removeprefix("torch.") != spec["dtype"]):
+                raise CorruptObjectError(f"{key}: base {base_key} of {name!r} has another shape or dtype")
+            if target is not None and (target.shape != b.shape or target.dtype != b.dtype):
+                raise RestoreMismatchError(
+                    f"{key}: tensor {name!r} is {tuple(b.shape)} {b.dtype}, target is {tuple(target.shape)} {target.dtype}",
+                    key=str(key), tensor=name,
+                )
+            result[name] = apply_xor_delta(b, delta, out=target)
+        for name, t in base.tensors.items():
+            if name not in result:
+                result[name] = t if out is None or name not in out else out[name].copy_(t)
+        meta = {k: v for k, v in stored.metadata.items() if k != "_delta"}
+        return codec.Shard(result, meta)
+
+    def info(self, key: ShardKey | str) -> ObjectInfo | None:
+        """What the index records of ``key`` (kind, size, checksum, tiers), or ``None``."""
+        rec = self.index.get_object(_check_key(key))
+        return ObjectInfo.from_record(rec) if rec else None
+
+    def exists(self, key: ShardKey | str) -> bool:
+        key = _check_key(key)
+        rec = self.index.get_object(key)
+        if rec is not None:
+            return True
+        return any(self._safe_exists(t, key) for t in self.tiers)
+
+    @staticmethod
+    def _safe_exists(tier: Backend, key: ShardKey) -> bool:
+        try:
+            return tier.exists(str(key))
+        except TierUnavailableError:
+            return False
+
+    def delete(self, key: ShardKey | str) -> bool:
+        """Delete an object from every tier and the index; return whether it existed anywhere."""
+        key = _check_key(key)
+        self._check_open()
+        existed = self.index.get_object(key) is not None
+        for tier in self.tiers:
+            existed = tier.delete(str(key)) or existed
+        self.index.delete_object(key)
+        return existed
+
+    def list(self, model: str, layer: str | None = None, step: int | None = None) -> list[ShardKey]:
+        """Keys of ``model`` recorded in the index, optionally of one layer and/or step."""
+        validate_name(model, "model")
+        if layer is not None:
+            validate_name(layer, "layer")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise InvalidKeyError(f"step must be a non-negative int, got {step!r}", field="step")
+        return self.index.list_objects(model, layer, step)
+
+    def models(self) -> list[str]:
+        return self.index.models()
+
+    # -- steps (two-phase commit), delegated -------------------------------------
+    def open_epoch(self, model: str) -> int:
+        """Start a new incarnation of ``model``'s job; writes of older epochs are fenced."""
+        return self.index.bump_epoch(model)
+
+    def begin_step(self, model: str, step: int, world_size: int, *, layout: dict | None = None,
+                   epoch: int | None = None) -> None:
+        self.steps.begin(model, step, world_size, layout=layout, epoch=epoch)
+
+    def vote(self, model: str, step: int, rank: int, objects: list[ObjectInfo], *, extra: dict | None = None,
+             ok: bool = True, epoch: int | None = None) -> str:
+        """Vote for ``step`` with this rank's objects; the last vote of the world commits it."""
+        state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
+        if ok and self._migrator is not None and self.steps.durable is not None:
+            keys = [o.key for o in objects]
+            self._migrator.when_done(keys, lambda failures: self.steps.mark_migrated(model, step, rank, failures))
+        return state
+
+    def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:
+        return self.steps.wait(model, step, timeout=timeout)
+
+    def resolve(self, model: str, max_staleness: int = 0):
+        from tierstore.readpath import resolve
+
+        return resolve(self, model, max_staleness=max_staleness)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for background migration; raise the first error it met."""
+        if self._migrator is not None:
+            self._migrator.flush()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailableError("this TierStore is closed")
+
+    def close(self) -> None:
+        """Flush, then release everything this store owns. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._migrator is not None:
+                self._migrator.close()
+            for t in self.tiers:
+                t.close()
+            self.index.close()
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<TierStore tiers={[t.tier for t in self.tiers]} node={self.config.node_id!r}>"
+
+
+def open(  # noqa: A001 - the public name is tierstore.open
+    home: str | os.PathLike | None = None,
+    *,
+    redis: str | None = None,
+    durable: str | None = None,
+    config: StoreConfig | None = None,
+    **options: Any,
+) -> TierStore:
+    """Open a store: the embedded default with no arguments, or the given services.
+
+    Args:
+        home: data directory of the embedded default (``$TIERSTORE_HOME``, else ``./.tierstore``).
+        redis: index URL (``redis://``, ``rediss://``, ``unix://``); default: the embedded server.
+        durable: ``file://dir``, ``s3://bucket/prefix`` or ``"none"``; default ``home/durable``.
+        config: a full :class:`StoreConfig` (explicit arguments still win).
+        **options: other :class:`StoreConfig` fields.
+    """
+    explicit = dict(options, home=str(home) if home is not None else None, redis_url=redis, durable_url=durable)
+    if config is not None:
+        base = {f: getattr(config, f) for f in config.__dataclass_fields__}
+        base.update({k: v for k, v in explicit.items() if v is not None})
+        cfg = StoreConfig(**base).resolved()
+    else:
+        cfg = StoreConfig.from_env(**explicit).resolved()
+    url = cfg.redis_url
+    if url is None:
+        from tierstore.embedded import ensure_server
+
+        url = ensure_server(cfg.home)
+    index = Index(url, password=cfg.redis_password)
+    index.ping()
+    host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes)
+    dur: Backend | None = None
+    if cfg.durable_url and cfg.durable_url.lower() != "none":
+        from backends import open_backend
+
+        extra = {"endpoint_url": cfg.s3_endpoint_url} if cfg.durable_url.startswith("s3://") else {}
+        dur = open_backend(cfg.durable_url, **extra)
+    return TierStore(cfg, index, host, dur)

@@ -2,8 +2,10 @@
 
 Protocol (who calls what): the tier manager calls :meth:`PeerBackend.put`,
 ``get``, ``delete``, ``exists``, ``list`` and ``close`` from any thread. Each
-call runs as a coroutine on the instance's own event-loop thread (``ucxx`` is
-asynchronous) and the caller blocks on its result. The agents speak the
+call runs as a coroutine on the process's ``ucxx`` event-loop thread
+(:func:`backends.ucx_util.ucx_loop`: one per process, because ``ucxx`` has one
+worker per process) and the caller blocks on its result. The instance owns
+its endpoints; ``close`` aborts them. The agents speak the
 protocol of :mod:`backends.agent_protocol`.
 
 Placement: for each object name the live peers (all but ``local_node_id``)
@@ -31,7 +33,6 @@ connection.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ import xxhash
 
 from backends import agent_protocol as P
 from backends.base import Backend, Buffer, as_buffers, validate_object_name
-from backends.ucx_util import import_ucxx
+from backends.ucx_util import import_ucxx, ucx_loop
 from tierstore.errors import ConfigError, CorruptObjectError, ProtocolError, TierUnavailableError
 
 __all__ = ["PeerAddress", "PeerBackend", "redis_discovery", "rank_peers"]
@@ -136,9 +137,7 @@ class PeerBackend(Backend):
         self._conns: dict[PeerAddress, _Conn] = {}
         self._rid = 0
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ts-peer-ucx", daemon=True)
-        self._thread.start()
+        self._loop = ucx_loop()
 
     # -- plumbing ------------------------------------------------------------------
     def _call(self, coro: Any) -> Any:
@@ -331,12 +330,8 @@ class PeerBackend(Backend):
                     conn.ep.abort()
             self._conns.clear()
 
-        try:
-            asyncio.run_coroutine_threadsafe(_close_all(), self._loop).result(10)
-        finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        self._closed = True
+        asyncio.run_coroutine_threadsafe(_close_all(), self._loop).result(10)
 
     def __repr__(self) -> str:
         return f"<PeerBackend tier=peer replication={self.replication} local={self.local_node_id}>"

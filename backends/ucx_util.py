@@ -16,13 +16,15 @@ Defaults (measured on a 2-core loopback host):
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import MutableMapping
 from types import ModuleType
 
 from tierstore.errors import MissingDependencyError
 
-__all__ = ["UCX_ENV_DEFAULTS", "apply_ucx_env_defaults", "import_ucxx", "ucxx_available"]
+__all__ = ["UCX_ENV_DEFAULTS", "apply_ucx_env_defaults", "import_ucxx", "ucxx_available", "ucx_loop"]
 
 UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_NET_DEVICES": "lo",
@@ -31,6 +33,9 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
 }
 
 _ucxx: ModuleType | None = None
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_pid: int | None = None
+_loop_lock = threading.Lock()
 
 
 def apply_ucx_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
@@ -75,3 +80,22 @@ def ucxx_available() -> bool:
     except MissingDependencyError:
         return False
     return True
+
+
+def ucx_loop() -> asyncio.AbstractEventLoop:
+    """The process-wide event loop that drives ``ucxx`` for clients, on a daemon thread.
+
+    ``ucxx`` has one worker per process, and every event loop that uses it
+    progresses that worker; two loops on two threads would progress it
+    concurrently. So every client in a process (each :class:`~backends.peer.PeerBackend`)
+    submits its coroutines here with ``asyncio.run_coroutine_threadsafe``
+    instead of running a loop of its own. The thread lives as long as the process.
+    """
+    global _loop, _loop_pid
+    with _loop_lock:
+        if _loop is None or _loop_pid != os.getpid() or _loop.is_closed():
+            import_ucxx()
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="ts-ucx-loop", daemon=True).start()
+            _loop, _loop_pid = loop, os.getpid()
+        return _loop

@@ -55,7 +55,7 @@ class _HostReservation(Reservation):
         self._tmp = tmp
         self._mm = mm
         self.nbytes = nbytes
-        self.buffer = memoryview(mm)[:nbytes] if mm is not None else memoryview(b"")
+        self.buffer = memoryview(mm)[:nbytes] if mm is not None else memoryview(bytearray())
         self._done = False
 
     def commit(self, *, if_absent: bool = False) -> None:

@@ -118,6 +118,7 @@ class Migrator:
         blob = self.source.get(name)
         if blob is None:
             raise TierUnavailableError(f"{key} vanished from the host tier before migration", key=str(key))
+        size = len(blob)
         try:
             stored = codec.verify(blob)
             if stored != checksum:
@@ -127,7 +128,7 @@ class Migrator:
             if isinstance(blob, memoryview):
                 blob.release()
         self.index.add_tier(key, self.target.tier)
-        self.bytes_migrated += len(blob) if not isinstance(blob, memoryview) else blob.nbytes
+        self.bytes_migrated += size
 
     def _run(self) -> None:
         while True:

@@ -1,0 +1,34 @@
+"""Shared fixtures: a real Redis-protocol server and moto's S3 server, both on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.redis_server import redis_proc, redis_url  # noqa: F401
+from tests.s3_server import *  # noqa: F401,F403
+
+
+@pytest.fixture
+def shm_root() -> "Path":
+    """A private directory in /dev/shm, removed afterwards."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    root = base / f"tierstore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    root.mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def store(tmp_path, redis_url, shm_root):  # noqa: F811
+    """A TierStore on the test Redis server, a private host tier and a local durable directory."""
+    import tierstore
+
+    s = tierstore.open(tmp_path / "home", redis=redis_url, durable=f"file://{tmp_path / 'durable'}",
+                       host_root=str(shm_root / "node0"), node_id="node0")
+    yield s
+    s.close()

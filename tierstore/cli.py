@@ -1,0 +1,84 @@
+"""The ``tierstore`` command: ``demo``, ``agent``, ``admin``, ``bench``, ``server``, ``testbed``.
+
+Each subcommand lives in its own module, imported only when used; the
+library never imports this module.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+
+__all__ = ["main"]
+
+_COMMANDS = {
+    "demo": ("tierstore.demo", "main", "train a small GPT on 2 ranks, kill one, restore, report"),
+    "agent": ("tierstore.agent", "main", "run this node's agent (host tier served to peers over UCX)"),
+    "admin": ("tierstore.admin", "main", "inspect (and gc) the Redis index"),
+    "bench": ("bench.run", "main", "benchmarks side by side with torch.save and DCP"),
+    "server": ("tierstore.cli", "_server", "the embedded index server: status | stop"),
+    "testbed": ("tierstore.testbed", "main", "the docker-compose topology as local processes"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: tierstore COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<9} {help_}" for name, (_m, _f, help_) in _COMMANDS.items()]
+    lines += ["", "`tierstore COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def _server(argv: list[str]) -> int:
+    import argparse
+    import os
+
+    from tierstore.embedded import ensure_server, socket_path, stop_server
+
+    p = argparse.ArgumentParser(prog="tierstore server", description="the embedded index server")
+    p.add_argument("action", choices=["status", "start", "stop"])
+    p.add_argument("--home", default=os.environ.get("TIERSTORE_HOME", ".tierstore"))
+    a = p.parse_args(argv)
+    if a.action == "start":
+        print(ensure_server(a.home))
+    elif a.action == "stop":
+        print("stopped" if stop_server(a.home) else "not running")
+    else:
+        from pathlib import Path
+
+        from tierstore.embedded import _ping
+
+        sock = socket_path(Path(a.home).resolve())
+        running = _ping(sock)
+        print(f"{'running' if running else 'not running'} on unix://{sock}")
+        return 0 if running else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in _COMMANDS:
+        print(f"tierstore: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _help = _COMMANDS[cmd]
+    try:
+        fn = getattr(import_module(module), func)
+    except ImportError as e:
+        print(f"tierstore {cmd}: not available: {e}", file=sys.stderr)
+        return 2
+    from tierstore.errors import TierStoreError
+
+    try:
+        return int(fn(rest) or 0)
+    except TierStoreError as e:
+        print(f"tierstore {cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

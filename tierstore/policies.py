@@ -1,0 +1,243 @@
+"""Checkpoint policies: what each save writes, as composable, pure decisions.
+
+A :class:`Policy` is a frozen dataclass; the constructors below make one each
+and :func:`compose` merges them (later arguments win on a field they set)::
+
+    policy = compose(layerwise(tau=0.01, max_staleness=10), differential(base_every=20), dedup())
+
+* :func:`exact`: every layer at every save, full objects.
+* :func:`layerwise` (LayerCheck): a layer is saved when its relative change
+  ``||W - W_saved|| / ||W_saved||`` since its last saved version exceeds
+  ``tau``, and in any case once ``max_staleness`` steps have passed; its
+  optimizer state always goes with it. Restore composes each layer's newest
+  version within the bound (``store.resolve(max_staleness=S)``).
+* :func:`differential` (TierCheck): a full base every ``base_every`` steps of
+  a layer; in between, lossless XOR deltas against the layer's previous saved
+  version, at most ``max_chain`` in a row.
+* :func:`dedup` (AdaCheck): shards bitwise identical across the ranks of the
+  data-parallel group are written once (see :mod:`tierstore.dedup`).
+
+The trackers here hold the per-layer state these decisions need; the
+:class:`~tierstore.checkpointer.Checkpointer` drives them. They are pure
+logic (no store, no collectives) and unit-tested as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierstore.errors import ConfigError
+
+__all__ = [
+    "Policy",
+    "exact",
+    "layerwise",
+    "differential",
+    "dedup",
+    "compose",
+    "LayerwiseTracker",
+    "DiffTracker",
+    "relative_change",
+]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a save writes.
+
+    Attributes:
+        tau: LayerCheck threshold on the relative change of a layer's
+            parameters; ``None`` saves every layer at every save.
+        max_staleness: the most steps a layer's saved version may lag the
+            resume step (0 = exact).
+        base_every: TierCheck: steps between full bases of a layer; ``None``
+            writes full objects only.
+        max_chain: the most deltas in a row (default ``base_every - 1``).
+        dedup: write shards identical across the group once (AdaCheck).
+        dedup_algo: digest algorithm for dedup (``xxh3`` or ``blake2s``).
+        dedup_group: the data-parallel process group (``None``: the whole world).
+        names: the parts composed, for reports.
+    """
+
+    tau: float | None = None
+    max_staleness: int = 0
+    base_every: int | None = None
+    max_chain: int | None = None
+    dedup: bool = False
+    dedup_algo: str = "xxh3"
+    dedup_group: Any = field(default=None, compare=False, repr=False)
+    names: tuple[str, ...] = ("exact",)
+
+    def __post_init__(self) -> None:
+        if self.tau is not None and self.tau < 0:
+            raise ConfigError(f"tau must be >= 0, got {self.tau}", field="tau")
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}", field="max_staleness")
+        if self.tau is not None and self.max_staleness < 1:
+            raise ConfigError("layerwise needs max_staleness >= 1", field="max_staleness")
+        if self.base_every is not None and self.base_every < 1:
+            raise ConfigError(f"base_every must be >= 1, got {self.base_every}", field="base_every")
+        if self.max_chain is not None and self.max_chain < 0:
+            raise ConfigError(f"max_chain must be >= 0, got {self.max_chain}", field="max_chain")
+        if self.dedup_algo not in ("xxh3", "blake2s"):
+            raise ConfigError(f"unknown digest {self.dedup_algo!r}", field="dedup_algo")
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.names)
+
+    @property
+    def chain_limit(self) -> int:
+        """The most deltas in a row (0 when not differential)."""
+        if self.base_every is None:
+            return 0
+        return self.base_every - 1 if self.max_chain is None else self.max_chain
+
+
+def exact() -> Policy:
+    """Every layer at every save, full objects."""
+    return Policy()
+
+
+def layerwise(tau: float = 0.01, max_staleness: int = 10) -> Policy:
+    """LayerCheck: save layers whose relative change exceeds ``tau``; force after ``max_staleness``."""
+    return Policy(tau=tau, max_staleness=max_staleness, names=("layerwise",))
+
+
+def differential(base_every: int = 10, max_chain: int | None = None) -> Policy:
+    """TierCheck: a full base every ``base_every`` steps of a layer, XOR deltas between."""
+    return Policy(base_every=base_every, max_chain=max_chain, names=("differential",))
+
+
+def dedup(group: Any = None, algo: str = "xxh3") -> Policy:
+    """AdaCheck: shards identical across ``group`` (default: the world) are written once."""
+    return Policy(dedup=True, dedup_algo=algo, dedup_group=group, names=("dedup",))
+
+
+_DEFAULTS = Policy()
+
+
+def compose(*policies: Policy) -> Policy:
+    """Merge policies: each field takes the value of the last policy that set it."""
+    if not policies:
+        return exact()
+    values: dict[str, Any] = {}
+    names: list[str] = []
+    for p in policies:
+        for f in dataclasses.fields(Policy):
+            if f.name == "names":
+                continue
+            v = getattr(p, f.name)
+            if v != getattr(_DEFAULTS, f.name) or (f.name == "dedup_group" and v is not None):
+                values[f.name] = v
+        names.extend(n for n in p.names if n != "exact" and n not in names)
+    return Policy(**values, names=tuple(names) or ("exact",))
+
+
+def relative_change(live: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> float:
+    """``||W - W_saved|| / ||W_saved||`` over all tensors of a layer (float64 sums)."""
+    num = 0.0
+    den = 0.0
+    for n, s in saved.items():
+        w = live[n]
+        if not (w.is_floating_point() and s.is_floating_point()):
+            if not torch.equal(w, s):
+                return float("inf")
+            continue
+        num += float((w.double() - s.double()).pow(2).sum())
+        den += float(s.double().pow(2).sum())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return (num / den) ** 0.5
+
+
+class LayerwiseTracker:
+    """Per layer: the parameters as last saved, and the step they were saved at.
+
+    Protocol: ``want(step, layer, live)`` says whether the layer is due;
+    after the step's objects are written, ``saved(layer, step, params)``
+    records the copy (owned by the tracker). ``reset()`` forgets everything
+    (after a restore or a failed save), so every layer is due at the next save.
+    """
+
+    def __init__(self, tau: float, max_staleness: int) -> None:
+        self.tau = tau
+        self.max_staleness = max_staleness
+        self._saved: dict[str, dict[str, torch.Tensor]] = {}
+        self._step: dict[str, int] = {}
+
+    def want(self, step: int, layer: str, live: Mapping[str, torch.Tensor]) -> bool:
+        if layer not in self._saved or set(live) != set(self._saved[layer]):
+            return True
+        if step - self._step[layer] >= self.max_staleness:
+            return True
+        return relative_change(live, self._saved[layer]) > self.tau
+
+    def saved(self, layer: str, step: int, params: Mapping[str, torch.Tensor]) -> None:
+        self._saved[layer] = {n: t.detach().clone() for n, t in params.items()}
+        self._step[layer] = step
+
+    def last_step(self, layer: str) -> int | None:
+        return self._step.get(layer)
+
+    def reset(self) -> None:
+        self._saved.clear()
+        self._step.clear()
+
+
+@dataclass
+class _DiffState:
+    step: int
+    chain: int
+    tensors: dict[str, torch.Tensor]
+
+
+class DiffTracker:
+    """Per layer: the full tensors of the last saved version (the next delta's base).
+
+    Protocol: ``kind(layer, tensors)`` -> ``("full", None)`` or
+    ``("delta", base_step)``; after the object is written,
+    ``saved(layer, step, tensors, kind)`` keeps ``tensors`` (the tracker then
+    owns them: pass a copy). ``forget(layer)`` forces the next one full.
+    """
+
+    def __init__(self, base_every: int, max_chain: int) -> None:
+        self.base_every = base_every
+        self.max_chain = max_chain
+        self._state: dict[str, _DiffState] = {}
+        self._base_step: dict[str, int] = {}
+
+    def kind(self, layer: str, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[str, int | None]:
+        st = self._state.get(layer)
+        if st is None or self.max_chain == 0:
+            return "full", None
+        if st.chain >= self.max_chain or step - self._base_step[layer] >= self.base_every:
+            return "full", None
+        if set(tensors) != set(st.tensors) or any(
+            tensors[n].shape != st.tensors[n].shape or tensors[n].dtype != st.tensors[n].dtype for n in tensors
+        ):
+            return "full", None
+        return "delta", st.step
+
+    def base_tensors(self, layer: str) -> dict[str, torch.Tensor]:
+        return self._state[layer].tensors
+
+    def saved(self, layer: str, step: int, tensors: dict[str, torch.Tensor], kind: str) -> None:
+        prev = self._state.get(layer)
+        chain = prev.chain + 1 if (kind == "delta" and prev is not None) else 0
+        if kind != "delta":
+            self._base_step[layer] = step
+        self._state[layer] = _DiffState(step, chain, tensors)
+
+    def forget(self, layer: str | None = None) -> None:
+        if layer is None:
+            self._state.clear()
+            self._base_step.clear()
+        else:
+            self._state.pop(layer, None)
+            self._base_step.pop(layer, None)

@@ -8,6 +8,7 @@ import os
 import random
 import struct
 
+import lz4.frame
 import numpy as np
 import pytest
 import torch
@@ -86,7 +87,9 @@ def test_roundtrip(tensors, metadata, compress, copy):
     info = codec.inspect(blob)
     assert info.nbytes == len(blob)
     assert info.checksum == codec.checksum(blob) == codec.verify(blob) == xxhash.xxh3_128(blob[:-16]).hexdigest()
-    assert info.compressed == (compress == "always" or (info.flags & codec.FLAG_LZ4) == 1)
+    assert info.compressed == bool(info.flags & codec.FLAG_LZ4)
+    if compress == "always":
+        assert info.compressed
     if compress == "never":
         assert not info.compressed and len(blob) == codec.plan(tensors, metadata).nbytes
 
@@ -295,6 +298,18 @@ def row(**kw):
 ])
 def test_forged_objects_with_valid_checksum_rejected(blob):
     with pytest.raises(CorruptObjectError):
+        decode(blob)
+
+
+def test_forged_lz4_frame_size_rejected_before_allocation():
+    """A frame declaring a huge content size must not make lz4 allocate it."""
+    table = b'{"tensors":[],"meta":{}}' + b" " * 40
+    frame = bytearray(lz4.frame.compress(bytes(64), store_size=True))
+    frame[6:14] = struct.pack("<Q", 1 << 40)
+    frame[14] = (xxhash.xxh32(bytes(frame[4:14])).intdigest() >> 8) & 0xFF
+    frame += bytes(-len(frame) % 64)
+    blob = _reseal((MAGIC, 1, codec.FLAG_LZ4, 64, len(frame), 64), table, bytes(frame))
+    with pytest.raises(CorruptObjectError, match="declares"):
         decode(blob)
 
 

@@ -522,6 +522,12 @@ def decode(
     data = mv[HEADER.size + table_len : len(mv) - TRAILER_SIZE]
     if flags & FLAG_LZ4:
         try:
+            # lz4 preallocates the frame's declared content size: check it first.
+            declared = lz4.frame.get_frame_info(data)["content_size"]
+            if declared != raw_len:
+                raise CorruptObjectError(
+                    f"lz4 frame declares {declared} bytes, header raw_len {raw_len}", field="raw_len"
+                )
             raw = lz4.frame.decompress(data, return_bytearray=True)
         except RuntimeError as e:
             raise CorruptObjectError(f"lz4 data section does not decompress: {e}", field="data") from e

@@ -54,7 +54,8 @@ try:
     import botocore.loaders
     import botocore.session
     from botocore.config import Config as BotoConfig
-    from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
+    from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError, SSLError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
     from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise MissingDependencyError(
@@ -265,7 +266,9 @@ def is_retryable(e: BaseException) -> bool:
     if isinstance(e, ClientError):
         code, status = _code_status(e)
         return status >= 500 or status == 429 or code in RETRY_CODES
-    return isinstance(e, (HTTPClientError, IncompleteReadError, _ShortRead))
+    if isinstance(e, SSLError):
+        return False  # a certificate problem does not heal by retrying
+    return isinstance(e, (BotoConnectionError, HTTPClientError, IncompleteReadError, _ShortRead))
 
 
 def translate(e: BaseException, *, op: str, key: str, bucket: str, attempts: int = 1) -> TierStoreError | None:

@@ -65,6 +65,8 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
 __all__ = ["S3Backend", "S3Config", "translate", "is_retryable", "parse_s3_url"]
 
 MiB = 1024 * 1024
+_MAX_PARTS = 10_000
+_READ_CHUNK = 1 * MiB
 _LOADER_LOCK = threading.Lock()
 _LOADER: Any = None
 
@@ -76,8 +78,6 @@ def _shared_loader() -> Any:
         if _LOADER is None:
             _LOADER = botocore.loaders.create_loader()
         return _LOADER
-_MAX_PARTS = 10_000
-_READ_CHUNK = 1 * MiB
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,11 @@ class S3Config:
     """Transfer and retry settings of one :class:`S3Backend`.
 
     Memory bound: a put streams from the caller's buffers (parts are views,
-    nothing is concatenated), and a get fills one preallocated buffer of the
-    object's size; beyond that, one transfer buffers at most
-    ``max_concurrency × part_size`` bytes in the worst case (botocore reading
-    a whole part to checksum it), e.g. 4 × 16 MiB = 64 MiB with the defaults.
+    nothing is concatenated) and a get fills one preallocated buffer of the
+    object's size. Beyond that, one transfer holds at most
+    ``max_concurrency × part_size`` bytes in flight in the worst case (4 × 16
+    MiB = 64 MiB with the defaults); in practice ``max_concurrency × 1 MiB``,
+    since bodies are read in chunks.
 
     Attributes:
         multipart_threshold: objects of at least this many bytes use multipart
@@ -133,24 +134,17 @@ class S3Config:
 
 
 class ChainReader(io.RawIOBase):
-    """A seekable, read-only file over a list of memoryviews, read in order.
+    """A seekable, read-only file over memoryviews read in order (botocore's request body).
 
-    botocore reads a body to checksum it, seeks back, then streams it, and
-    seeks back again before a retry; this does all that without joining the
-    buffers into one ``bytes``.
+    botocore reads a body to checksum it, seeks back, streams it, and seeks
+    back before a retry: this does all that without joining the buffers.
     """
 
     def __init__(self, views: Sequence[memoryview]) -> None:
         super().__init__()
         self._views = [v for v in views if v.nbytes]
-        self._starts: list[int] = []
-        pos = 0
-        for v in self._views:
-            self._starts.append(pos)
-            pos += v.nbytes
-        self._size = pos
+        self._size = sum(v.nbytes for v in self._views)
         self._pos = 0
-        self._idx = 0  # the view holding self._pos
 
     @staticmethod
     def body(views: Sequence[memoryview]) -> bytes | bytearray | ChainReader:
@@ -177,23 +171,19 @@ class ChainReader(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         self._pos = max(0, min(self._size, base + offset))
-        self._idx = 0
-        while self._idx + 1 < len(self._views) and self._starts[self._idx + 1] <= self._pos:
-            self._idx += 1
         return self._pos
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
-        n = 0
-        while n < out.nbytes and self._pos < self._size:
-            v = self._views[self._idx]
-            off = self._pos - self._starts[self._idx]
-            k = min(v.nbytes - off, out.nbytes - n)
-            out[n: n + k] = v[off: off + k]
-            n += k
-            self._pos += k
-            if off + k == v.nbytes and self._idx + 1 < len(self._views):
-                self._idx += 1
+        n = start = 0
+        for v in self._views:
+            end = start + v.nbytes
+            if n < out.nbytes and start <= self._pos < end:
+                k = min(end - self._pos, out.nbytes - n)
+                out[n: n + k] = v[self._pos - start: self._pos - start + k]
+                n += k
+                self._pos += k
+            start = end
         return n
 
 
@@ -568,17 +558,18 @@ class S3Backend(Backend):
         return True
 
     def delete_many(self, names: Iterable[str]) -> int:
+        """HEAD each name, then one ``DeleteObjects`` per 1,000 that exist; returns how many."""
         present = [self._key(n) for n in names if self.exists(n)]
         client = self.client
         for i in range(0, len(present), 1000):
             batch = {"Objects": [{"Key": k} for k in present[i: i + 1000]], "Quiet": True}
             r = self._call("delete_objects", present[i], lambda: client.delete_objects(
                 Bucket=self.bucket, Delete=batch))
-            for err in r.get("Errors", []):
-                fake = ClientError({"Error": {"Code": err.get("Code", "")},
-                                    "ResponseMetadata": {"HTTPStatusCode": 0}}, "DeleteObjects")
-                raise translate(fake, op="delete_objects", key=err.get("Key", ""), bucket=self.bucket) or \
-                    TierStoreError(f"delete of {err.get('Key')} failed: {err}")
+            if r.get("Errors"):
+                first = r["Errors"][0]
+                raise TierUnavailableError(
+                    f"S3 delete of {len(r['Errors'])} object(s) failed, first {first.get('Key')}: "
+                    f"{first.get('Code')}", key=first.get("Key"), code=first.get("Code"), bucket=self.bucket)
         return len(present)
 
     def list(self, prefix: str = "") -> Iterator[str]:

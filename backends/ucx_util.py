@@ -12,6 +12,8 @@ Defaults (measured on a 2-core loopback host):
 * ``UCXPY_PROGRESS_MODE=blocking``: wakes on the worker's event fd instead of
   polling; about twice the throughput of the default on 2 cores.
 * ``UCX_WARN_UNUSED_ENV_VARS=n``: silence UCX's warning about the above.
+* ``UCX_TCP_CM_REUSEADDR=y``: an agent restarted on its fixed port can listen
+  again at once (the killed one's connections linger in TIME_WAIT).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_NET_DEVICES": "lo",
     "UCXPY_PROGRESS_MODE": "blocking",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_TCP_CM_REUSEADDR": "y",
 }
 
 _ucxx: ModuleType | None = None

@@ -236,6 +236,17 @@ RETRY_CODES = frozenset(
 )
 
 
+def _wait_all(futures: Sequence[Future]) -> None:
+    """Wait for all; on the first failure cancel what has not started and raise that failure."""
+    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    for f in pending:
+        f.cancel()
+    wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+
+
 class _ShortRead(Exception):
     """A ranged GET body was shorter or longer than its range (retried)."""
 
@@ -446,9 +457,7 @@ class S3Backend(Backend):
             for num, off in enumerate(range(0, size, part), start=1):
                 views = slice_buffers(bufs, off, min(part, size - off))
                 futures.append(self._pool.submit(self._upload_part, client, key, upload_id, num, views, algo))
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
+            _wait_all(futures)
             parts = [f.result() for f in futures]
             self._call("complete_multipart_upload", key, lambda: client.complete_multipart_upload(
                 Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **cond))
@@ -510,12 +519,7 @@ class S3Backend(Backend):
         etag = resp["ETag"]
         ranges = [(s, min(s + part, total)) for s in range(len(head), total, part)]
         futures = [self._pool.submit(self._get_range, client, key, etag, view[s:e], s) for s, e in ranges]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        wait(futures)
-        for f in futures:
-            f.result()
+        _wait_all(futures)
         return view.toreadonly()
 
     def _get_range(self, client: Any, key: str, etag: str, dst: memoryview, start: int) -> None:

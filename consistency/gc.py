@@ -4,10 +4,13 @@ Retention (:class:`Retention`): keep the last ``keep_last`` committed steps,
 every ``keep_durable_every``-th durable step, and every step still being
 prepared. :func:`collect` deletes, from every tier and the index:
 
-- objects of aborted steps;
-- objects of steps no kept manifest reaches (a kept manifest reaches its own
-  objects, their delta bases and their ref targets, transitively) and older
-  than the newest decided step (in-flight steps are never touched).
+- objects of aborted steps, and of committed steps the retention drops,
+  that no kept manifest reaches (a kept manifest reaches its own objects,
+  their delta bases and their ref targets, transitively);
+- orphans: objects of a step never begun, older than the newest decided step.
+
+Steps still preparing, and anything newer than the newest decided step, are
+never touched, nor is anything their objects reach.
 
 Nothing reachable from a kept manifest is ever deleted, so it is safe to run
 beside training: a step committing concurrently is newer than every step
@@ -22,7 +25,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from consistency.manifest import manifest_objects
+from consistency.index import translate_redis_errors
+from consistency.manifest import durable_manifest_name, manifest_objects
 from tierstore.errors import TierFullError
 from tierstore.keys import ShardKey
 
@@ -53,67 +57,92 @@ class GCReport:
                 "bytes_freed": self.bytes_freed, "dry_run": self.dry_run}
 
 
+def _closure(store: TierStore, roots: set[ShardKey]) -> set[ShardKey]:
+    """``roots`` with every delta base and ref target they reach, transitively (from index records)."""
+    out: set[ShardKey] = set()
+    todo = sorted(roots)
+    while todo:
+        todo = [k for k in dict.fromkeys(todo) if k not in out]
+        out.update(todo)
+        nxt: list[ShardKey] = []
+        for rec in store.index.get_objects(todo):
+            if rec is not None:
+                nxt += [k for k in (rec.base, rec.target) if k is not None and k not in out]
+        todo = nxt
+    return out
+
+
 def reachable(store: TierStore, model: str, steps: list[int]) -> set[ShardKey]:
     """Every object reachable from the manifests of ``steps`` (with delta bases and ref targets)."""
-    out: set[ShardKey] = set()
-    todo: list[ShardKey] = []
+    roots: set[ShardKey] = set()
     for s in steps:
         m = store.steps.manifest(model, s)
-        if m is None:
-            continue
-        for o in manifest_objects(m):
-            todo.append(ShardKey.parse(o["key"]))
-    while todo:
-        k = todo.pop()
-        if k in out:
-            continue
-        out.add(k)
-        rec = store.index.get_object(k)
-        if rec is None:
-            continue
-        for nxt in (rec.base, rec.target):
-            if nxt is not None and nxt not in out:
-                todo.append(nxt)
-    return out
+        if m is not None:
+            roots.update(ShardKey.parse(o["key"]) for o in manifest_objects(m))
+    return _closure(store, roots)
 
 
 def collect(store: TierStore, model: str, retention: Retention = Retention(), *, dry_run: bool = True,
             max_staleness: int = 0) -> GCReport:
-    """Delete what ``retention`` does not keep; see the module docstring."""
+    """Delete what ``retention`` does not keep; see the module docstring.
+
+    Order of work: steps still preparing past their timeout are aborted
+    first. The kept set is computed from the kept manifests *and* from every
+    object of a step still preparing or newer than the newest decided step
+    (a delta being written keeps its base). Then, for each dropped durable
+    step, its durable manifest is deleted first (so an index rebuild can
+    never resurrect a step whose objects are going), then its objects from
+    every tier and the index, then its step records (an aborted step keeps
+    its ``state``, so a late vote cannot re-open it).
+    """
+    for s, st in store.steps.steps(model):
+        if st == "preparing":
+            store.steps.abort_if_stale(model, s)
     steps = store.steps.steps(model)
+    state = dict(steps)
     committed = [s for s, st in steps if st in ("committed", "durable")]
     durable = [s for s, st in steps if st == "durable"]
     aborted = {s for s, st in steps if st == "aborted"}
-    newest_decided = max([s for s, st in steps if st != "preparing"], default=-1)
+    preparing = {s for s, st in steps if st not in ("committed", "durable", "aborted")}
+    newest_decided = max([s for s, st in steps if s not in preparing], default=-1)
     kept = set(committed[-retention.keep_last:]) if retention.keep_last > 0 else set()
     if retention.keep_durable_every > 0:
         kept |= {s for s in durable if s % retention.keep_durable_every == 0}
     if committed and max_staleness > 0:
         newest = committed[-1]
         kept |= {s for s in committed if newest - max_staleness <= s <= newest}
-    keep_objs = reachable(store, model, sorted(kept))
+    objects = store.index.list_objects(model)
+    in_flight = {k for k in objects if k.step in preparing or k.step > newest_decided}
+    keep_objs = reachable(store, model, sorted(kept)) | _closure(store, in_flight)
     report = GCReport(kept_steps=sorted(kept), dry_run=dry_run)
-    report.dropped_steps = sorted((set(committed) - kept) | aborted)
-    for key in store.index.list_objects(model):
-        if key in keep_objs:
+    report.dropped_steps = sorted(((set(committed) - kept) | aborted))
+    dropped = set(report.dropped_steps)
+    victims = []
+    for key in objects:
+        if key in keep_objs or key.step in preparing or key.step > newest_decided:
             continue
-        if key.step not in aborted and key.step >= newest_decided:
-            continue  # in flight or newest: never touched
-        if key.step not in aborted and key.step not in report.dropped_steps and key.step in kept:
-            continue
-        rec = store.index.get_object(key)
+        if key.step in dropped or (key.step not in state and key.step < newest_decided):
+            victims.append(key)  # of a dropped step, or an orphan no step ever recorded
+    recs = store.index.get_objects(victims)
+    if not dry_run:
+        for s in sorted(dropped):
+            if state.get(s) == "durable" and store.durable is not None:
+                store.durable.delete(durable_manifest_name(model, s))
+    for key, rec in zip(victims, recs):
         report.deleted.append(str(key))
         report.bytes_freed += rec.size if rec else 0
         if not dry_run:
             store.delete(key)
     if not dry_run:
-        r = store.index.r
-        for s in report.dropped_steps:
-            if s >= newest_decided and s not in aborted:
-                continue
-            r.delete(store.index.k(model, "manifest", s), store.index.k(model, "votes", s),
-                     store.index.k(model, "step", s))
-            r.zrem(store.index.k(model, "steps"), s)
+        idx = store.index
+        with translate_redis_errors(f"drop steps of {model}", idx.url):
+            pipe = idx.r.pipeline(transaction=False)
+            for s in sorted(dropped):
+                pipe.delete(idx.k(model, "manifest", s), idx.k(model, "votes", s))
+                if s not in aborted:
+                    pipe.delete(idx.k(model, "step", s))
+                    pipe.zrem(idx.k(model, "steps"), s)
+            pipe.execute()
     return report
 
 

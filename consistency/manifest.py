@@ -6,7 +6,8 @@ Schema (``version`` 1)::
      "committed_at": float, "layout": {...} | null, "durable": bool (durable copy only),
      "ranks": {"<rank>": {"objects": [{"key", "kind", "size", "checksum",
                                        "base", "target", "tiers"}...],
-                          "extra": {...} | null}}}
+                          "extra": {...} | null}},
+     "deps": [object entries of older steps it reaches] (durable copy only)}
 
 ``layout`` is what the trainer declared when the step began: its
 ``layers`` (every layer of the model, saved at this step or not) and the
@@ -40,6 +41,33 @@ def durable_manifest_name(model: str, step: int) -> str:
 def _need(cond: bool, what: str) -> None:
     if not cond:
         raise ManifestError(f"invalid manifest: {what}")
+
+
+def _check_entry(o: Any, m: dict[str, Any], where: str) -> ShardKey:
+    """Validate one object entry; return its key."""
+    _need(isinstance(o, dict), f"{where}: an object entry is not an object")
+    try:
+        key = ShardKey.parse(o.get("key"))
+        base = ShardKey.parse(o["base"]) if o.get("base") else None
+        target = ShardKey.parse(o["target"]) if o.get("target") else None
+    except Exception as e:
+        raise ManifestError(f"{where}: bad object key: {e}") from e
+    _need(key.model == m["model"], f"{where}: object {key} belongs to another model")
+    _need(key.step <= m["step"], f"{where}: object {key} is newer than the step")
+    _need(o.get("kind") in _KINDS, f"{where}: object {key} has unknown kind {o.get('kind')!r}")
+    _need(isinstance(o.get("size"), int) and o["size"] >= 0, f"{where}: object {key} has a bad size")
+    _need(isinstance(o.get("checksum"), str), f"{where}: object {key} has no checksum")
+    tiers = o.get("tiers", [])
+    _need(isinstance(tiers, list) and all(isinstance(t, str) for t in tiers), f"{where}: {key} has bad tiers")
+    for ref in (base, target):
+        if ref is not None:
+            _need(ref.model == m["model"], f"{where}: object {key} points into another model")
+    if o["kind"] == "delta":
+        _need(base is not None and base.step < key.step, f"{where}: delta {key} needs an older base")
+    if o["kind"] == "ref":
+        _need(target is not None and target.step <= key.step and target != key,
+              f"{where}: ref {key} needs a target that is not itself")
+    return key
 
 
 def parse_manifest(raw: bytes | str | dict, *, model: str | None = None, step: int | None = None) -> dict[str, Any]:
@@ -80,26 +108,14 @@ def parse_manifest(raw: bytes | str | dict, *, model: str | None = None, step: i
         _need(isinstance(objs, list), f"rank {r}: objects must be a list")
         _need(vote.get("extra") is None or isinstance(vote["extra"], dict), f"rank {r}: extra must be an object")
         for o in objs:
-            _need(isinstance(o, dict), f"rank {r}: an object entry is not an object")
-            try:
-                key = ShardKey.parse(o.get("key"))
-                base = ShardKey.parse(o["base"]) if o.get("base") else None
-                target = ShardKey.parse(o["target"]) if o.get("target") else None
-            except Exception as e:
-                raise ManifestError(f"rank {r}: bad object key: {e}") from e
-            _need(key.model == m["model"], f"rank {r}: object {key} belongs to another model")
+            key = _check_entry(o, m, f"rank {r}")
             _need(key.step == m["step"], f"rank {r}: object {key} belongs to another step")
-            _need(o.get("kind") in _KINDS, f"rank {r}: object {key} has unknown kind {o.get('kind')!r}")
-            _need(isinstance(o.get("size"), int) and o["size"] >= 0, f"rank {r}: object {key} has a bad size")
-            _need(isinstance(o.get("checksum"), str), f"rank {r}: object {key} has no checksum")
-            for ref in (base, target):
-                if ref is not None:
-                    _need(ref.model == m["model"], f"rank {r}: object {key} points into another model")
-            if o["kind"] == "delta":
-                _need(base is not None and base.step < key.step, f"rank {r}: delta {key} needs an older base")
-            if o["kind"] == "ref":
-                _need(target is not None and target.step <= key.step and target != key,
-                      f"rank {r}: ref {key} needs a target that is not itself")
+    _need(isinstance(m.get("durable", False), bool), "durable must be a bool")
+    deps = m.get("deps", [])
+    _need(isinstance(deps, list), "deps must be a list")
+    for o in deps:
+        key = _check_entry(o, m, "deps")
+        _need(key.step < m["step"], f"deps: object {key} is not of an older step")
     return m
 
 

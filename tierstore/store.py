@@ -397,7 +397,8 @@ class TierStore:
         state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
         if ok and self._migrator is not None and self.steps.durable is not None:
             keys = [o.key for o in objects]
-            self._migrator.when_done(keys, lambda failures: self.steps.mark_migrated(model, step, rank, failures))
+            self._migrator.when_done(
+                keys, lambda failures: self.steps.mark_migrated(model, step, rank, failures, epoch=epoch))
         return state
 
     def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:
@@ -407,6 +408,12 @@ class TierStore:
         from tierstore.readpath import resolve
 
         return resolve(self, model, max_staleness=max_staleness)
+
+    def rebuild_index(self, model: str | None = None):
+        """Rebuild a lost index from the durable manifests; see :mod:`consistency.rebuild`."""
+        from consistency.rebuild import rebuild_index
+
+        return rebuild_index(self, model)
 
     # -- lifecycle -----------------------------------------------------------------
     def flush(self) -> None:

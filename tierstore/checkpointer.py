@@ -43,7 +43,7 @@ import torch
 
 from tierstore.dedup import DedupPlanner, part_of
 from tierstore.delta import xor_delta
-from tierstore.errors import CommitError, RestoreMismatchError, StepAbortedError, TierStoreError
+from tierstore.errors import CommitError, NoValidCopyError, RestoreMismatchError, TierStoreError
 from tierstore.keys import ShardKey, validate_name
 from tierstore.layers import PARAM, StateMap
 from tierstore.policies import DiffTracker, LayerwiseTracker, Policy, exact
@@ -324,8 +324,13 @@ class Checkpointer:
         """
         self._drain()
         self.epoch = self._new_epoch()
-        res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness)
-        if res is None or getattr(res, "step", None) is None:
+        try:
+            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness)
+        except NoValidCopyError as e:
+            if "reason" not in e.fields:  # nothing committed yet: a fresh job
+                return None, None
+            raise
+        if res is None:
             return None, None
         src_rank = self.rank if self.rank < res.world_size else self.rank % res.world_size
         tensors: dict[str, dict[str, torch.Tensor]] = {}

@@ -34,6 +34,7 @@ __all__ = [
     "make_model",
     "train_step",
     "train",
+    "train_emulated",
 ]
 
 
@@ -208,4 +209,41 @@ def train(
         losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
+    return losses
+
+
+def train_emulated(
+    model: GPT,
+    opt: torch.optim.Optimizer,
+    start: int,
+    stop: int,
+    *,
+    world_size: int = 2,
+    batch_size: int = 8,
+    seed: int = 0,
+    data: torch.Tensor | None = None,
+) -> list[list[float]]:
+    """Data-parallel training of ``world_size`` ranks emulated in one process.
+
+    Bitwise identical to :func:`train` on ``world_size`` gloo ranks for two
+    ranks (the gradient sum of two operands is commutative); the reference
+    trajectory of the tests. Returns per rank the losses of ``start .. stop-1``.
+    """
+    data = char_dataset() if data is None else data
+    block = model.config.block
+    params = list(model.parameters())
+    losses: list[list[float]] = [[] for _ in range(world_size)]
+    for step in range(start, stop):
+        grads = None
+        for r in range(world_size):
+            x, y = get_batch(data, step, r, batch_size, block, seed)
+            opt.zero_grad(set_to_none=True)
+            loss = model(x, y)
+            loss.backward()
+            losses[r].append(float(loss.item()))
+            g = [p.grad.clone() if p.grad is not None else None for p in params]
+            grads = g if grads is None else [a.add_(b) if a is not None else None for a, b in zip(grads, g)]
+        for p, g in zip(params, grads):
+            p.grad = None if g is None else g.div_(world_size)
+        opt.step()
     return losses

@@ -1,0 +1,426 @@
+"""``tierstore admin``: inspect (and collect garbage in) the Redis index and the tiers.
+
+Usage::
+
+    tierstore admin [CONNECTION] [--json] COMMAND [ARGS]
+
+    models                      models with steps, epoch, objects, bytes
+    steps MODEL                 per step: state, age, votes/world, bytes per tier
+    show MODEL STEP             the step's manifest: layers x ranks (kind, size, tiers)
+    layers MODEL                per layer: newest version, staleness, bytes
+    where KEY                   which tiers hold model/layer/step/rank; reads and verifies each copy
+    nodes                       the node agents: address, heartbeat TTL, capacity, used
+    du [MODEL]                  bytes per model, tier and kind
+    verify MODEL [STEP]         re-read every object from every tier and check its checksum
+    watch MODEL                 live commits (pub/sub on ts:{MODEL}:events); --count N, --timeout S
+    gc MODEL                    dry run unless --yes; --keep-last K --keep-durable-every M
+    rebuild-index --yes         rebuild the index from the durable tier (when the store supports it)
+
+Connection (all optional; the default is the embedded store of ``--home``,
+``$TIERSTORE_HOME`` or ``./.tierstore``): ``--redis URL``, ``--s3
+s3://bucket/prefix`` (or ``--durable file://dir``), ``--s3-endpoint URL``,
+``--host-root DIR`` (the host tier to read for ``where``/``verify``).
+
+Everything is read-only except ``gc --yes`` and ``rebuild-index --yes``.
+The store is opened with migration off, so the admin never moves data.
+
+Exit codes: 0 success; 1 an unknown model/step/key, an unreachable server
+or another tierstore error; 2 bad arguments; 3 ``verify`` found a bad or
+missing copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tierstore import admin_views as V
+from tierstore.errors import TierStoreError
+
+__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_VERIFY"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_VERIFY = 0, 1, 2, 3
+
+
+def _connection_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("connection")
+    g.add_argument("--home", default=argparse.SUPPRESS, help="embedded store's data directory")
+    g.add_argument("--redis", default=argparse.SUPPRESS, help="index URL (redis://, rediss://, unix://)")
+    g.add_argument("--s3", "--durable", dest="durable", default=argparse.SUPPRESS,
+                   help="durable tier: s3://bucket/prefix or file://dir")
+    g.add_argument("--s3-endpoint", default=argparse.SUPPRESS, help="S3-compatible endpoint URL")
+    g.add_argument("--host-root", default=argparse.SUPPRESS, help="the host tier's directory")
+    g.add_argument("--node", default=argparse.SUPPRESS, help="node id (derives the default host tier)")
+    g.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    conn = _connection_parser()
+    p = argparse.ArgumentParser(prog="tierstore admin", parents=[conn],
+                                description="Inspect the tierstore index and tiers (read-only unless stated).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, parents=[conn], description=help_)
+
+    add("models", "models with steps, epoch, objects and bytes")
+    add("steps", "per step: state, age, votes, bytes per tier").add_argument("model")
+    s = add("show", "a step's manifest: layers x ranks")
+    s.add_argument("model")
+    s.add_argument("step", type=int)
+    add("layers", "per layer: newest version, staleness, bytes").add_argument("model")
+    add("where", "which tiers hold an object; reads and verifies each copy").add_argument(
+        "key", help="model/layer/step/rank")
+    add("nodes", "registered node agents")
+    add("du", "bytes per model, tier and kind").add_argument("model", nargs="?")
+    s = add("verify", "re-read objects from every tier and check checksums")
+    s.add_argument("model")
+    s.add_argument("step", type=int, nargs="?")
+    s = add("watch", "live commit events of a model")
+    s.add_argument("model")
+    s.add_argument("--count", type=int, default=None, help="stop after N events")
+    s.add_argument("--timeout", type=float, default=None, help="stop after S seconds")
+    s = add("gc", "collect garbage (dry run unless --yes)")
+    s.add_argument("model")
+    s.add_argument("--keep-last", type=int, default=2)
+    s.add_argument("--keep-durable-every", type=int, default=0)
+    s.add_argument("--yes", action="store_true", help="really delete")
+    s = add("rebuild-index", "rebuild the index from the durable tier (needs --yes)")
+    s.add_argument("model", nargs="?")
+    s.add_argument("--yes", action="store_true")
+    return p
+
+
+def _open(a: argparse.Namespace) -> Any:
+    import tierstore
+
+    kw: dict[str, Any] = {"migrate": False}
+    if getattr(a, "host_root", None):
+        kw["host_root"] = a.host_root
+    if getattr(a, "node", None):
+        kw["node_id"] = a.node
+    if getattr(a, "s3_endpoint", None):
+        kw["s3_endpoint_url"] = a.s3_endpoint
+    home = getattr(a, "home", None) or os.environ.get("TIERSTORE_HOME") or ".tierstore"
+    return tierstore.open(home, redis=getattr(a, "redis", None), durable=getattr(a, "durable", None), **kw)
+
+
+# -- rendering -------------------------------------------------------------------------------
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"
+
+
+def human_age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{s / 60:.1f}m"
+    if s < 86400:
+        return f"{s / 3600:.1f}h"
+    return f"{s / 86400:.1f}d"
+
+
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, width=None if stream.isatty() else 160, highlight=False, soft_wrap=False)
+
+
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, justify="right" if c in _RIGHT else "left", overflow="fold")
+    for r in rows:
+        t.add_row(*("-" if v is None else str(v) for v in r))
+    return t
+
+
+_RIGHT = {"step", "steps", "objects", "bytes", "votes", "epoch", "age", "newest", "staleness", "versions",
+          "size", "capacity", "used", "pid", "uptime", "ttl left", "commit", "durable"}
+
+_STATE_STYLE = {"committed": "green", "durable": "bold green", "aborted": "red", "preparing": "yellow"}
+
+
+def _state(s: str) -> str:
+    style = _STATE_STYLE.get(s)
+    return f"[{style}]{s}[/]" if style else s
+
+
+def _tiers_text(d: dict[str, int]) -> str:
+    return ", ".join(f"{t} {human_bytes(n)}" for t, n in d.items()) or "-"
+
+
+def _emit(a: argparse.Namespace, data: Any, render) -> None:
+    if getattr(a, "json", False):
+        print(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        render(_console(), data)
+
+
+# -- commands --------------------------------------------------------------------------------
+def _cmd_models(store, a) -> int:
+    def render(c, rows):
+        c.print(_table("models", ["model", "epoch", "steps", "states", "newest committed", "newest durable",
+                                  "objects", "bytes"],
+                       [[r["model"], r["epoch"], r["steps"], ", ".join(f"{k} {v}" for k, v in sorted(r["states"].items())),
+                         r["newest_committed"], r["newest_durable"], r["objects"], human_bytes(r["bytes"])]
+                        for r in rows]))
+        if not rows:
+            c.print("the index holds no model")
+    _emit(a, V.models_view(store), render)
+    return EXIT_OK
+
+
+def _cmd_steps(store, a) -> int:
+    def render(c, rows):
+        c.print(_table(f"steps of {a.model}", ["step", "state", "age", "commit", "votes", "epoch", "objects",
+                                               "bytes", "bytes per tier", "reason"],
+                       [[r["step"], _state(r["state"]), human_age(r["age_s"]),
+                         f"{r['commit_latency_s'] * 1e3:.1f} ms" if r["commit_latency_s"] is not None else None,
+                         f"{r['votes']}/{r['world']}", r["epoch"], r["objects"], human_bytes(r["bytes"]),
+                         _tiers_text(r["bytes_per_tier"]), r["reason"]] for r in rows]))
+    _emit(a, V.steps_view(store, a.model), render)
+    return EXIT_OK
+
+
+def _cmd_show(store, a) -> int:
+    from rich.markup import escape
+
+    def render(c, d):
+        ranks = [str(r) for r in range(d["world"])]
+        rows = []
+        for ln in d["layers"]:
+            row: list[Any] = [ln]
+            for r in ranks:
+                cell = d["cells"][ln].get(r)
+                if cell is None:
+                    row.append("[dim]not saved[/]")
+                    continue
+                extra = f" -> {cell['base'] or cell['target']}" if cell["base"] or cell["target"] else ""
+                row.append(escape(f"{cell['kind']} {human_bytes(cell['size'])} [{','.join(cell['tiers']) or 'no tier'}]{extra}"))
+            rows.append(row)
+        c.print(f"{d['model']} step {d['step']}: {_state(d['state'])}, world {d['world']}, epoch {d['epoch']}, "
+                f"{human_bytes(d['bytes'])}")
+        c.print(_table("layers x ranks (kind, size, tiers)", ["layer", *[f"rank {r}" for r in ranks]], rows))
+    _emit(a, V.show_view(store, a.model, a.step), render)
+    return EXIT_OK
+
+
+def _cmd_layers(store, a) -> int:
+    def render(c, rows):
+        c.print(_table(f"layers of {a.model}", ["layer", "newest", "staleness", "versions", "kinds", "bytes (newest)",
+                                                "bytes (all versions)"],
+                       [[r["layer"], r["newest_version"], r["staleness"], r["versions"], ",".join(r["kinds"]),
+                         human_bytes(r["bytes_newest"]), human_bytes(r["bytes_all_versions"])] for r in rows]))
+    _emit(a, V.layers_view(store, a.model), render)
+    return EXIT_OK
+
+
+def _cmd_where(store, a) -> int:
+    from rich.markup import escape
+
+    d = V.where_view(store, a.key)
+
+    def render(c, d):
+        rec = d["record"]
+        if rec:
+            c.print(f"{d['key']}: {rec['kind']}, {human_bytes(rec['size'])}, checksum {rec['checksum']}, "
+                    f"index says {', '.join(rec['tiers']) or 'no tier'}")
+        else:
+            c.print(f"{d['key']}: [red]not in the index[/]")
+        c.print(_table("copies", ["tier", "indexed", "present", "size", "checksum", "verifies"],
+                       [[x["tier"], "yes" if x["indexed"] else "no", "yes" if x["present"] else "no",
+                         x["size"], x["checksum"],
+                         "-" if x["ok"] is None else ("[green]yes[/]" if x["ok"] else f"[red]NO[/] {escape(str(x['error']))}")]
+                        for x in d["copies"]]))
+    _emit(a, d, render)
+    return EXIT_OK if all(x["ok"] is not False for x in d["copies"]) else EXIT_VERIFY
+
+
+def _cmd_nodes(store, a) -> int:
+    def render(c, rows):
+        c.print(_table("nodes", ["node", "alive", "address", "capacity", "used", "pid", "uptime", "ttl left"],
+                       [[r["node_id"], "[green]yes[/]" if r["alive"] else "[red]expired[/]", r["address"],
+                         human_bytes(r["capacity"]) if r["capacity"] else "unbounded", human_bytes(r["used"]),
+                         r["pid"], human_age(r["uptime_s"]), human_age(r["ttl_left_s"])] for r in rows]))
+        if not rows:
+            c.print("no node agent is registered")
+    _emit(a, V.nodes_view(store.index), render)
+    return EXIT_OK
+
+
+def _cmd_du(store, a) -> int:
+    def render(c, rows):
+        c.print(_table("disk usage (index placement)", ["model", "tier", "kind", "objects", "bytes"],
+                       [[r["model"], r["tier"], r["kind"], r["objects"], human_bytes(r["bytes"])] for r in rows]))
+    _emit(a, V.du_view(store, a.model), render)
+    return EXIT_OK
+
+
+def _cmd_verify(store, a) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rich.markup import escape
+
+    keys = V.verify_keys(store, a.model, a.step)
+    results = []
+    with Progress(TextColumn("verify {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=_console(stderr=True), transient=True) as progress:
+        task = progress.add_task(a.model if a.step is None else f"{a.model} step {a.step}", total=len(keys))
+        for r in V.verify_objects(store, keys):
+            results.append(r)
+            progress.advance(task)
+    bad = [r for r in results if not r["ok"]]
+    data = {"model": a.model, "step": a.step, "checked": len(results), "bad": len(bad), "results": results}
+
+    def render(c, d):
+        tiers = [t.tier for t in store.tiers]
+        if bad:
+            c.print(_table("bad objects", ["key", *tiers, "problems"],
+                           [[r["key"], *[r["tiers"].get(t) for t in tiers], escape("; ".join(r["problems"]))] for r in bad]))
+        verdict = "[green]all copies verify[/]" if not bad else f"[red]{len(bad)} object(s) with bad or missing copies[/]"
+        c.print(f"checked {d['checked']} object(s) in tiers {', '.join(tiers)}: {verdict}")
+    _emit(a, data, render)
+    return EXIT_VERIFY if bad else EXIT_OK
+
+
+def _cmd_watch(store, a) -> int:
+    V.require_model(store, a.model)
+    channel = store.index.k(a.model, "events")
+    ps = store.index.r.pubsub(ignore_subscribe_messages=True)
+    ps.subscribe(channel)
+    c = None if getattr(a, "json", False) else _console()
+    if c is not None:
+        c.print(f"watching {a.model} ({channel}); Ctrl-C to stop")
+    deadline = None if a.timeout is None else time.monotonic() + a.timeout
+    seen = 0
+    try:
+        while a.count is None or seen < a.count:
+            wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            msg = ps.get_message(timeout=wait)
+            if msg is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                continue
+            data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+            parts = data.split()
+            if len(parts) != 2 or not parts[0].isdigit():
+                continue
+            step, state = int(parts[0]), parts[1]
+            row = next((r for r in V.steps_view(store, a.model) if r["step"] == step), {})
+            event = {"model": a.model, "step": step, "state": state, "time": V.server_now(store.index),
+                     "votes": row.get("votes"), "world": row.get("world"), "bytes": row.get("bytes"),
+                     "commit_latency_s": row.get("commit_latency_s")}
+            seen += 1
+            if c is None:
+                print(json.dumps(event, sort_keys=True), flush=True)
+            else:
+                lat = event["commit_latency_s"]
+                c.print(f"{time.strftime('%H:%M:%S', time.localtime(event['time']))}  step {step:>6}  {_state(state):<9}"
+                        f"  votes {event['votes']}/{event['world']}  {human_bytes(event['bytes'])}"
+                        + (f"  commit {lat * 1e3:.1f} ms" if lat is not None else ""))
+    finally:
+        ps.close()
+    return EXIT_OK
+
+
+def _cmd_gc(store, a) -> int:
+    from consistency.gc import Retention, collect
+
+    V.require_model(store, a.model)
+    if a.keep_last < 0 or a.keep_durable_every < 0:
+        print("tierstore admin gc: --keep-last and --keep-durable-every must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    report = collect(store, a.model, Retention(a.keep_last, a.keep_durable_every), dry_run=not a.yes)
+
+    def render(c, d):
+        verb = "would delete" if d["dry_run"] else "deleted"
+        c.print(f"gc {a.model}: keep steps {d['kept_steps'] or '-'}; drop steps {d['dropped_steps'] or '-'}; "
+                f"{verb} {len(d['deleted'])} object(s), {human_bytes(d['bytes_freed'])}")
+        for k in d["deleted"][:20]:
+            c.print(f"  {k}")
+        if len(d["deleted"]) > 20:
+            c.print(f"  ... and {len(d['deleted']) - 20} more")
+        if d["dry_run"]:
+            c.print("dry run: nothing was deleted; add --yes to act")
+    _emit(a, report.to_json(), render)
+    return EXIT_OK
+
+
+def _cmd_rebuild(store, a) -> int:
+    if not a.yes:
+        print("tierstore admin rebuild-index rewrites the index from the durable tier: add --yes to proceed",
+              file=sys.stderr)
+        return EXIT_USAGE
+    fn = getattr(store, "rebuild_index", None)
+    if fn is None:
+        print("tierstore admin rebuild-index: not available yet (this TierStore has no rebuild_index())",
+              file=sys.stderr)
+        return EXIT_ERROR
+    result = fn(a.model) if a.model else fn()
+    _emit(a, result if isinstance(result, (dict, list)) else {"result": str(result)},
+          lambda c, d: c.print(f"index rebuilt: {json.dumps(d, default=str)}"))
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "models": _cmd_models, "steps": _cmd_steps, "show": _cmd_show, "layers": _cmd_layers, "where": _cmd_where,
+    "nodes": _cmd_nodes, "du": _cmd_du, "verify": _cmd_verify, "watch": _cmd_watch, "gc": _cmd_gc,
+    "rebuild-index": _cmd_rebuild,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tierstore admin``; returns the exit code (see the module docstring)."""
+    parser = build_parser()
+    try:
+        a = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:
+        return int(e.code or 0)
+    if a.command == "where":
+        try:
+            from tierstore.keys import ShardKey
+
+            ShardKey.parse(a.key)
+        except TierStoreError as e:
+            print(f"tierstore admin where: bad key {a.key!r}: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    try:
+        store = _open(a)
+    except TierStoreError as e:
+        print(f"tierstore admin: cannot open the store: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        return _COMMANDS[a.command](store, a)
+    except V.UnknownError as e:
+        print(f"tierstore admin {a.command}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except TierStoreError as e:
+        print(f"tierstore admin {a.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        try:
+            store.close()
+        except TierStoreError:
+            pass

@@ -32,7 +32,7 @@ from urllib.parse import unquote, urlsplit
 
 from tierstore.errors import ConfigError, MissingDependencyError
 
-__all__ = ["open_backend", "register_backend", "known_backends", "backend_class"]
+__all__ = ["backend_class", "known_backends", "open_backend", "register_backend"]
 
 _KNOWN: dict[str, dict[str, str]] = {
     "file": {"class": "backends.localfs:LocalFSBackend", "hint": "part of tierstore"},

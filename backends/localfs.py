@@ -43,7 +43,7 @@ from tierstore.errors import (
     TierUnavailableError,
 )
 
-__all__ = ["LocalFSBackend", "TEMP_MARK"]
+__all__ = ["TEMP_MARK", "LocalFSBackend"]
 
 #: Every temporary file name holds this; no valid object name can.
 TEMP_MARK = "~"

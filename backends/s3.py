@@ -28,6 +28,7 @@ driven by one table (s3fs ``translate_boto_error`` style).
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -62,7 +63,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
         f"the S3 backend needs boto3 and tenacity ({_e}); install them with `pip install boto3 tenacity`"
     ) from _e
 
-__all__ = ["S3Backend", "S3Config", "translate", "is_retryable", "parse_s3_url"]
+__all__ = ["S3Backend", "S3Config", "is_retryable", "parse_s3_url", "translate"]
 
 MiB = 1024 * 1024
 _MAX_PARTS = 10_000
@@ -238,7 +239,7 @@ RETRY_CODES = frozenset(
 
 def _wait_all(futures: Sequence[Future]) -> None:
     """Wait for all; on the first failure cancel what has not started and raise that failure."""
-    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
     for f in pending:
         f.cancel()
     wait(futures)
@@ -567,8 +568,8 @@ class S3Backend(Backend):
         client = self.client
         for i in range(0, len(present), 1000):
             batch = {"Objects": [{"Key": k} for k in present[i: i + 1000]], "Quiet": True}
-            r = self._call("delete_objects", present[i], lambda: client.delete_objects(
-                Bucket=self.bucket, Delete=batch))
+            r = self._call("delete_objects", present[i],
+                           functools.partial(client.delete_objects, Bucket=self.bucket, Delete=batch))
             if r.get("Errors"):
                 first = r["Errors"][0]
                 raise TierUnavailableError(
@@ -585,7 +586,7 @@ class S3Backend(Backend):
             kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
             if token:
                 kw["ContinuationToken"] = token
-            page = self._call("list", full, lambda kw=kw: client.list_objects_v2(**kw))
+            page = self._call("list", full, functools.partial(client.list_objects_v2, **kw))
             for obj in page.get("Contents", []):
                 name = obj["Key"][strip:]
                 try:

@@ -82,8 +82,8 @@ def main() -> None:
             b = S3Backend("bench", endpoint_url=url, region_name="us-east-1", config=cfg)
             if label.startswith("single"):
                 b.client.create_bucket(Bucket="bench")
-            row(f"s3 put  {label}", timeit(lambda: b.put("obj", bufs), args.reps), n)
-            row(f"s3 get  {label}", timeit(lambda: b.get("obj"), args.reps), n)
+            row(f"s3 put  {label}", timeit(lambda b=b: b.put("obj", bufs), args.reps), n)
+            row(f"s3 get  {label}", timeit(lambda b=b: b.get("obj"), args.reps), n)
             b.close()
     finally:
         proc.kill()
@@ -91,8 +91,8 @@ def main() -> None:
     for fsync in (True, False):
         with tempfile.TemporaryDirectory() as d:
             b = LocalFSBackend(d, fsync=fsync)
-            row(f"localfs put fsync={fsync}", timeit(lambda: b.put("m/l/1/0", bufs), args.reps), n)
-            row(f"localfs get fsync={fsync}", timeit(lambda: b.get("m/l/1/0"), args.reps), n)
+            row(f"localfs put fsync={fsync}", timeit(lambda b=b: b.put("m/l/1/0", bufs), args.reps), n)
+            row(f"localfs get fsync={fsync}", timeit(lambda b=b: b.get("m/l/1/0"), args.reps), n)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import pytest
 from backends.base import Backend
 from tierstore.errors import InvalidKeyError, InvalidValueError, KeyExistsError, TierStoreError
 
-__all__ = ["BackendConformance", "INVALID_NAMES"]
+__all__ = ["INVALID_NAMES", "BackendConformance"]
 
 INVALID_NAMES = [
     "",
@@ -330,10 +330,9 @@ class BackendConformance:
 
     def test_reserve_context_aborts_on_error(self, backend):
         self._need_reservable(backend)
-        with pytest.raises(RuntimeError):
-            with backend.reserve("res/c", 8) as r:
-                r.buffer[:] = b"12345678"
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError), backend.reserve("res/c", 8) as r:
+            r.buffer[:] = b"12345678"
+            raise RuntimeError("boom")
         assert backend.get("res/c") is None
 
     def test_reserve_commit_if_absent(self, backend):

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-__all__ = ["s3_server", "s3_env", "s3_bucket", "start_moto", "FAKE_ENV"]
+__all__ = ["FAKE_ENV", "s3_bucket", "s3_env", "s3_server", "start_moto"]
 
 FAKE_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -60,7 +60,7 @@ def test_crashed_writer_leaves_old_object_intact(tmp_path):
         "m.os.replace = lambda *a: os._exit(9)\n"  # die right before publishing
         "b.put('k', b'new' * 1000)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=os.getcwd(), timeout=60)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=os.getcwd(), timeout=60, check=False)
     assert r.returncode == 9
     assert b.get("k") == b"old"
     assert list(b.list()) == ["k"]
@@ -138,7 +138,7 @@ def test_access_denied_read_only_fs(tmp_path):
     """EROFS (a read-only bind mount) is an access error, not a crash."""
     mnt = tmp_path / "romnt"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True, check=False)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.decode().strip()}")
     try:
@@ -153,7 +153,7 @@ def test_access_denied_read_only_fs(tmp_path):
 def test_disk_full(tmp_path):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, check=False)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a 1 MiB tmpfs to simulate a full disk: {r.stderr.decode().strip()}")
     try:

@@ -25,7 +25,7 @@ from tierstore.keys import ShardKey
 __version__ = "0.1.0"
 
 _LAZY = {
-    "open": ("tierstore.store", "open"),
+    "open": ("tierstore.connect", "open"),
     "TierStore": ("tierstore.store", "TierStore"),
     "StoreConfig": ("tierstore.config", "StoreConfig"),
     "Shard": ("tierstore.codec", "Shard"),

@@ -14,6 +14,8 @@ variable                       field
 ``TIERSTORE_HOST_ROOT``        ``host_root`` (shared-memory directory of the host tier)
 ``TIERSTORE_HOST_CAPACITY``    ``host_capacity_bytes``
 ``TIERSTORE_NODE``             ``node_id``
+``TIERSTORE_PEER_REPLICAS``    ``peer_replicas``
+``TIERSTORE_PEER_SECRET_FILE`` ``peer_secret_file``
 =============================  ===============================================
 """
 
@@ -40,6 +42,8 @@ _ENV = {
     "host_root": "TIERSTORE_HOST_ROOT",
     "host_capacity_bytes": "TIERSTORE_HOST_CAPACITY",
     "node_id": "TIERSTORE_NODE",
+    "peer_replicas": "TIERSTORE_PEER_REPLICAS",
+    "peer_secret_file": "TIERSTORE_PEER_SECRET_FILE",
 }
 
 
@@ -71,6 +75,11 @@ class StoreConfig:
             blocks when the queue is full (back-pressure, bounded memory).
         migration_workers: threads migrating to the durable tier.
         max_delta_chain: longest delta chain a read follows.
+        peer_replicas: replicas of every object in other nodes' host tiers
+            (through their agents, found in the index); 0 disables the peer tier.
+        peer_secret_file: the agents' shared secret (needed with peer_replicas).
+        durable_every: objects of every K-th step go to the durable tier (full
+            objects always do); 0 sends only full objects.
     """
 
     home: str = ".tierstore"
@@ -86,6 +95,9 @@ class StoreConfig:
     migration_queue: int = 1024
     migration_workers: int = 1
     max_delta_chain: int = 64
+    peer_replicas: int = 0
+    peer_secret_file: str | None = None
+    durable_every: int = 1
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:
@@ -105,11 +117,12 @@ class StoreConfig:
         for name, var in _ENV.items():
             if var in env and env[var] != "":
                 values[name] = env[var]
-        if "host_capacity_bytes" in values:
-            try:
-                values["host_capacity_bytes"] = int(values["host_capacity_bytes"])
-            except ValueError as e:
-                raise ConfigError(f"TIERSTORE_HOST_CAPACITY must be an integer: {e}") from e
+        for name in ("host_capacity_bytes", "peer_replicas"):
+            if name in values:
+                try:
+                    values[name] = int(values[name])
+                except ValueError as e:
+                    raise ConfigError(f"{_ENV[name]} must be an integer: {e}") from e
         values.update({k: v for k, v in explicit.items() if v is not None})
         return cls(**values)
 

@@ -50,7 +50,8 @@ class Migrator:
     :meth:`flush` to wait for everything queued so far; :meth:`close` at the end.
     """
 
-    def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1):
+    def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1,
+                 name: str = "migrate"):
         self.source = source
         self.target = target
         self.index = index
@@ -60,7 +61,7 @@ class Migrator:
         self._done: set[ShardKey] = set()
         self._groups: list[_Group] = []
         self._threads = [
-            threading.Thread(target=self._run, name=f"tierstore-migrate-{i}", daemon=True) for i in range(workers)
+            threading.Thread(target=self._run, name=f"tierstore-{name}-{i}", daemon=True) for i in range(workers)
         ]
         for t in self._threads:
             t.start()
@@ -158,7 +159,7 @@ class Migrator:
         if errors:
             names = ", ".join(str(k) for k, _ in errors[:5])
             raise MigrationError(
-                f"{len(errors)} object(s) failed to migrate to the durable tier: {names}: {errors[0][1]}",
+                f"{len(errors)} object(s) failed to reach the {self.target.tier} tier: {names}: {errors[0][1]}",
                 failures=errors,
             ) from errors[0][1]
 

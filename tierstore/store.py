@@ -15,7 +15,6 @@ The commit protocol (:meth:`TierStore.begin_step`, :meth:`vote`,
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,8 +39,9 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey, validate_name
 from tierstore.migration import Migrator
+from tierstore.placement import Placement
 
-__all__ = ["open", "TierStore", "ObjectInfo", "PendingObject", "KINDS"]
+__all__ = ["TierStore", "ObjectInfo", "PendingObject", "KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,12 @@ class TierStore:
             if durable is not None and config.migrate
             else None
         )
+        self.placement = Placement(config.peer_replicas if peer is not None else 0, config.durable_every)
+        self._replicator = (
+            Migrator(host, peer, index, maxsize=config.migration_queue, workers=1, name="replicate")
+            if peer is not None
+            else None
+        )
         self._lock = threading.Lock()
         self._closed = False
         from consistency.twophase import StepProtocol
@@ -218,7 +224,9 @@ class TierStore:
         except TierStoreError:
             self.host.delete(str(p.key))  # fenced or index gone: the object must not linger unindexed
             raise
-        if self._migrator is not None:
+        if self._replicator is not None and self.placement.to_peer(p.kind, p.key.step):
+            self._replicator.enqueue(p.key, checksum)
+        if self._migrator is not None and self.placement.to_durable(p.kind, p.key.step):
             self._migrator.enqueue(p.key, checksum)
         return ObjectInfo(p.key, p.kind, size, checksum, p.base, p.target, (self.host.tier,))
 
@@ -395,7 +403,8 @@ class TierStore:
              ok: bool = True, epoch: int | None = None) -> str:
         """Vote for ``step`` with this rank's objects; the last vote of the world commits it."""
         state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
-        if ok and self._migrator is not None and self.steps.durable is not None:
+        if (ok and self._migrator is not None and self.steps.durable is not None
+                and all(self.placement.to_durable(o.kind, o.key.step) for o in objects)):
             keys = [o.key for o in objects]
             self._migrator.when_done(
                 keys, lambda failures: self.steps.mark_migrated(model, step, rank, failures, epoch=epoch))
@@ -418,8 +427,9 @@ class TierStore:
     # -- lifecycle -----------------------------------------------------------------
     def flush(self) -> None:
         """Wait for background migration; raise the first error it met."""
-        if self._migrator is not None:
-            self._migrator.flush()
+        for mover in (self._replicator, self._migrator):
+            if mover is not None:
+                mover.flush()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -433,8 +443,9 @@ class TierStore:
             self.flush()
         finally:
             self._closed = True
-            if self._migrator is not None:
-                self._migrator.close()
+            for mover in (self._replicator, self._migrator):
+                if mover is not None:
+                    mover.close()
             for t in self.tiers:
                 t.close()
             self.index.close()
@@ -449,42 +460,9 @@ class TierStore:
         return f"<TierStore tiers={[t.tier for t in self.tiers]} node={self.config.node_id!r}>"
 
 
-def open(  # noqa: A001 - the public name is tierstore.open
-    home: str | os.PathLike | None = None,
-    *,
-    redis: str | None = None,
-    durable: str | None = None,
-    config: StoreConfig | None = None,
-    **options: Any,
-) -> TierStore:
-    """Open a store: the embedded default with no arguments, or the given services.
+def __getattr__(name: str):
+    if name == "open":  # tierstore.store.open, kept for callers of the first API
+        from tierstore.connect import open as open_
 
-    Args:
-        home: data directory of the embedded default (``$TIERSTORE_HOME``, else ``./.tierstore``).
-        redis: index URL (``redis://``, ``rediss://``, ``unix://``); default: the embedded server.
-        durable: ``file://dir``, ``s3://bucket/prefix`` or ``"none"``; default ``home/durable``.
-        config: a full :class:`StoreConfig` (explicit arguments still win).
-        **options: other :class:`StoreConfig` fields.
-    """
-    explicit = dict(options, home=str(home) if home is not None else None, redis_url=redis, durable_url=durable)
-    if config is not None:
-        base = {f: getattr(config, f) for f in config.__dataclass_fields__}
-        base.update({k: v for k, v in explicit.items() if v is not None})
-        cfg = StoreConfig(**base).resolved()
-    else:
-        cfg = StoreConfig.from_env(**explicit).resolved()
-    url = cfg.redis_url
-    if url is None:
-        from tierstore.embedded import ensure_server
-
-        url = ensure_server(cfg.home)
-    index = Index(url, password=cfg.redis_password)
-    index.ping()
-    host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes)
-    dur: Backend | None = None
-    if cfg.durable_url and cfg.durable_url.lower() != "none":
-        from backends import open_backend
-
-        extra = {"endpoint_url": cfg.s3_endpoint_url} if cfg.durable_url.startswith("s3://") else {}
-        dur = open_backend(cfg.durable_url, **extra)
-    return TierStore(cfg, index, host, dur)
+        return open_
+    raise AttributeError(name)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-KILL = 11
+KILL = 7
 STOP_EXACT = KILL + 8
 STOP_LAYERWISE = KILL + 52
 POLICIES = {

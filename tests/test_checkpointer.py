@@ -1,0 +1,166 @@
+"""Checkpointer against a real store (Redis on loopback, shm host tier, local durable dir), one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tierstore.checkpointer import Checkpointer, rank_from_env
+from tierstore.errors import FencedError, RestoreMismatchError, TierStoreError
+from tierstore.gpt import GPTConfig, make_model, train
+from tierstore.policies import compose, differential, exact, layerwise
+
+torch.set_num_threads(1)
+CFG = GPTConfig(d_model=32, n_layer=2, n_head=2, block=32)
+
+
+def _state(model, opt):
+    return copy.deepcopy((model.state_dict(), opt.state_dict()))
+
+
+def _same(a, b) -> bool:
+    (ma, oa), (mb, ob) = a, b
+    if ma.keys() != mb.keys() or any(not torch.equal(ma[k], mb[k]) for k in ma):
+        return False
+    if oa["param_groups"] != ob["param_groups"] or oa["state"].keys() != ob["state"].keys():
+        return False
+    for i in oa["state"]:
+        for k, v in oa["state"][i].items():
+            w = ob["state"][i][k]
+            if not (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w):
+                return False
+    return True
+
+
+def _run(store, name, policy, steps, seed=0):
+    model, opt = make_model(CFG, seed=seed)
+    ck = Checkpointer(store, name, model, opt, policy)
+    assert ck.restore() == (None, None)
+    train(model, opt, 0, steps, batch_size=4, on_step=lambda s, _l: ck.save(s, extra={"pos": s + 1}))
+    assert ck.wait() == "committed"
+    ck.close()
+    return model, opt, ck
+
+
+@pytest.mark.parametrize("policy", [exact(), differential(base_every=3), compose(differential(4, max_chain=2))])
+def test_exact_round_trip(store, policy):
+    model, opt, ck = _run(store, "m1", policy, 7)
+    m2, o2 = make_model(CFG, seed=9)
+    o2.param_groups[0]["lr"] = 1.0
+    ck2 = Checkpointer(store, "m1", m2, o2, policy)
+    assert ck2.restore() == (6, {"pos": 7})
+    assert _same(_state(m2, o2), _state(model, opt))
+    # both continue identically
+    la = train(model, opt, 7, 9, batch_size=4)
+    lb = train(m2, o2, 7, 9, batch_size=4, on_step=lambda s, _l: ck2.save(s))
+    assert la == lb
+    assert ck2.wait() == "committed"
+    ck2.close()
+    if policy.base_every:
+        assert ck.stats.objects["delta"] > 0
+
+
+def test_layerwise_saves_fewer_layers(store):
+    model, opt, ck = _run(store, "lw", layerwise(tau=0.05, max_staleness=3), 8)
+    assert ck.stats.layers_saved < 8 * len(ck.map.layers)
+    m2, o2 = make_model(CFG, seed=9)
+    ck2 = Checkpointer(store, "lw", m2, o2, layerwise(tau=0.05, max_staleness=3))
+    step, extra = ck2.restore()
+    assert step == 7 and extra == {"pos": 8}
+    # every layer came back from some version within the bound: close to the live model
+    for (n, a), b in zip(model.named_parameters(), m2.parameters()):
+        assert torch.allclose(a, b, rtol=0.2, atol=0.05), n
+    ck2.close()
+
+
+def test_restore_into_lazy_optimizer(store):
+    model, opt, _ = _run(store, "lazy", exact(), 3)
+    m2, o2 = make_model(CFG, seed=1)
+    assert not o2.state
+    ck2 = Checkpointer(store, "lazy", m2, o2)
+    assert ck2.restore()[0] == 2
+    assert _same(_state(m2, o2), _state(model, opt))
+    ck2.close()
+
+
+def test_save_before_first_step_then_restore(store):
+    model, opt = make_model(CFG, seed=0)
+    ck = Checkpointer(store, "fresh", model, opt)
+    ck.restore()
+    ck.save(0)
+    assert ck.wait() == "committed"
+    train(model, opt, 0, 1, batch_size=4)  # optimizer state now exists
+    ck2 = Checkpointer(store, "fresh", model, opt)
+    assert ck2.restore()[0] == 0
+    assert not opt.state  # back to the state before the first step
+    ck.close()
+    ck2.close()
+
+
+@pytest.mark.parametrize(
+    "other, layer, tensor",
+    [
+        (GPTConfig(d_model=32, n_layer=2, n_head=2, block=16), "pos", "param/pos.weight"),
+        (GPTConfig(d_model=32, n_layer=3, n_head=2, block=32), "blocks.2", None),
+        (GPTConfig(d_model=32, n_layer=1, n_head=2, block=32), "blocks.1", None),
+    ],
+)
+def test_mismatch_raises_and_leaves_target_unchanged(store, other, layer, tensor):
+    _run(store, "mm", exact(), 2)
+    m2, o2 = make_model(other, seed=5)
+    train(m2, o2, 0, 1, batch_size=4)
+    before = _state(m2, o2)
+    ck2 = Checkpointer(store, "mm", m2, o2)
+    with pytest.raises(RestoreMismatchError) as ei:
+        ck2.restore()
+    assert ei.value.layer == layer and ei.value.tensor == tensor
+    assert layer in str(ei.value)
+    assert _same(_state(m2, o2), before)
+    ck2.close()
+
+
+def test_dtype_mismatch(store):
+    _run(store, "dt", exact(), 2)
+    m2, o2 = make_model(CFG, seed=5)
+    m2.head.double()
+    before = _state(m2, o2)
+    with pytest.raises(RestoreMismatchError) as ei:
+        Checkpointer(store, "dt", m2, o2).restore()
+    assert ei.value.layer == "head" and ei.value.tensor == "param/head.weight"
+    assert _same(_state(m2, o2), before)
+
+
+def test_zombie_is_fenced_after_restore(store):
+    model, opt = make_model(CFG, seed=0)
+    old = Checkpointer(store, "z", model, opt)
+    old.restore()
+    old.save(0)
+    assert old.wait() == "committed"
+    new = Checkpointer(store, "z", *make_model(CFG, seed=0))
+    assert new.restore()[0] == 0
+    old.save(1)  # the zombie's write is refused in the background ...
+    with pytest.raises(FencedError):
+        old.wait()  # ... and the error comes back typed
+    new.save(1)
+    assert new.wait() == "committed"
+    old.close()
+    new.close()
+
+
+def test_custom_layer_fn_and_wait_without_save(store):
+    model, opt = make_model(CFG, seed=0)
+    ck = Checkpointer(store, "one", model, opt, layer_fn=lambda n: "all/of it")
+    assert ck.wait() is None
+    assert list(ck.map.layers) == ["all_of_it"]
+    ck.save(3)
+    assert ck.wait() == "committed"
+    assert [k.layer for k in store.list("one")] == ["all_of_it"]
+    ck.close()
+
+
+def test_rank_from_env():
+    assert rank_from_env({}) == (0, 1)
+    assert rank_from_env({"RANK": "3", "WORLD_SIZE": "4"}) == (3, 4)
+    assert issubclass(FencedError, TierStoreError)

@@ -19,6 +19,7 @@ import torch
 
 from tierstore import codec
 from tierstore.delta import apply_xor_delta, xor_delta
+from tierstore.hashing import digest_many
 
 
 def timeit(fn: Callable[[], object], reps: int) -> tuple[float, float, float]:
@@ -104,6 +105,8 @@ def main() -> None:
     row("decode(copy=False) (verify + alias)", timeit(lambda: codec.decode(blob, copy=False), a.reps),
         nbytes, bound[0])
     row("decode(out=pre-allocated)", timeit(lambda: codec.decode(blob, out=dst), a.reps), nbytes, bound[0])
+    row("digest_many xxh3 (AdaCheck)", timeit(lambda: digest_many(state), a.reps), nbytes, bound[0])
+    row("digest_many blake2s", timeit(lambda: digest_many(state, "blake2s"), 1), nbytes, bound[0])
     del blob, buf, p
 
     big_new = torch.cat(list(state.values()))

@@ -277,7 +277,7 @@ class Agent:
         if data is None:
             await self._reply(ep, P.Reply(P.Status.NOT_FOUND, "", request_id=req.request_id))
             return
-        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+        view = memoryview(data).cast("B")
         digest = P.checksum([view]) if req.flags & P.FLAG_CHECKSUM else bytes(16)
         await self._reply(ep, P.Reply(P.Status.OK, "", view.nbytes, digest, req.request_id,
                                       req.flags & P.FLAG_CHECKSUM))

@@ -3,13 +3,17 @@
 ``tierstore_host``: the save copies every layer into pre-allocated staging
 tensors (the stall: the snapshot), then a background thread puts each layer
 group through ``store.put`` as a shard keyed ``bench/<layer>/<step>/<rank>``;
-it is *committed* when the last put returns. Restore gets every shard back and
-copies it into the live tensors. Where tierstore cannot be imported or opened,
+it is *committed* when the last put returns. Restore gets every shard back into
+the live tensors (``store.get(key, out=...)`` where the store has it). The
+store is opened with ``home`` in the run's disk directory and ``durable="none"``
+unless ``options["tierstore_open"]`` says otherwise; rank 0 opens first. Where tierstore cannot be imported or opened,
 the system is skipped and the reason lands in :data:`bench.systems.SKIPPED`.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bench.systems import SKIPPED, System, SystemUnavailable, register
+from bench.systems import SKIPPED, System, SystemUnavailable, barrier, register
 
 __all__ = ["TierstoreHost", "shard_tensors"]
 
@@ -57,16 +61,34 @@ if _open is not None:
             from tierstore.keys import ShardKey
 
             self._key = ShardKey
+            kwargs = dict(self.ctx.options.get("tierstore_open") or self.default_open_kwargs())
+            err: BaseException | None = None
+            # Rank 0 opens first (it may start the embedded server the ranks share).
+            if self.ctx.rank != 0:
+                barrier()
             try:
-                self.store = _open(**self.ctx.options.get("tierstore_open", {}))
+                self.store = _open(**kwargs)
             except Exception as e:  # noqa: BLE001
-                raise SystemUnavailable(f"tierstore.open() failed: {type(e).__name__}: {e}") from e
+                err = e
+            finally:
+                if self.ctx.rank == 0:
+                    barrier()
+            if err is not None:
+                raise SystemUnavailable(f"tierstore.open({kwargs}) failed: {type(err).__name__}: {err}") from err
+            try:
+                self._get_out = "out" in inspect.signature(self.store.get).parameters
+            except (TypeError, ValueError):
+                self._get_out = False
             self.staging = {
                 layer: {k: torch.empty_like(t) for k, t in group.items()}
                 for layer, group in self.ctx.work.layers.items()
             }
             self.keys: list[Any] = []
             self._thread: threading.Thread | None = None
+
+        def default_open_kwargs(self) -> dict[str, Any]:
+            """The embedded default with its home in the run's disk directory, host tier only."""
+            return {"home": os.path.join(self.ctx.disk_dir, "tierstore"), "durable": "none"}
 
         def _layer(self, layer: str) -> str:
             return layer.split(".", 1)[1] if "." in layer else layer
@@ -109,6 +131,10 @@ if _open is not None:
 
         def restore(self) -> None:
             for key, group in zip(self.keys, self.ctx.work.layers.values()):
+                if self._get_out:
+                    if self.store.get(key, out=group) is None:
+                        raise RuntimeError(f"tierstore lost shard {key}")
+                    continue
                 shard = self.store.get(key)
                 if shard is None:
                     raise RuntimeError(f"tierstore lost shard {key}")

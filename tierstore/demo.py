@@ -1,0 +1,395 @@
+"""``tierstore demo``: train a small GPT on N ranks, kill one, restart, restore, continue, report.
+
+What it does (no set-up needed: the embedded default of ``--home``):
+
+1. Phase 0: spawns ``--ranks`` processes (gloo, loopback) that train
+   :class:`tierstore.gpt.GPT` and checkpoint every step with a
+   :class:`~tierstore.checkpointer.Checkpointer` (``--policy``).
+2. At step ``--kill-at`` the last rank SIGKILLs itself right after its
+   training step (a crash: no clean-up, its last save may be in flight);
+   the launcher then kills the survivors, as torchrun would.
+3. Phase 1: spawns the ranks again; each restores (the newest step every
+   rank can rebuild, from the fastest tier holding it) and trains on to
+   ``--steps``.
+4. Prints a summary (stall per save, bytes per tier and policy, commit
+   latency, restore time and tier, loss before and after the failure,
+   whether the replayed steps reproduce the lost run bitwise) and writes
+   ``demo.png`` (loss curve with the failure marked; checkpoint bytes per
+   step by kind) and ``summary.json`` to ``--out``.
+
+Protocol between the launcher and its ranks: each rank appends JSON lines
+to ``OUT/rank<r>.phase<p>.jsonl`` (``restore``, ``step``, ``done`` events)
+and logs to ``rank<r>.phase<p>.log``; the launcher tails rank 0's file for
+progress and reads the rest from the index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "make_policy", "build_parser"]
+
+_PHASE_TIMEOUT_S = 600.0
+
+
+def make_policy(spec: str) -> Any:
+    """A policy from ``exact``, ``layerwise``, ``differential``, ``dedup`` or a ``+``-joined mix."""
+    from tierstore import policies as P
+    from tierstore.errors import ConfigError
+
+    table = {"exact": P.exact, "layerwise": lambda: P.layerwise(tau=0.01, max_staleness=5),
+             "differential": lambda: P.differential(base_every=5), "dedup": P.dedup}
+    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    unknown = [p for p in parts if p not in table]
+    if not parts or unknown:
+        raise ConfigError(f"unknown policy {spec!r}: use {', '.join(table)} or a '+'-joined mix", field="policy")
+    return P.compose(*(table[p]() for p in parts))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierstore demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--home", default=None, help="embedded store's data directory (default $TIERSTORE_HOME or .tierstore)")
+    p.add_argument("--redis", default=None, help="index URL instead of the embedded server")
+    p.add_argument("--s3", default=None, help="durable tier: s3://bucket/prefix (default: home/durable)")
+    p.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (MinIO, moto)")
+    p.add_argument("--host-root", default=None, help="host tier directory (default: derived in /dev/shm)")
+    p.add_argument("--steps", type=int, default=30, help="training steps in all")
+    p.add_argument("--ranks", type=int, default=2, help="ranks (processes, gloo)")
+    p.add_argument("--kill-at", type=int, default=None, help="step at which the last rank dies (default: steps/2)")
+    p.add_argument("--policy", default="differential+dedup",
+                   help="exact | layerwise | differential | dedup, or a '+'-joined mix")
+    p.add_argument("--model-name", default=None, help="key namespace (default: demo-<time>)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="demo-out", help="where the plot, summary and logs go")
+    p.add_argument("--keep-all", action="store_true", help="keep every step (default: gc keeps the last 2)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON config of one rank
+    return p
+
+
+# -- one rank ---------------------------------------------------------------------------------
+def _open_store(cfg: dict[str, Any], **extra: Any) -> Any:
+    import tierstore
+
+    kw: dict[str, Any] = dict(extra)
+    if cfg.get("host_root"):
+        kw["host_root"] = cfg["host_root"]
+    if cfg.get("s3_endpoint"):
+        kw["s3_endpoint_url"] = cfg["s3_endpoint"]
+    return tierstore.open(cfg["home"], redis=cfg.get("redis"), durable=cfg.get("durable"), **kw)
+
+
+def _restore_tiers(store: Any, model: str, rank: int, staleness: int) -> dict[str, int]:
+    """Which tier each of this rank's restored objects is read from (the fastest holding it)."""
+    res = store.resolve(model, max_staleness=staleness)
+    counts: dict[str, int] = {}
+    for key in res.keys_for_rank(rank % res.world_size).values():
+        for tier in store.tiers:
+            try:
+                if tier.exists(str(key)):
+                    counts[tier.tier] = counts.get(tier.tier, 0) + 1
+                    break
+            except Exception:  # noqa: BLE001 - an unreachable tier is skipped, as the read path does
+                continue
+    return counts
+
+
+def _worker(cfg: dict[str, Any]) -> int:
+    import logging
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tierstore import gpt, metrics
+    from tierstore.checkpointer import Checkpointer
+
+    rank, world, phase = cfg["rank"], cfg["world"], cfg["phase"]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    events = open(cfg["events"], "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+
+    def emit(**e: Any) -> None:
+        events.write(json.dumps(e) + "\n")
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    gpt.setup_determinism(cfg["seed"])
+    model, opt = gpt.make_model(seed=cfg["seed"])
+    policy = make_policy(cfg["policy"])
+    store = _open_store(cfg)
+    ckpt = Checkpointer(store, cfg["model"], model, opt, policy=policy)
+    m = metrics.Metrics()
+    t = time.perf_counter()
+    step, _extra = ckpt.restore()
+    restore_s = time.perf_counter() - t
+    tiers = _restore_tiers(store, cfg["model"], rank, policy.max_staleness) if step is not None else {}
+    emit(event="restore", step=step, seconds=restore_s, tiers=tiers)
+    if step is not None:
+        m.record_restore(cfg["model"], max(tiers, key=tiers.get) if tiers else "-", restore_s, step)
+    data = gpt.char_dataset()
+    block = model.config.block
+    for s in range(0 if step is None else step + 1, cfg["steps"]):
+        x, y = gpt.get_batch(data, s, rank, cfg["batch_size"], block, cfg["seed"])
+        loss = gpt.train_step(model, opt, x, y, world)
+        if phase == 0 and rank == world - 1 and s == cfg["kill_at"]:
+            emit(event="kill", step=s, loss=loss)
+            events.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        wall = time.time()
+        t = time.perf_counter()
+        ckpt.save(s, extra={"data_pos": s + 1})
+        stall = time.perf_counter() - t
+        emit(event="step", step=s, loss=loss, stall_s=stall, t_save=wall)
+        prev = ckpt.stats.per_step.get(s - 1)
+        if prev is not None:
+            m.record_step(metrics.StepFigures(cfg["model"], s - 1, rank, stall_s=stall, bytes_by_tier={"host": prev}))
+    state = ckpt.wait()
+    emit(event="done", state=state, stats=ckpt.stats.as_dict(), per_step=ckpt.stats.per_step)
+    ckpt.close()
+    store.close()
+    dist.destroy_process_group()
+    return 0
+
+
+# -- the launcher ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line cut by a kill
+    return out
+
+
+def _run_phase(base: dict[str, Any], phase: int, out: Path, progress: Any, task: Any) -> list[int]:
+    """Run every rank of one phase; return their exit codes (a killed rank: -9)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    port = _free_port()
+    procs = []
+    for r in range(base["world"]):
+        cfg = dict(base, rank=r, phase=phase, port=port, events=str(out / f"rank{r}.phase{phase}.jsonl"))
+        Path(cfg["events"]).unlink(missing_ok=True)
+        log = open(out / f"rank{r}.phase{phase}.log", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen([sys.executable, "-m", "tierstore.demo", "--worker", json.dumps(cfg)],
+                                      stdout=log, stderr=subprocess.STDOUT, env=env))
+        log.close()
+    deadline = time.monotonic() + _PHASE_TIMEOUT_S
+    failed_at: float | None = None
+    while any(p.poll() is None for p in procs):
+        done = [e for e in _read_events(out / f"rank0.phase{phase}.jsonl") if e["event"] == "step"]
+        if done:
+            progress.update(task, completed=done[-1]["step"] + 1)
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 1.0 or time.monotonic() > deadline:
+            for p in procs:  # the job failed: stop the survivors, as a launcher does
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    return [p.wait() for p in procs]
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
+
+
+def _collect(store: Any, model: str, ev: dict[int, list[dict]], world: int, policy: str, kill_at: int,
+             out: Path) -> dict[str, Any]:
+    import statistics
+
+    from tierstore import admin_views as V
+
+    r0 = [e for e in ev[0] if e["event"] == "step"]
+    r1 = [e for e in ev[1] if e["event"] == "step"]
+    restore = next((e for e in ev[1] if e["event"] == "restore"), {})
+    kill = next((e for e in ev[0] if e["event"] == "kill"), {})
+    stalls = [e["stall_s"] for e in r0 + r1]
+    steps = {s: st for s, st in store.steps.steps(model)}
+    hashes = dict(zip(steps, V._step_hashes(store.index, model, list(steps))))
+    t_save = {e["step"]: e["t_save"] for e in r0 + r1}  # the newest save of each step
+    commit = []
+    for s, h in hashes.items():
+        if steps[s] in ("committed", "durable") and h.get("decided") and s in t_save:
+            lat = float(h["decided"]) - t_save[s]
+            commit.append(lat if lat >= 0 else float(h["decided"]) - float(h["started"]))
+    per_step: dict[int, dict[str, int]] = {}
+    for row in V.steps_view(store, model):
+        kinds: dict[str, int] = {}
+        for rec in store.index.get_objects(store.list(model, step=row["step"])):
+            if rec is not None:
+                kinds[rec.kind] = kinds.get(rec.kind, 0) + rec.size
+        per_step[row["step"]] = kinds
+    loss0 = {e["step"]: e["loss"] for e in r0}
+    loss1 = {e["step"]: e["loss"] for e in r1}
+    replayed = sorted(set(loss0) & set(loss1))
+    done = [e for e in ev[0] + ev[1] if e["event"] == "done"]
+    logical = sum(d["stats"]["logical_bytes"] for d in done) if done else 0
+    written = sum(d["stats"]["bytes"] for d in done) if done else 0
+
+    def med(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    restored = restore.get("step")
+    return {
+        "model": model, "policy": policy, "world": world, "kill_at": kill_at,
+        "steps_committed": sum(1 for st in steps.values() if st in ("committed", "durable")),
+        "steps_durable": sum(1 for st in steps.values() if st == "durable"),
+        "stall_s": {"median": med(stalls), "max": max(stalls) if stalls else None, "n": len(stalls)},
+        "commit_latency_s": {"median": med(commit), "max": max(commit) if commit else None, "n": len(commit)},
+        "bytes_per_tier": {f"{r['tier']}/{r['kind']}": r["bytes"] for r in V.du_view(store, model)},
+        "bytes_written_phase1": written, "logical_bytes_phase1": logical,
+        "restore": {"step": restored, "seconds": restore.get("seconds"), "tiers": restore.get("tiers")},
+        "loss_before": loss0.get(max(loss0)) if loss0 else None,
+        "loss_at_kill": kill.get("loss"),
+        "loss_after": loss1.get(min(loss1)) if loss1 else None,
+        "loss_final": loss1.get(max(loss1)) if loss1 else None,
+        "replayed_steps": replayed,
+        "replay_bitwise": bool(replayed) and all(loss0[s] == loss1[s] for s in replayed),
+        "loss_curve": {"phase0": sorted(loss0.items()), "phase1": sorted(loss1.items())},
+        "bytes_per_step": {s: k for s, k in sorted(per_step.items())},
+        "plot": str(out / "demo.png"),
+    }
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for phase, style, label in (("phase0", "-", "before the failure"), ("phase1", "--", "after restore")):
+        pts = summary["loss_curve"][phase]
+        if pts:
+            a1.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=label)
+    a1.axvline(summary["kill_at"], color="red", linestyle=":", label=f"rank killed at step {summary['kill_at']}")
+    if summary["restore"]["step"] is not None:
+        a1.axvline(summary["restore"]["step"], color="green", linestyle=":",
+                   label=f"restored step {summary['restore']['step']}")
+    a1.set_ylabel("loss (rank 0)")
+    a1.set_title(f"tierstore demo: {summary['world']} ranks, policy {summary['policy']}")
+    a1.legend()
+    steps = sorted(int(s) for s in summary["bytes_per_step"])
+    bottom = [0.0] * len(steps)
+    for kind in ("full", "delta", "ref"):
+        vals = [summary["bytes_per_step"][s].get(kind, 0) / 1024 for s in steps]
+        if any(vals):
+            a2.bar(steps, vals, bottom=bottom, label=kind)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    a2.set_xlabel("step")
+    a2.set_ylabel("checkpoint KiB (all ranks)")
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tierstore.admin import human_bytes
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+    t = Table(title="tierstore demo summary", title_justify="left", show_header=False)
+    t.add_column("figure")
+    t.add_column("value")
+    t.add_row("model / policy / ranks", f"{s['model']} / {s['policy']} / {s['world']}")
+    t.add_row("stall per save (median, max)", f"{ms(s['stall_s']['median'])}, {ms(s['stall_s']['max'])}")
+    t.add_row("commit latency (median, max)",
+              f"{ms(s['commit_latency_s']['median'])}, {ms(s['commit_latency_s']['max'])}")
+    for k, v in sorted(s["bytes_per_tier"].items()):
+        t.add_row(f"bytes in {k}", human_bytes(v))
+    if s["logical_bytes_phase1"]:
+        ratio = s["logical_bytes_phase1"] / max(1, s["bytes_written_phase1"])
+        t.add_row("written vs full checkpoints (after restore)",
+                  f"{human_bytes(s['bytes_written_phase1'])} vs {human_bytes(s['logical_bytes_phase1'])} "
+                  f"({ratio:.1f}x smaller)")
+    t.add_row("steps committed / durable", f"{s['steps_committed']} / {s['steps_durable']}")
+    r = s["restore"]
+    t.add_row("failure", f"rank {s['world'] - 1} killed at step {s['kill_at']}")
+    t.add_row("restore", f"step {r['step']} in {ms(r['seconds'])} from {r['tiers'] or '-'}")
+    t.add_row("loss before failure / after restore / final",
+              " / ".join("-" if x is None else f"{x:.4f}" for x in (s["loss_before"], s["loss_after"], s["loss_final"])))
+    t.add_row("replayed steps reproduce the lost run bitwise",
+              f"{'yes' if s['replay_bitwise'] else 'no'} ({len(s['replayed_steps'])} steps)")
+    t.add_row("plot", s["plot"])
+    Console(width=None if sys.stdout.isatty() else 140).print(t)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if a.worker:
+        return _worker(json.loads(a.worker))
+    if a.steps < 3 or a.ranks < 1:
+        print("tierstore demo: --steps must be >= 3 and --ranks >= 1", file=sys.stderr)
+        return 2
+    kill_at = a.steps // 2 if a.kill_at is None else a.kill_at
+    if not 1 <= kill_at < a.steps - 1:
+        print(f"tierstore demo: --kill-at must be in 1..{a.steps - 2}", file=sys.stderr)
+        return 2
+    make_policy(a.policy)  # fail early on a bad name
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from consistency.gc import Retention, collect
+
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    home = a.home or os.environ.get("TIERSTORE_HOME") or ".tierstore"
+    base = {"home": str(Path(home).resolve()), "redis": a.redis, "durable": a.s3, "s3_endpoint": a.s3_endpoint,
+            "host_root": a.host_root, "steps": a.steps, "world": a.ranks, "kill_at": kill_at, "policy": a.policy,
+            "model": a.model_name or f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
+            "batch_size": a.batch_size, "seed": a.seed}
+    store = _open_store(base, migrate=False)  # starts the embedded server before the ranks race to
+    try:
+        events: dict[int, list[dict]] = {}
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=__import__("rich.console").console.Console(stderr=True)) as progress:
+            for phase, what in ((0, f"training until rank {a.ranks - 1} dies at step {kill_at}"),
+                                (1, "restarted: restore and continue")):
+                task = progress.add_task(what, total=a.steps)
+                codes = _run_phase(base, phase, out, progress, task)
+                events[phase] = _read_events(out / f"rank0.phase{phase}.jsonl")
+                ok = codes == [0] * a.ranks if phase == 1 else codes[-1] == -signal.SIGKILL
+                if not ok:
+                    bad = next((r for r, c in enumerate(codes) if c not in (0, -signal.SIGKILL)), 0)
+                    print(f"tierstore demo: phase {phase} failed (exit codes {codes}); rank {bad} log:\n"
+                          f"{_tail(out / f'rank{bad}.phase{phase}.log')}", file=sys.stderr)
+                    return 1
+                progress.update(task, completed=a.steps)
+        summary = _collect(store, base["model"], events, a.ranks, a.policy, kill_at, out)
+        _plot(summary, out / "demo.png")
+        if not a.keep_all:
+            summary["gc"] = collect(store, base["model"], Retention(keep_last=2), dry_run=False).to_json()
+            summary["gc"].pop("deleted")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        _print_summary(summary)
+        print(f"inspect it: tierstore admin --home {home} steps {base['model']}")
+    finally:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

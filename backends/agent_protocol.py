@@ -37,11 +37,11 @@ import hmac
 import re
 import struct
 from dataclasses import dataclass
+from typing import ClassVar
 
 import xxhash
 
 from backends.base import validate_object_name
-
 from tierstore.errors import (
     AuthenticationError,
     CorruptObjectError,
@@ -53,30 +53,30 @@ from tierstore.errors import (
 )
 
 __all__ = [
-    "MAGIC",
-    "VERSION",
-    "REQUEST",
-    "REPLY",
-    "REQUEST_FRAME_SIZE",
-    "REPLY_FRAME_SIZE",
-    "MAX_KEY_LEN",
-    "Op",
-    "Status",
+    "DEFAULT_CHUNK_SHIFT",
     "FLAG_CHECKSUM",
     "FLAG_IF_ABSENT",
-    "DEFAULT_CHUNK_SHIFT",
-    "Request",
+    "MAGIC",
+    "MAX_KEY_LEN",
+    "REPLY",
+    "REPLY_FRAME_SIZE",
+    "REQUEST",
+    "REQUEST_FRAME_SIZE",
+    "VERSION",
+    "Op",
     "Reply",
-    "pack_request",
-    "unpack_request",
-    "pack_reply",
-    "unpack_reply",
-    "sign",
+    "Request",
+    "RequestRejected",
+    "Status",
     "checksum",
     "chunk_spans",
     "error_for_status",
+    "pack_reply",
+    "pack_request",
+    "sign",
+    "unpack_reply",
+    "unpack_request",
     "validate_prefix",
-    "RequestRejected",
 ]
 
 MAGIC = b"TSAG"
@@ -105,7 +105,7 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9._/-]*")
 class Op:
     PUT, GET, DELETE, EXISTS, LIST, PING = 1, 2, 3, 4, 5, 6
     ALL = frozenset({1, 2, 3, 4, 5, 6})
-    NAMES = {1: "PUT", 2: "GET", 3: "DELETE", 4: "EXISTS", 5: "LIST", 6: "PING"}
+    NAMES: ClassVar[dict[int, str]] = {1: "PUT", 2: "GET", 3: "DELETE", 4: "EXISTS", 5: "LIST", 6: "PING"}
 
 
 class Status:

@@ -44,7 +44,7 @@ from backends.base import Backend, Buffer, as_buffers, validate_object_name
 from backends.ucx_util import import_ucxx, ucx_loop
 from tierstore.errors import ConfigError, CorruptObjectError, ProtocolError, TierUnavailableError
 
-__all__ = ["PeerAddress", "PeerBackend", "redis_discovery", "rank_peers"]
+__all__ = ["PeerAddress", "PeerBackend", "rank_peers", "redis_discovery"]
 
 
 @dataclass(frozen=True)

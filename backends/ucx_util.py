@@ -26,7 +26,7 @@ from types import ModuleType
 
 from tierstore.errors import MissingDependencyError
 
-__all__ = ["UCX_ENV_DEFAULTS", "apply_ucx_env_defaults", "import_ucxx", "ucxx_available", "ucx_loop"]
+__all__ = ["UCX_ENV_DEFAULTS", "apply_ucx_env_defaults", "import_ucxx", "ucx_loop", "ucxx_available"]
 
 UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_NET_DEVICES": "lo",
@@ -65,7 +65,7 @@ def import_ucxx() -> ModuleType:
     if _ucxx is None:
         apply_ucx_env_defaults()
         try:
-            import ucxx  # noqa: PLC0415
+            import ucxx
         except Exception as e:  # ImportError, or OSError from a missing libucx
             raise MissingDependencyError(
                 f"the peer tier needs ucxx ({type(e).__name__}: {e}); install it with "

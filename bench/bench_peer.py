@@ -17,18 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from backends.ucx_util import import_ucxx, ucx_loop  # noqa: E402
+from backends.ucx_util import import_ucxx, ucx_loop
 
 
 def _raw_server(nbytes: int) -> None:
@@ -75,7 +73,7 @@ def bench_peer(mib: int, reps: int) -> None:
     data = bytearray(os.urandom(1 << 20) * mib)
     ucxx = import_ucxx()
     loop = ucx_loop()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(600)  # noqa: E731
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(600)
 
     raw_proc = subprocess.Popen([sys.executable, __file__, "--raw-server", str(nbytes)], stdout=subprocess.PIPE)
     cluster = AgentCluster(1)

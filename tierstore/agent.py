@@ -44,7 +44,7 @@ from backends.base import Backend
 from backends.ucx_util import import_ucxx
 from tierstore.errors import ConfigError, KeyExistsError, TierFullError, TierStoreError
 
-__all__ = ["AgentConfig", "Agent", "NodeRegistration", "run_agent", "main", "NODE_KEY", "NODES_SET"]
+__all__ = ["NODES_SET", "NODE_KEY", "Agent", "AgentConfig", "NodeRegistration", "main", "run_agent"]
 
 log = logging.getLogger("tierstore.agent")
 
@@ -136,7 +136,7 @@ class NodeRegistration:
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self.beat()
-            except Exception as e:  # keep beating through a Redis blip
+            except Exception as e:  # noqa: BLE001 - keep beating through a Redis blip
                 log.warning("heartbeat for %s failed: %s", self.key, e)
 
     def stop(self, *, unregister: bool = True) -> None:
@@ -147,12 +147,12 @@ class NodeRegistration:
             try:
                 self.client.delete(self.key)
                 self.client.srem(NODES_SET, self.node_id)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - best effort; the TTL expires it anyway
                 log.warning("could not unregister %s: %s", self.key, e)
 
 
 def _default_backend(config: AgentConfig) -> Backend:
-    from backends.host import HostBackend  # noqa: PLC0415
+    from backends.host import HostBackend
 
     return HostBackend(config.host_root, capacity_bytes=config.capacity_bytes)
 
@@ -184,7 +184,7 @@ class Agent:
         self.port = int(self._listener.port)
         client = self._redis
         if client is None and self.config.redis_url:
-            import redis  # noqa: PLC0415
+            import redis
 
             client = redis.Redis.from_url(self.config.redis_url)
         if client is not None:
@@ -228,7 +228,7 @@ class Agent:
                     await self._reply(ep, P.Reply(P.Status.BAD_FRAME, "request frame too long"))
                     continue
                 await self._handle(ep, frame)
-        except Exception as e:  # the peer went away or broke the transport: drop this connection only
+        except Exception as e:  # noqa: BLE001 - the peer went away or broke the transport: drop it only
             log.debug("connection closed: %s: %s", type(e).__name__, e)
         finally:
             if not ep.closed:

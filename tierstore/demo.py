@@ -82,6 +82,9 @@ def _open_store(cfg: dict[str, Any], **extra: Any) -> Any:
     import tierstore
 
     kw: dict[str, Any] = dict(extra)
+    for opt in ("node_id", "peer_replicas", "peer_secret_file"):  # set by the testbed
+        if cfg.get(opt):
+            kw[opt] = cfg[opt]
     if cfg.get("host_root"):
         kw["host_root"] = cfg["host_root"]
     if cfg.get("s3_endpoint"):
@@ -140,7 +143,7 @@ def _worker(cfg: dict[str, Any]) -> int:
     for s in range(0 if step is None else step + 1, cfg["steps"]):
         x, y = gpt.get_batch(data, s, rank, cfg["batch_size"], block, cfg["seed"])
         loss = gpt.train_step(model, opt, x, y, world)
-        if phase == 0 and rank == world - 1 and s == cfg["kill_at"]:
+        if phase == 0 and rank == world - 1 and s == cfg.get("kill_at"):
             emit(event="kill", step=s, loss=loss)
             events.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -149,6 +152,9 @@ def _worker(cfg: dict[str, Any]) -> int:
         ckpt.save(s, extra={"data_pos": s + 1})
         stall = time.perf_counter() - t
         emit(event="step", step=s, loss=loss, stall_s=stall, t_save=wall)
+        if phase == 0 and s == cfg.get("hold_after"):
+            while True:  # the testbed kills a whole node here, mid-run
+                time.sleep(1)
         prev = ckpt.stats.per_step.get(s - 1)
         if prev is not None:
             m.record_step(metrics.StepFigures(cfg["model"], s - 1, rank, stall_s=stall, bytes_by_tier={"host": prev}))

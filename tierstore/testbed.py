@@ -1,0 +1,327 @@
+"""``tierstore testbed``: the docker-compose topology as local processes, end to end.
+
+Topology (``docker/docker-compose.yml`` runs the same with containers):
+
+* a Redis-protocol server on a loopback TCP port (the index);
+* moto's S3 server on a loopback port (the durable tier), one bucket;
+* two "nodes", ``node0`` and ``node1``: each a host tier directory in
+  ``/dev/shm``, a node agent (``python -m tierstore.agent``) serving it to
+  peers over UCX and registered in the index, and ``--ranks-per-node``
+  trainer ranks (the demo's rank program, gloo over loopback).
+
+Scenario:
+
+1. Phase 0: every rank trains the small GPT and checkpoints every step
+   (replicas to the peer node when the peer tier is available, bases to S3).
+   After step ``--kill-at`` the ranks pause, and the launcher kills
+   ``node1`` whole: its agent and its ranks (SIGKILL), and its shared
+   memory is wiped (a lost node loses its memory). The survivors are
+   stopped, as a launcher does when a rank dies.
+2. Phase 1: a replacement ``node1`` starts (a fresh agent, an empty host
+   tier); every rank restarts and restores. Ranks of ``node0`` read their
+   host tier; ranks of ``node1`` must read the peer tier (the replicas on
+   ``node0``) or the durable tier. Training continues to ``--steps``.
+3. Prints, per rank, the restored step, the restore time and the tiers read,
+   and checks every rank restored the same step; exit 0 on success.
+
+``--no-peer`` runs without the peer tier (restore of the lost node from S3).
+The peer tier is used only when this tierstore's :class:`StoreConfig` has
+``peer_replicas`` and ``ucxx`` imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tierstore.demo import _free_port, _read_events, _tail
+
+__all__ = ["main", "Testbed", "peer_supported"]
+
+_FAKE_S3_ENV = {"AWS_ACCESS_KEY_ID": "testbed", "AWS_SECRET_ACCESS_KEY": "testbed", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def peer_supported() -> tuple[bool, str]:
+    """Whether ranks can use the peer tier here, and why not."""
+    from tierstore.config import StoreConfig
+
+    if "peer_replicas" not in StoreConfig.__dataclass_fields__:
+        return False, "TierStore has no peer tier option (peer_replicas) yet"
+    if not _ucxx_ok():
+        return False, "ucxx is not usable here"
+    return True, ""
+
+
+def _ucxx_ok() -> bool:
+    try:
+        from backends.ucx_util import import_ucxx
+
+        import_ucxx()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not ready after {timeout}s")
+        time.sleep(0.05)
+
+
+class Testbed:
+    """Starts and stops the services and processes of the topology; see the module docstring."""
+
+    def __init__(self, work: Path, *, nodes: int = 2, ranks_per_node: int = 2, peer: bool = True,
+                 policy: str = "exact", steps: int = 10, kill_at: int = 4) -> None:
+        self.work = work
+        self.nodes = [f"node{i}" for i in range(nodes)]
+        self.ranks_per_node = ranks_per_node
+        self.world = nodes * ranks_per_node
+        self.peer = peer
+        self.agents = _ucxx_ok()
+        self.shm = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()) / \
+            f"tierstore-testbed-{uuid.uuid4().hex[:10]}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", UCXX_LOG_LEVEL=os.environ.get("UCXX_LOG_LEVEL", "FATAL"),
+                        **_FAKE_S3_ENV)
+        root = str(Path(__file__).resolve().parent.parent)
+        self.env["PYTHONPATH"] = root + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
+        self.secret_file = self.work / "secret"
+        self.redis_url = ""
+        self.s3_endpoint = ""
+        self.bucket = "tierstore-testbed"
+        self.base_cfg: dict[str, Any] = {"steps": steps, "world": self.world, "policy": policy, "seed": 0,
+                                         "batch_size": 8, "model": "testbed", "hold_after": kill_at}
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.work / f"{name}.log", "a")  # noqa: SIM115
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(self.work))
+        log.close()
+        self.procs[name] = p
+        return p
+
+    # -- services ------------------------------------------------------------------------
+    def start_services(self) -> None:
+        import boto3
+        import redis
+
+        from tierstore.embedded import server_binary
+
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.shm.mkdir(parents=True)
+        self.secret_file.write_text(uuid.uuid4().hex + "\n")
+        port = _free_port()
+        p = self._spawn("redis", [server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no", "--dir", str(self.work)])
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+
+        def redis_up() -> bool:
+            try:
+                return bool(redis.Redis.from_url(self.redis_url, socket_timeout=1).ping())
+            except redis.exceptions.RedisError:
+                return False
+
+        _wait(redis_up, 30, "redis", p)
+        port = _free_port()
+        p = self._spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+        self.s3_endpoint = f"http://127.0.0.1:{port}"
+        client = boto3.client("s3", endpoint_url=self.s3_endpoint, region_name="us-east-1",
+                              aws_access_key_id="testbed", aws_secret_access_key="testbed")
+
+        def s3_up() -> bool:
+            try:
+                client.list_buckets()
+                return True
+            except Exception:  # noqa: BLE001 - not listening yet
+                return False
+
+        _wait(s3_up, 60, "S3 server", p)
+        client.create_bucket(Bucket=self.bucket)
+        self.base_cfg.update(home=str(self.work / "home"), redis=self.redis_url, durable=f"s3://{self.bucket}/ckpt",
+                             s3_endpoint=self.s3_endpoint)
+
+    def start_agent(self, node: str) -> None:
+        import redis
+
+        (self.shm / node).mkdir(parents=True, exist_ok=True)
+        p = self._spawn(f"agent-{node}", [sys.executable, "-m", "tierstore.agent", "--node-id", node,
+                                          "--host-root", str(self.shm / node), "--secret-file", str(self.secret_file),
+                                          "--redis", self.redis_url, "--ttl", "5", "--log-level", "INFO"])
+        r = redis.Redis.from_url(self.redis_url)
+        _wait(lambda: r.exists(f"ts:node:{node}") == 1, 60, f"agent {node}", p)
+
+    def kill_node(self, node: str) -> None:
+        """SIGKILL the node's agent and ranks, wipe its shared memory, drop its registration."""
+        import redis
+
+        for name, p in self.procs.items():
+            if (name == f"agent-{node}" or name.startswith(f"{node}-rank")) and p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(30)
+        shutil.rmtree(self.shm / node, ignore_errors=True)
+        r = redis.Redis.from_url(self.redis_url)
+        r.delete(f"ts:node:{node}")  # what its TTL would do a few seconds later
+        r.srem("ts:nodes", node)
+
+    # -- ranks ---------------------------------------------------------------------------
+    def start_ranks(self, phase: int) -> dict[int, subprocess.Popen]:
+        port = _free_port()
+        ranks = {}
+        for r in range(self.world):
+            node = self.nodes[r // self.ranks_per_node]
+            cfg = dict(self.base_cfg, rank=r, phase=phase, port=port, node_id=node, host_root=str(self.shm / node),
+                       events=str(self.work / f"rank{r}.phase{phase}.jsonl"))
+            if self.peer:
+                cfg.update(peer_replicas=1, peer_secret_file=str(self.secret_file))
+            ranks[r] = self._spawn(f"{node}-rank{r}-phase{phase}",
+                                   [sys.executable, "-m", "tierstore.demo", "--worker", json.dumps(cfg)])
+        return ranks
+
+    def events(self, rank: int, phase: int) -> list[dict[str, Any]]:
+        return _read_events(self.work / f"rank{rank}.phase{phase}.jsonl")
+
+    def close(self) -> None:
+        procs = list(reversed(self.procs.values()))  # ranks, agents, then the services they use
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def _log_tail(tb: Testbed, name: str) -> str:
+    return f"--- {name}.log ---\n{_tail(tb.work / f'{name}.log')}"
+
+
+def run(tb: Testbed, kill_at: int, say=print, timeout: float = 300.0) -> dict[str, Any]:
+    """The scenario of the module docstring; returns the report (raises RuntimeError on failure)."""
+    deadline = time.monotonic() + timeout
+    tb.start_services()
+    say(f"index {tb.redis_url}, S3 {tb.s3_endpoint}, host tiers under {tb.shm}, peer tier {'on' if tb.peer else 'off'}")
+    if tb.agents:
+        for node in tb.nodes:
+            tb.start_agent(node)
+        say(f"agents up: {', '.join(tb.nodes)}")
+    else:
+        say("no node agents: ucxx is not usable here")
+    ranks = tb.start_ranks(0)
+    victim = tb.nodes[-1]
+
+    def all_held() -> bool:
+        for r, p in ranks.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"rank {r} exited with {p.returncode} in phase 0\n"
+                                   + _log_tail(tb, f"{tb.nodes[r // tb.ranks_per_node]}-rank{r}-phase0"))
+        return all(any(e["event"] == "step" and e["step"] == kill_at for e in tb.events(r, 0)) for r in ranks)
+
+    _wait(all_held, max(1.0, deadline - time.monotonic()), "phase 0 ranks reaching the kill step")
+    time.sleep(0.5)  # let background commits of the last step run
+    tb.kill_node(victim)
+    for p in ranks.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+    say(f"killed {victim} (agent, ranks, shared memory) after step {kill_at}; stopped the survivors")
+    if tb.agents:
+        tb.start_agent(victim)
+    say(f"replacement {victim} up; restarting {tb.world} ranks")
+    ranks = tb.start_ranks(1)
+    for r, p in ranks.items():
+        try:
+            rc = p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc != 0:
+            raise RuntimeError(f"rank {r} failed in phase 1 (exit {rc})\n"
+                               + _log_tail(tb, f"{tb.nodes[r // tb.ranks_per_node]}-rank{r}-phase1"))
+    report: dict[str, Any] = {"killed": victim, "kill_at": kill_at, "peer": tb.peer, "ranks": {}}
+    for r in range(tb.world):
+        ev = tb.events(r, 1)
+        restore = next(e for e in ev if e["event"] == "restore")
+        steps = [e["step"] for e in ev if e["event"] == "step"]
+        done = next((e for e in ev if e["event"] == "done"), {})
+        report["ranks"][r] = {"node": tb.nodes[r // tb.ranks_per_node], "restored_step": restore["step"],
+                              "seconds": restore["seconds"], "tiers": restore["tiers"],
+                              "last_step": steps[-1] if steps else None, "final_state": done.get("state")}
+    restored = {v["restored_step"] for v in report["ranks"].values()}
+    if len(restored) != 1 or None in restored:
+        raise RuntimeError(f"ranks restored different steps: {report['ranks']}")
+    report["restored_step"] = restored.pop()
+    return report
+
+
+def _print_report(rep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"testbed: {rep['killed']} lost after step {rep['kill_at']}; restored step {rep['restored_step']}",
+              title_justify="left")
+    for c in ("rank", "node", "restored step", "restore time", "tiers read", "trained to", "last save"):
+        t.add_column(c)
+    for r, v in sorted(rep["ranks"].items()):
+        t.add_row(str(r), v["node"], str(v["restored_step"]), f"{v['seconds'] * 1e3:.0f} ms",
+                  ", ".join(f"{k} {n}" for k, n in sorted(v["tiers"].items())) or "-", str(v["last_step"]),
+                  str(v["final_state"]))
+    Console(width=None if sys.stdout.isatty() else 140).print(t)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tierstore testbed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--kill-at", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--policy", default="exact")
+    p.add_argument("--no-peer", action="store_true", help="no peer tier: the lost node restores from S3")
+    p.add_argument("--workdir", default=None, help="logs and state (default: a temporary directory, removed)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not 0 < a.kill_at < a.steps - 1:
+        print(f"tierstore testbed: --kill-at must be in 1..{a.steps - 2}", file=sys.stderr)
+        return 2
+    peer, why = (False, "--no-peer") if a.no_peer else peer_supported()
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="tierstore-testbed-")).resolve()
+    tb = Testbed(work, ranks_per_node=a.ranks_per_node, peer=peer, policy=a.policy, steps=a.steps, kill_at=a.kill_at)
+    say = (lambda m: print(m, file=sys.stderr)) if a.json else print
+    if not peer:
+        say(f"peer tier off ({why}): the lost node restores from the durable tier")
+    try:
+        rep = run(tb, a.kill_at, say=say, timeout=a.timeout)
+        rep["peer_off_reason"] = None if peer else why
+    except RuntimeError as e:
+        print(f"tierstore testbed: {e}\nlogs in {work}", file=sys.stderr)
+        return 1
+    finally:
+        tb.close()
+        if a.workdir is None and "rep" in locals():
+            shutil.rmtree(work, ignore_errors=True)
+    if a.json:
+        print(json.dumps(rep, indent=2, default=str))
+    else:
+        _print_report(rep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

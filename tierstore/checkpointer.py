@@ -27,8 +27,11 @@ rank constructs its Checkpointer). The training loop's own collectives are
 never mixed with it.
 
 Rank and world size come from the arguments, else ``torch.distributed`` when
-initialised, else 0 and 1. (The env-var fallback ``RANK``/``WORLD_SIZE`` is
-read by :func:`rank_from_env`, which a launcher may pass in explicitly.)
+initialised, else the launcher's ``RANK``/``WORLD_SIZE`` environment
+(:func:`rank_from_env`, the one place that reads it), else 0 and 1. Without
+``torch.distributed`` there are no collectives: layerwise decisions are local
+(identical replicas decide alike), dedup is off, and restore does not bump the
+epoch when the world is larger than one (no rank could tell the others).
 """
 
 from __future__ import annotations
@@ -124,8 +127,9 @@ class Checkpointer:
         self.map = StateMap(module, optimizer, layer_fn)
         self.policy = policy or exact()
         dist_on = dist.is_available() and dist.is_initialized()
-        self.rank = rank if rank is not None else (dist.get_rank() if dist_on else 0)
-        self.world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else 1)
+        env_rank, env_world = rank_from_env() if not dist_on else (0, 1)
+        self.rank = rank if rank is not None else (dist.get_rank() if dist_on else env_rank)
+        self.world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else env_world)
         self.group = None
         if dist_on and dist.get_world_size() > 1:
             self.group = group if group is not None else dist.new_group(backend="gloo")

@@ -144,7 +144,7 @@ def test_substituted_gradient_is_detected_by_the_digest(store):
 # ---- two real ranks, killed and restarted ---------------------------------------------------------
 
 KILL = 7
-STOP = KILL + 6
+STOP = KILL + 4
 TAMPER = 6  # the tampered model's log step (rank 1's entry, both tiers)
 
 
@@ -163,7 +163,7 @@ def worker(rank: int, world: int, port: int, home: str, out: str, kill_at: int) 
     data = char_dataset()
     jobs = {}
     for name in ("clean", "tamper"):
-        model, opt = make_model(seed=0)
+        model, opt = make_model(CFG, seed=0)
         rc = ReplayCheckpointer(store, f"gpt-replay-{name}", model, opt, base_every=5)
         with __import__("warnings").catch_warnings(record=True):
             step, extra, rep = rc.restore()
@@ -172,7 +172,7 @@ def worker(rank: int, world: int, port: int, home: str, out: str, kill_at: int) 
                           report={"step": step, "base": rep.base_step, "replayed": rep.replayed,
                                   "fell_back": rep.fell_back, "reason": rep.reason, "extra": extra})
     for step in range(min(j["start"] for j in jobs.values()), STOP):
-        x, y = get_batch(data, step, rank, 8, 64, 0)
+        x, y = get_batch(data, step, rank, 4, CFG.block, 0)
         for j in jobs.values():
             if step >= j["start"]:
                 j["losses"][step] = train_step(j["model"], j["opt"], x, y, world)
@@ -238,8 +238,8 @@ def test_two_ranks_kill_restart_replay_is_bitwise(tmp_path):
     assert _run(home, tmp_path / "second", -1) == [0, 0]
     res = [json.loads((tmp_path / f"second.{r}.json").read_text()) for r in range(2)]
     setup_determinism(0)
-    model, opt = make_model(seed=0)
-    ref = train_emulated(model, opt, 0, STOP, world_size=2)
+    model, opt = make_model(CFG, seed=0)
+    ref = train_emulated(model, opt, 0, STOP, world_size=2, batch_size=4)
     for rank in range(2):
         clean, tamp = res[rank]["clean"], res[rank]["tamper"]
         assert clean["report"]["step"] == KILL and clean["report"]["base"] == 5

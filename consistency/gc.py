@@ -33,7 +33,7 @@ from tierstore.keys import ShardKey
 if TYPE_CHECKING:
     from tierstore.store import TierStore
 
-__all__ = ["Retention", "GCReport", "collect", "reachable", "evict_host"]
+__all__ = ["GCReport", "Retention", "collect", "evict_host", "reachable"]
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def collect(store: TierStore, model: str, retention: Retention = Retention(), *,
     in_flight = {k for k in objects if k.step in preparing or k.step > newest_decided}
     keep_objs = reachable(store, model, sorted(kept)) | _closure(store, in_flight)
     report = GCReport(kept_steps=sorted(kept), dry_run=dry_run)
-    report.dropped_steps = sorted(((set(committed) - kept) | aborted))
+    report.dropped_steps = sorted((set(committed) - kept) | aborted)
     dropped = set(report.dropped_steps)
     victims = []
     for key in objects:

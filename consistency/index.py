@@ -32,10 +32,15 @@ from urllib.parse import urlparse
 
 import redis
 
-from tierstore.errors import AccessDeniedError, ConfigError, FencedError, TierUnavailableError
+from tierstore.errors import (
+    AccessDeniedError,
+    ConfigError,
+    FencedError,
+    TierUnavailableError,
+)
 from tierstore.keys import ShardKey, validate_name
 
-__all__ = ["Index", "ObjectRecord", "translate_redis_errors", "redact_url"]
+__all__ = ["Index", "ObjectRecord", "redact_url", "translate_redis_errors"]
 
 _FENCED = "TSFENCED"
 

@@ -26,7 +26,7 @@ from typing import Any
 from tierstore.errors import ManifestError
 from tierstore.keys import ShardKey
 
-__all__ = ["MANIFEST_VERSION", "parse_manifest", "durable_manifest_name", "manifest_objects", "MAX_MANIFEST_BYTES"]
+__all__ = ["MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "durable_manifest_name", "manifest_objects", "parse_manifest"]
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20

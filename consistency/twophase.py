@@ -31,11 +31,22 @@ from typing import Any
 
 from backends.base import Backend
 from consistency.index import Index, translate_redis_errors
-from consistency.manifest import MANIFEST_VERSION, durable_manifest_name, manifest_objects, parse_manifest
-from tierstore.errors import CommitError, FencedError, KeyExistsError, StepAbortedError, TierUnavailableError
+from consistency.manifest import (
+    MANIFEST_VERSION,
+    durable_manifest_name,
+    manifest_objects,
+    parse_manifest,
+)
+from tierstore.errors import (
+    CommitError,
+    FencedError,
+    KeyExistsError,
+    StepAbortedError,
+    TierUnavailableError,
+)
 from tierstore.keys import ShardKey, validate_name
 
-__all__ = ["StepProtocol", "STATES", "DECIDED"]
+__all__ = ["DECIDED", "STATES", "StepProtocol"]
 
 log = logging.getLogger(__name__)
 

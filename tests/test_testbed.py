@@ -28,3 +28,23 @@ def test_testbed_node_loss_and_restore(tmp_path):
     assert node1["tiers"] and set(node1["tiers"]) <= ({"peer", "durable"} if peer else {"durable"})
     for r in (node0, node1):
         assert r["restored_step"] == rep["restored_step"] and r["last_step"] == 4 and r["final_state"] == "committed"
+
+
+def test_compose_file_is_valid():
+    import shutil
+
+    import pytest
+
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("the docker-compose binary is missing (apt-get install -y --no-install-recommends docker-compose)")
+    compose = REPO / "docker" / "docker-compose.yml"
+    p = subprocess.run([exe, "-f", str(compose), "config", "-q"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([exe, "-f", str(compose), "config", "--services"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert set(p.stdout.split()) == {"redis", "minio", "bucket", "node0", "node1"}
+    p = subprocess.run([exe, "-f", str(compose), "config"], capture_output=True, text=True, timeout=60)
+    text = p.stdout
+    assert "tierstore agent" in text and "torchrun" in text and "tierstore.demo" in text
+    assert (REPO / "docker" / "Dockerfile").read_text().count("torch==2.13.0") == 1

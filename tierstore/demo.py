@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="demo-out", help="where the plot, summary and logs go")
     p.add_argument("--keep-all", action="store_true", help="keep every step (default: gc keeps the last 2)")
+    p.add_argument("--torchrun", action="store_true",
+                   help="be one rank under torchrun (RANK/WORLD_SIZE from its environment): restore, train, save")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON config of one rank
     return p
 
@@ -123,8 +125,8 @@ def _worker(cfg: dict[str, Any]) -> int:
     def emit(**e: Any) -> None:
         events.write(json.dumps(e) + "\n")
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    init = f"tcp://127.0.0.1:{cfg['port']}" if cfg.get("port") else "env://"  # env://: under torchrun
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     gpt.setup_determinism(cfg["seed"])
     model, opt = gpt.make_model(seed=cfg["seed"])
     policy = make_policy(cfg["policy"])
@@ -345,10 +347,32 @@ def _print_summary(s: dict[str, Any]) -> None:
     Console(width=None if sys.stdout.isatty() else 140).print(t)
 
 
+def _torchrun_rank(a: argparse.Namespace) -> int:
+    """One rank of a torchrun job (the docker-compose testbed): the store comes from ``TIERSTORE_*``."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"home": a.home or os.environ.get("TIERSTORE_HOME") or ".tierstore", "redis": a.redis, "durable": a.s3,
+           "s3_endpoint": a.s3_endpoint, "host_root": a.host_root, "steps": a.steps, "world": world, "rank": rank,
+           "phase": 1, "port": None, "policy": a.policy, "model": a.model_name or "demo", "batch_size": a.batch_size,
+           "seed": a.seed, "events": str(out / f"rank{rank}.jsonl")}
+    Path(cfg["events"]).unlink(missing_ok=True)
+    rc = _worker(cfg)
+    ev = _read_events(Path(cfg["events"]))
+    restore = next((e for e in ev if e["event"] == "restore"), {})
+    steps = [e for e in ev if e["event"] == "step"]
+    print(f"rank {rank}/{world}: restored step {restore.get('step')} from {restore.get('tiers') or '-'} in "
+          f"{(restore.get('seconds') or 0) * 1e3:.0f} ms; trained to step {steps[-1]['step'] if steps else '-'}, "
+          f"loss {steps[-1]['loss'] if steps else float('nan'):.4f}", flush=True)
+    return rc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if a.worker:
         return _worker(json.loads(a.worker))
+    if a.torchrun:
+        return _torchrun_rank(a)
     if a.steps < 3 or a.ranks < 1:
         print("tierstore demo: --steps must be >= 3 and --ranks >= 1", file=sys.stderr)
         return 2

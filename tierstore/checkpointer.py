@@ -36,8 +36,8 @@ epoch when the world is larger than one (no rank could tell the others).
 
 from __future__ import annotations
 
+import logging
 import os
-import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -46,12 +46,19 @@ import torch
 
 from tierstore.dedup import DedupPlanner, part_of
 from tierstore.delta import xor_delta
-from tierstore.errors import CommitError, NoValidCopyError, RestoreMismatchError, TierStoreError
+from tierstore.errors import (
+    CommitError,
+    NoValidCopyError,
+    RestoreMismatchError,
+    TierStoreError,
+)
 from tierstore.keys import ShardKey, validate_name
 from tierstore.layers import PARAM, StateMap
 from tierstore.policies import DiffTracker, LayerwiseTracker, Policy, exact
 
 __all__ = ["Checkpointer", "SaveStats", "rank_from_env"]
+
+log = logging.getLogger(__name__)
 
 
 def rank_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -144,7 +151,6 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstore-ckpt-{self.rank}")
         self._future: Future | None = None
         self._last_step: int | None = None
-        self._lock = threading.Lock()
 
     # ---- saving ----------------------------------------------------------------
 
@@ -238,8 +244,8 @@ class Checkpointer:
                 p.abort()
             try:
                 self.store.vote(self.model, step, self.rank, infos, extra=vote_extra, ok=False, epoch=self.epoch)
-            except Exception:
-                pass
+            except Exception as ve:  # noqa: BLE001 - the original error is what matters
+                log.debug("negative vote for step %s failed: %r", step, ve)
             if isinstance(e, TierStoreError):
                 raise
             raise CommitError(f"save of step {step} failed on rank {self.rank}: {e!r}", step=step, rank=self.rank) from e
@@ -273,7 +279,7 @@ class Checkpointer:
         if self._diff is None:
             return self.store.put(key, mine, meta, epoch=self.epoch)
         kind, base_step = self._diff.kind(ln, step, mine)
-        if kind == "delta":
+        if kind == "delta" and base_step is not None:
             base = self._diff.base_tensors(ln)
             deltas = {n: xor_delta(t, base[n]) for n, t in mine.items() if not _bits_equal(t, base[n])}
             meta["_delta"] = {
@@ -359,7 +365,7 @@ class Checkpointer:
                 ts.update({n: t for n, t in other.tensors.items() if part_of(n) == part})
             tensors[ln] = ts
             metas[ln] = meta
-        for ln, in_store in res.layers.items():
+        for ln in res.layers:
             if ln not in self.map.layers:
                 raise RestoreMismatchError(f"stored layer {ln!r} has no counterpart in the module", layer=ln, tensor=None)
         extra = res.extra.get(src_rank) or res.extra.get(str(src_rank)) or {}

@@ -46,15 +46,31 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import (
+    StorageReader,
+    StorageWriter,
+    WriteResult,
+)
 from torch.futures import Future
 
 from tierstore.codec import DTYPES
-from tierstore.errors import CommitError, InvalidValueError, ManifestError, NoValidCopyError
+from tierstore.errors import (
+    CommitError,
+    InvalidValueError,
+    ManifestError,
+    NoValidCopyError,
+)
 from tierstore.keys import ShardKey, validate_name
 
-__all__ = ["TierStoreWriter", "TierStoreReader", "metadata_to_json", "metadata_from_json"]
+__all__ = ["TierStoreReader", "TierStoreWriter", "metadata_from_json", "metadata_to_json"]
 
 DATA_LAYER = "dcp"
 META_LAYER = "dcp-metadata"
@@ -210,8 +226,10 @@ class TierStoreWriter(StorageWriter):
                     f"{item.index.fqn}: non-tensor values are not supported (DCP would read them back with pickle)",
                     tensor=item.index.fqn,
                 )
-            t = planner.resolve_data(item)
-            t = t.detach().to("cpu").contiguous()
+            data = planner.resolve_data(item)
+            if not isinstance(data, torch.Tensor):
+                raise InvalidValueError(f"{item.index.fqn}: expected a tensor", tensor=item.index.fqn)
+            t = data.detach().to("cpu").contiguous()
             name = _item_name(item.index.fqn, item.index.offset)
             tensors[name] = t
             results.append(WriteResult(item.index, t.numel() * t.element_size(), {"key": str(key), "name": name}))

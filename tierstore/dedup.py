@@ -31,7 +31,6 @@ No pickle: only fixed-size integer tensors travel.
 from __future__ import annotations
 
 import hashlib
-
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 
 from tierstore.hashing import tensor_digest
 
-__all__ = ["PARTS", "part_of", "split_parts", "part_digests", "assign_owners", "DedupPlanner"]
+__all__ = ["PARTS", "DedupPlanner", "assign_owners", "part_digests", "part_of", "split_parts"]
 
 PARTS = ("state", "optim")
 _DIGEST_BYTES = 16
@@ -107,12 +106,12 @@ def assign_owners(
                 key = (ln, tuple(members))
                 parts, nb = units.get(key, ([], 0))
                 units[key] = (parts + [part], nb + nbytes)
-    for (ln, members), (parts, nbytes) in sorted(units.items(), key=lambda kv: (-kv[1][1], kv[0])):
-        owner = min(members, key=lambda r: (load[r], r))
-        load[owner] += nbytes
-        for part in parts:
-            for r in members:
-                owners[ln][part][r] = owner
+    for (uln, umembers), (uparts, unbytes) in sorted(units.items(), key=lambda kv: (-kv[1][1], kv[0])):
+        owner = min(umembers, key=lambda r: (load[r], r))
+        load[owner] += unbytes
+        for part in uparts:
+            for r in umembers:
+                owners[uln][part][r] = owner
     return owners
 
 
@@ -163,9 +162,9 @@ class DedupPlanner:
         nb = torch.zeros(len(names), len(PARTS), dtype=torch.int64)
         for i, ln in enumerate(names):
             for j, p in enumerate(PARTS):
-                d, n = mine[ln][p]
-                dig[i, j] = torch.frombuffer(bytearray(d), dtype=torch.uint8)
-                nb[i, j] = n
+                dgst, size = mine[ln][p]
+                dig[i, j] = torch.frombuffer(bytearray(dgst), dtype=torch.uint8)
+                nb[i, j] = size
         digs = [torch.empty_like(dig) for _ in range(world)]
         nbs = [torch.empty_like(nb) for _ in range(world)]
         dist.all_gather(digs, dig, group=self.group)

@@ -22,19 +22,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = [
-    "GPTConfig",
     "GPT",
+    "GPTConfig",
     "char_dataset",
     "get_batch",
-    "setup_determinism",
     "make_model",
-    "train_step",
+    "setup_determinism",
     "train",
     "train_emulated",
+    "train_step",
 ]
 
 
@@ -50,6 +50,8 @@ class GPTConfig:
 
 
 class _Block(nn.Module):
+    mask: torch.Tensor
+
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.n_head = c.n_head
@@ -234,16 +236,19 @@ def train_emulated(
     params = list(model.parameters())
     losses: list[list[float]] = [[] for _ in range(world_size)]
     for step in range(start, stop):
-        grads = None
+        grads: list[torch.Tensor | None] | None = None
         for r in range(world_size):
             x, y = get_batch(data, step, r, batch_size, block, seed)
             opt.zero_grad(set_to_none=True)
             loss = model(x, y)
             loss.backward()
             losses[r].append(float(loss.item()))
-            g = [p.grad.clone() if p.grad is not None else None for p in params]
-            grads = g if grads is None else [a.add_(b) if a is not None else None for a, b in zip(grads, g)]
-        for p, g in zip(params, grads):
+            cur = [p.grad.clone() if p.grad is not None else None for p in params]
+            if grads is None:
+                grads = cur
+            else:
+                grads = [a.add_(b) if a is not None and b is not None else a for a, b in zip(grads, cur)]
+        for p, g in zip(params, grads or []):
             p.grad = None if g is None else g.div_(world_size)
         opt.step()
     return losses

@@ -39,13 +39,13 @@ from tierstore.errors import InvalidValueError, RestoreMismatchError
 from tierstore.keys import validate_name
 
 __all__ = [
-    "default_layer_fn",
-    "sanitize_layer_name",
-    "LayerSpec",
-    "StateMap",
-    "PARAM",
     "BUFFER",
     "OPTIM",
+    "PARAM",
+    "LayerSpec",
+    "StateMap",
+    "default_layer_fn",
+    "sanitize_layer_name",
 ]
 
 PARAM = "param/"
@@ -243,7 +243,7 @@ class StateMap:
             if layer not in tensors:
                 raise RestoreMismatchError(f"layer {layer!r} is missing from the checkpoint", layer=layer, tensor=None)
             stored = tensors[layer]
-            expected = {PARAM + n: self.params[n] for n in spec.params}
+            expected: dict[str, torch.Tensor] = {PARAM + n: self.params[n] for n in spec.params}
             expected.update({BUFFER + n: self.buffers[n] for n in spec.buffers})
             for name, want in expected.items():
                 if name not in stored:

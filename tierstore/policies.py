@@ -34,14 +34,14 @@ import torch
 from tierstore.errors import ConfigError
 
 __all__ = [
+    "DiffTracker",
+    "LayerwiseTracker",
     "Policy",
+    "compose",
+    "dedup",
+    "differential",
     "exact",
     "layerwise",
-    "differential",
-    "dedup",
-    "compose",
-    "LayerwiseTracker",
-    "DiffTracker",
     "relative_change",
 ]
 

@@ -173,6 +173,13 @@ class FaultPlan:
         if rule.kind == "timeout":
             raise self.error(rule, point, tier, key, f" (no answer after {rule.delay_s}s)")
 
+    def arm(self, *rules: FaultRule) -> None:
+        """Replace the rules (and their counters) from now on: how a chaos run injects the next fault."""
+        with self._lock:
+            self.rules = list(rules)
+            self._rule_hits.clear()
+            self._rule_seen.clear()
+
     def total_fired(self) -> int:
         return sum(self.fired.values())
 

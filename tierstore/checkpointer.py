@@ -207,10 +207,13 @@ class Checkpointer:
         if fut is None:
             return None
         try:
-            return fut.result()
+            state = fut.result()
         except BaseException:
             self._reset_trackers()
             raise
+        if state == "aborted":  # this rank's vote decided it: the next save starts from full objects
+            self._reset_trackers()
+        return state
 
     def _reset_trackers(self) -> None:
         if self._lw is not None:

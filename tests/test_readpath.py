@@ -1,0 +1,80 @@
+"""The read path: resolve() picks the newest committed step that can be rebuilt, layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_twophase import M, save_step, shard
+from tierstore import ShardKey
+from tierstore.errors import NoValidCopyError
+
+
+def check(store, res):
+    for (layer, rank), info in res.objects.items():
+        got = store.get(info.key)
+        want = shard(layer, res.layers[layer], rank)
+        assert all(torch.equal(got.tensors[n], t) for n, t in want.items()), info.key
+
+
+def test_newest_committed_step_exactly(store):
+    save_step(store, 1, 2)
+    save_step(store, 2, 2)
+    res = store.resolve(M)
+    assert res.step == 2 and res.layers == {"a": 2, "b": 2} and res.world_size == 2 and res.state == "committed"
+    assert res.extra == {0: {"rank": 0, "data_pos": 20}, 1: {"rank": 1, "data_pos": 20}}
+    assert res.keys_for_rank(1) == {"a": ShardKey(M, "a", 2, 1), "b": ShardKey(M, "b", 2, 1)}
+    check(store, res)
+
+
+def test_aborted_and_preparing_steps_are_never_returned(store):
+    save_step(store, 1, 2)
+    save_step(store, 2, 2, ok=False)
+    save_step(store, 3, 2, vote_ranks=[0])  # rank 1 never voted
+    res = store.resolve(M)
+    assert res.step == 1
+    check(store, res)
+
+
+def test_falls_back_to_an_older_step_when_a_shard_is_gone_everywhere(store):
+    save_step(store, 1, 2)
+    save_step(store, 2, 2)
+    store.flush()
+    lost = ShardKey(M, "b", 2, 1)
+    store.host.delete(str(lost))
+    store.durable.delete(str(lost))
+    res = store.resolve(M)
+    assert res.step == 1
+    check(store, res)
+    store.host.delete(str(ShardKey(M, "a", 1, 0)))
+    store.durable.delete(str(ShardKey(M, "a", 1, 0)))
+    with pytest.raises(NoValidCopyError) as ei:
+        store.resolve(M)
+    assert "gpt/b/2/1" in str(ei.value)
+
+
+def test_reads_from_the_durable_tier_when_host_copies_are_gone(store):
+    save_step(store, 1, 2)
+    store.flush()
+    for name in list(store.host.list("gpt/")):
+        store.host.delete(name)
+    res = store.resolve(M)
+    assert res.step == 1 and res.state == "durable"
+    check(store, res)
+
+
+def test_staleness_bound_mixes_versions_per_layer(store):
+    save_step(store, 1, 2)
+    store.begin_step(M, 2, 2, layout={"layers": ["a", "b"]})
+    for rank in range(2):  # step 2 saved only layer a (layer-wise policy)
+        store.vote(M, 2, rank, [store.put(ShardKey(M, "a", 2, rank), shard("a", 2, rank))])
+    res = store.resolve(M, max_staleness=0)  # exact: step 2 lacks b, so step 1, every layer from it
+    assert res.step == 1 and res.layers == {"a": 1, "b": 1}
+    res = store.resolve(M, max_staleness=1)
+    assert res.step == 2 and res.layers == {"a": 2, "b": 1}
+    check(store, res)
+
+
+def test_no_committed_step(store):
+    with pytest.raises(NoValidCopyError, match="no committed step"):
+        store.resolve(M)

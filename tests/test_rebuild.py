@@ -1,0 +1,126 @@
+"""Index loss: FLUSHALL, rebuild from the durable manifests, restore the newest durable step bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierstore
+from consistency.manifest import durable_manifest_name
+from tests.s3_server import s3_bucket, s3_env, s3_server  # noqa: F401 - fixtures
+from tests.test_gc import put_delta
+from tests.test_twophase import M, save_step, shard
+from tierstore import ShardKey
+from tierstore.errors import ConfigError, FencedError
+
+
+def check(store, step):
+    res = store.resolve(M)
+    assert res.step == step and res.state == "durable"
+    for (layer, rank), info in res.objects.items():
+        got = store.get(info.key)
+        assert all(torch.equal(got.tensors[n], t) for n, t in shard(layer, res.layers[layer], rank).items())
+    return res
+
+
+def memory_only_step(store, tmp_path, redis_url, step):
+    """Commit ``step`` through a store without a durable tier: it stays in memory only."""
+    mem = tierstore.open(tmp_path / "mem", redis=redis_url, durable="none", host_root=store.host.root,
+                         node_id="node0")
+    try:
+        save_step(mem, step, 2)
+    finally:
+        mem.close()
+
+
+def test_rebuild_restores_durable_steps_and_reports_memory_only_ones(store, tmp_path, redis_url):
+    e = store.open_epoch(M)
+    for s in (1, 2, 3):
+        save_step(store, s, 2, epoch=e)
+    store.flush()
+    memory_only_step(store, tmp_path, redis_url, 4)
+    assert store.resolve(M).step == 4
+    store.index.r.flushall()
+    report = store.rebuild_index()
+    assert report.restored == {M: [1, 2, 3]} and report.lost_steps == {M: [4]} and report.skipped == {}
+    assert report.objects == 12
+    assert store.steps.steps(M) == [(1, "durable"), (2, "durable"), (3, "durable")]
+    assert store.index.epoch(M) == e  # fencing survives: the old incarnation's epoch is not reusable
+    assert store.open_epoch(M) == e + 1
+    check(store, 3)
+    info = store.info(ShardKey(M, "a", 3, 1))
+    assert set(info.tiers) == {"durable", "host"}
+    again = store.rebuild_index(M)  # idempotent
+    assert again.restored == {M: [1, 2, 3]}
+    check(store, 3)
+
+
+def test_rebuild_from_s3_without_host_copies(tmp_path, redis_url, shm_root, s3_bucket):  # noqa: F811
+    endpoint, bucket = s3_bucket
+    s = tierstore.open(tmp_path / "h", redis=redis_url, durable=f"s3://{bucket}/p", s3_endpoint_url=endpoint,
+                       host_root=str(shm_root / "n"), node_id="n")
+    try:
+        save_step(s, 1, 2)
+        save_step(s, 2, 2)
+        s.flush()
+        for name in list(s.host.list()):
+            s.host.delete(name)
+        s.index.r.flushall()
+        report = s.rebuild_index(M)
+        assert report.restored == {M: [1, 2]} and report.lost_steps == {}
+        assert set(s.info(ShardKey(M, "b", 2, 0)).tiers) == {"durable"}
+        check(s, 2)
+    finally:
+        s.close()
+
+
+def test_rebuild_follows_delta_chains_through_deps(store):
+    store.begin_step(M, 1, 1)
+    k1 = ShardKey(M, "a", 1, 0)
+    store.vote(M, 1, 0, [store.put(k1, shard("a", 1, 0))])
+    store.begin_step(M, 2, 1)
+    store.vote(M, 2, 0, [put_delta(store, k1.with_step(2), k1, shard("a", 2, 0), shard("a", 1, 0))])
+    store.flush()
+    store.durable.delete(durable_manifest_name(M, 1))  # as gc does once step 1 is dropped
+    store.index.r.flushall()
+    report = store.rebuild_index(M)
+    assert report.restored == {M: [2]}
+    assert store.info(k1).kind == "full"
+    res = store.resolve(M)
+    assert res.step == 2
+    assert torch.equal(store.get(k1.with_step(2)).tensors["w"], shard("a", 2, 0)["w"])
+
+
+def test_bad_or_incomplete_manifests_are_skipped(store):
+    save_step(store, 1, 2)
+    save_step(store, 2, 2)
+    save_step(store, 3, 2)
+    store.flush()
+    store.durable.put(durable_manifest_name(M, 3), b'{"version": 42}')
+    store.durable.delete(str(ShardKey(M, "b", 2, 1)))
+    store.index.r.flushall()
+    report = store.rebuild_index(M)
+    assert report.restored == {M: [1]}
+    assert "version 42" in report.skipped[durable_manifest_name(M, 3)]
+    assert "missing from the durable tier" in report.skipped[durable_manifest_name(M, 2)]
+    check(store, 1)
+
+
+def test_rebuild_raises_epoch_for_zombies(store):
+    e = store.open_epoch(M)
+    e = store.open_epoch(M)
+    save_step(store, 1, 2, epoch=e)
+    store.flush()
+    store.index.r.flushall()
+    store.rebuild_index(M)
+    with pytest.raises(FencedError):
+        store.put(ShardKey(M, "a", 2, 0), shard("a", 2, 0), epoch=e - 1)
+
+
+def test_rebuild_needs_a_durable_tier(tmp_path, redis_url, shm_root):
+    s = tierstore.open(tmp_path / "h", redis=redis_url, durable="none", host_root=str(shm_root / "x"))
+    try:
+        with pytest.raises(ConfigError):
+            s.rebuild_index()
+    finally:
+        s.close()

@@ -30,8 +30,6 @@ import tempfile
 import time
 from datetime import timedelta
 
-import torch
-
 
 def _policies(a: argparse.Namespace):
     from tierstore import policies as P
@@ -53,7 +51,14 @@ def _rank(rank: int, world: int, port: int, home: str, out: str, a: argparse.Nam
     import tierstore
     from tierstore import codec
     from tierstore.checkpointer import Checkpointer
-    from tierstore.gpt import GPTConfig, char_dataset, get_batch, make_model, setup_determinism, train_step
+    from tierstore.gpt import (
+        GPTConfig,
+        char_dataset,
+        get_batch,
+        make_model,
+        setup_determinism,
+        train_step,
+    )
 
     setup_determinism(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

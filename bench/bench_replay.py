@@ -25,7 +25,14 @@ import time
 import tierstore
 from tierstore import policies as P
 from tierstore.checkpointer import Checkpointer
-from tierstore.gpt import GPTConfig, char_dataset, get_batch, make_model, setup_determinism, train_step
+from tierstore.gpt import (
+    GPTConfig,
+    char_dataset,
+    get_batch,
+    make_model,
+    setup_determinism,
+    train_step,
+)
 from tierstore.replay import ReplayCheckpointer
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bench import systems as S
-from bench.workload import Peak, make_workload, matmul_step, rss_bytes, shm_used_bytes
+from bench.workload import Peak, make_workload, matmul_step, rss_bytes, rss_shmem_bytes, shm_used_bytes
 
 __all__ = ["rank_main"]
 
@@ -149,7 +149,8 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         step += 1
         # Peak through the first save only: a restore that maps files (torch.load(mmap=True)
         # of a /dev/shm file) would count those shared pages in RSS.
-        rec["first_peak_extra_bytes"] = peak.peak() - peak.base
+        rec["first_peak_extra_bytes"] = peak.private_extra()
+        rec["shmem_mapped_bytes"] = rss_shmem_bytes() - peak.shmem_base
         rec["shm_bytes"], rec["shm_method"] = _shm(system, shm0, world)
         S.barrier()
         if cls.restores:
@@ -158,7 +159,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         system.cleanup()
         S.barrier()
         gc.collect()
-        rec["standing_bytes"] = rss_bytes() - peak.base
+        rec["standing_bytes"] = rss_bytes() - peak.base - max(0, rss_shmem_bytes() - peak.shmem_base)
         rec["peak_method"] = peak.method
         rec["warmup"] = warm
         rec["transient_bytes"] = []
@@ -175,7 +176,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
             peak = Peak().start()
             t = system.save(step)
             step += 1
-            rec["transient_bytes"].append(peak.peak() - peak.base)
+            rec["transient_bytes"].append(peak.private_extra())
             t["round"] = rnd
             rec["samples"].append(t)
             S.barrier()

@@ -124,7 +124,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         "Times in ms, median (min–max) of the slowest rank per round. Memory per rank in GiB.",
         "",
         "| system | stall | × copy | × best peer | complete | committed | durable | restore (× copy) "
-        "| extra RSS | /dev/shm | training slowdown |",
+        "| extra RSS (private) | /dev/shm | training slowdown |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, f in summ.items():
@@ -150,7 +150,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         "",
         "Notes: stall ends when the snapshot is safe from the next optimizer step (for async "
         "staging, when the staging future completes, not when the call returns). Extra RSS = peak "
-        "RSS above the rank's RSS before the system's setup (standing buffers + transient peak); "
+        "RSS above the rank's RSS before the system's setup (standing buffers + transient peak), "
+        "less mapped shared memory (RssShmem), which is counted under /dev/shm instead; "
         "/dev/shm = bytes the system holds there per rank after a save. Training slowdown = median "
         f"{cfg['matmul_n']}x{cfg['matmul_n']} matmul step while saving / idle − 1, overlap mode: "
         + "; ".join(sorted(modes)) + ". Restore is in-process (no process start-up), into the live "

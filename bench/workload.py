@@ -25,6 +25,7 @@ __all__ = [
     "Workload",
     "make_workload",
     "rss_bytes",
+    "rss_shmem_bytes",
     "Peak",
     "dir_bytes",
     "shm_used_bytes",
@@ -106,6 +107,15 @@ def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
 
 
+def rss_shmem_bytes() -> int:
+    """Resident shared-memory pages mapped by this process (``RssShmem``: /dev/shm
+    files and shared segments), in bytes; they are counted in /dev/shm too."""
+    try:
+        return _status_kib("RssShmem") * 1024
+    except KeyError:
+        return 0
+
+
 class Peak:
     """Peak RSS over a region, from the kernel's high-water mark.
 
@@ -123,6 +133,7 @@ class Peak:
 
     def start(self) -> "Peak":
         self.base = rss_bytes()
+        self.shmem_base = rss_shmem_bytes()
         try:
             with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
                 f.write("5")
@@ -141,6 +152,11 @@ class Peak:
             self._thread = threading.Thread(target=sample, daemon=True)
             self._thread.start()
         return self
+
+    def private_extra(self) -> int:
+        """Peak RSS above the start, less the growth of mapped shared memory (counted
+        under /dev/shm instead, so it is not counted twice)."""
+        return self.peak() - self.base - max(0, rss_shmem_bytes() - self.shmem_base)
 
     def peak(self) -> int:
         """Peak RSS since ``start()``, in bytes (stops the sampler if any)."""

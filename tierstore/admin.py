@@ -42,7 +42,7 @@ from typing import Any
 from tierstore import admin_views as V
 from tierstore.errors import TierStoreError
 
-__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_VERIFY"]
+__all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY", "build_parser", "main"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_VERIFY = 0, 1, 2, 3
 
@@ -277,9 +277,14 @@ def _cmd_du(store, a) -> int:
 
 
 def _cmd_verify(store, a) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from rich.markup import escape
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     keys = V.verify_keys(store, a.model, a.step)
     results = []

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from consistency.index import Index, ObjectRecord, translate_redis_errors
 from tierstore import codec
-from tierstore.errors import CorruptObjectError, InvalidKeyError, TierStoreError
+from tierstore.errors import CorruptObjectError, TierStoreError
 from tierstore.keys import ShardKey
 
 if TYPE_CHECKING:
@@ -23,17 +23,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "UnknownError",
-    "server_now",
-    "require_model",
-    "models_view",
-    "steps_view",
-    "show_view",
-    "layers_view",
-    "where_view",
-    "nodes_view",
     "du_view",
-    "verify_objects",
+    "layers_view",
+    "models_view",
+    "nodes_view",
+    "require_model",
+    "server_now",
+    "show_view",
+    "steps_view",
     "verify_keys",
+    "verify_objects",
+    "where_view",
 ]
 
 
@@ -248,7 +248,7 @@ def _check_copy(tier: Any, key: ShardKey, expected: str | None) -> dict[str, Any
         out["ok"] = False
         try:
             out["checksum"] = codec.checksum(blob)
-        except Exception:
+        except CorruptObjectError:
             out["checksum"] = None
         out["error"] = str(e)
     return out

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "make_policy", "build_parser"]
+__all__ = ["build_parser", "main", "make_policy"]
 
 _PHASE_TIMEOUT_S = 600.0
 
@@ -104,7 +104,7 @@ def _restore_tiers(store: Any, model: str, rank: int, staleness: int) -> dict[st
                 if tier.exists(str(key)):
                     counts[tier.tier] = counts.get(tier.tier, 0) + 1
                     break
-            except Exception:  # noqa: BLE001 - an unreachable tier is skipped, as the read path does
+            except Exception:  # noqa: BLE001, S112 - an unreachable tier is skipped, as the read path does
                 continue
     return counts
 
@@ -139,9 +139,10 @@ def _worker(cfg: dict[str, Any]) -> int:
     tiers = _restore_tiers(store, cfg["model"], rank, policy.max_staleness) if step is not None else {}
     emit(event="restore", step=step, seconds=restore_s, tiers=tiers)
     if step is not None:
-        m.record_restore(cfg["model"], max(tiers, key=tiers.get) if tiers else "-", restore_s, step)
+        m.record_restore(cfg["model"], max(tiers, key=lambda t: tiers[t]) if tiers else "-", restore_s, step)
     data = gpt.char_dataset()
     block = model.config.block
+    last_wall, last_stall = 0.0, 0.0
     for s in range(0 if step is None else step + 1, cfg["steps"]):
         x, y = gpt.get_batch(data, s, rank, cfg["batch_size"], block, cfg["seed"])
         loss = gpt.train_step(model, opt, x, y, world)
@@ -158,8 +159,13 @@ def _worker(cfg: dict[str, Any]) -> int:
             while True:  # the testbed kills a whole node here, mid-run
                 time.sleep(1)
         prev = ckpt.stats.per_step.get(s - 1)
-        if prev is not None:
-            m.record_step(metrics.StepFigures(cfg["model"], s - 1, rank, stall_s=stall, bytes_by_tier={"host": prev}))
+        if prev is not None:  # the previous save's background work is done now: log it
+            state, decided = store.index.r.hmget(store.index.k(cfg["model"], "step", s - 1), "state", "decided")
+            lat = float(decided) - last_wall if decided else None
+            m.record_step(metrics.StepFigures(cfg["model"], s - 1, rank, stall_s=last_stall, bytes_by_tier={"host": prev},
+                                              commit_latency_s=lat if lat is None or lat >= 0 else None,
+                                              state=state.decode() if state else None))
+        last_wall, last_stall = wall, stall
     state = ckpt.wait()
     emit(event="done", state=state, stats=ckpt.stats.as_dict(), per_step=ckpt.stats.per_step)
     ckpt.close()
@@ -381,7 +387,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tierstore demo: --kill-at must be in 1..{a.steps - 2}", file=sys.stderr)
         return 2
     make_policy(a.policy)  # fail early on a bad name
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     from consistency.gc import Retention, collect
 
     out = Path(a.out).resolve()

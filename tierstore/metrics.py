@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Metrics", "StepFigures", "default", "serve", "migration_lag", "available"]
+__all__ = ["Metrics", "StepFigures", "available", "default", "migration_lag", "serve"]
 
 log = logging.getLogger("tierstore.metrics")
 
@@ -53,7 +53,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 def _prom() -> Any:
     try:
-        import prometheus_client  # noqa: PLC0415
+        import prometheus_client
 
         return prometheus_client
     except ImportError:
@@ -163,7 +163,7 @@ def migration_lag(index: Any, model: str) -> tuple[int, float]:
     of them if none is durable); ``seconds``: server time now minus the commit
     time of the oldest step that is committed but not durable (0 if none).
     """
-    from consistency.index import translate_redis_errors  # noqa: PLC0415
+    from consistency.index import translate_redis_errors
 
     r = index.r
     k = index.k

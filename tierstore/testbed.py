@@ -47,7 +47,7 @@ from typing import Any
 
 from tierstore.demo import _free_port, _read_events, _tail
 
-__all__ = ["main", "Testbed", "peer_supported"]
+__all__ = ["Testbed", "main", "peer_supported"]
 
 _FAKE_S3_ENV = {"AWS_ACCESS_KEY_ID": "testbed", "AWS_SECRET_ACCESS_KEY": "testbed", "AWS_DEFAULT_REGION": "us-east-1"}
 

@@ -22,7 +22,14 @@ import pytest
 import torch
 
 from tierstore.errors import ConfigError
-from tierstore.gpt import GPTConfig, char_dataset, get_batch, make_model, setup_determinism, train_step
+from tierstore.gpt import (
+    GPTConfig,
+    char_dataset,
+    get_batch,
+    make_model,
+    setup_determinism,
+    train_step,
+)
 from tierstore.keys import ShardKey
 from tierstore.replay import LOG_LAYER, ReplayCheckpointer, ReplayFallbackWarning
 
@@ -68,7 +75,7 @@ def test_unsupported_optimizer_is_refused(store):
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_restore_replays_log_bitwise(store, optim):
-    _, _, rc, states, losses = _train(store, f"rp-{optim}", optim, 7)
+    _, _, rc, states, _ = _train(store, f"rp-{optim}", optim, 7)
     rc.close()
     assert rc.stats.objects["full"] > 0
     model, opt, rc2 = _fresh(store, f"rp-{optim}", optim)
@@ -77,7 +84,7 @@ def test_restore_replays_log_bitwise(store, optim):
     assert rep.base_step == 4 and rep.replayed == [5, 6] and not rep.fell_back
     assert _equal(model, states[6])
     # the run continues bitwise: same losses as the uninterrupted run for 3 more steps
-    ref_model, ref_opt, _, _, ref_losses = _train(store, "unused", optim, 10, ckpt=False)
+    _, _, _, _, ref_losses = _train(store, "unused", optim, 10, ckpt=False)
     data = char_dataset()
     for s in range(7, 10):
         x, y = get_batch(data, s, 0, 4, CFG.block)
@@ -113,7 +120,7 @@ def test_flipped_bytes_in_every_tier_fall_back(store):
     assert all(p.is_file() for p in paths)
     for p in paths:
         _flip(p)
-    model, opt, rc2 = _fresh(store, "rp-flip", "adamw")
+    model, _, rc2 = _fresh(store, "rp-flip", "adamw")
     with pytest.warns(ReplayFallbackWarning):
         step, extra, rep = rc2.restore()
     assert step == 4 and extra == {"next": 5} and rep.fell_back and rep.newest == 6
@@ -133,7 +140,7 @@ def test_substituted_gradient_is_detected_by_the_digest(store):
     shard = store.get(key)
     store.delete(key)
     store.put(key, {n: t * 1.5 for n, t in shard.tensors.items()}, shard.metadata)  # valid checksum, wrong bytes
-    model, opt, rc2 = _fresh(store, "rp-sub", "sgd")
+    model, _, rc2 = _fresh(store, "rp-sub", "sgd")
     with pytest.warns(ReplayFallbackWarning):
         step, _, rep = rc2.restore()
     assert step == 5 and rep.replayed == [5] and "replay of step 6" in rep.reason

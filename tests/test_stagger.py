@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore.errors import ConfigError
-from tierstore.stagger import balanced_slots, forced_save, is_base_step, offset, shifted, slot_loads
+from tierstore.stagger import (
+    balanced_slots,
+    forced_save,
+    is_base_step,
+    offset,
+    shifted,
+    slot_loads,
+)
 
 
 def test_offset_spreads_layers_over_the_period():

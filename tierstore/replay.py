@@ -85,8 +85,14 @@ from tierstore.hashing import tensor_digest
 from tierstore.keys import ShardKey, validate_name
 from tierstore.layers import StateMap
 
-__all__ = ["ReplayCheckpointer", "ReplayReport", "ReplayFallbackWarning", "SUPPORTED_OPTIMIZERS", "LOG_LAYER",
-           "params_digest"]
+__all__ = [
+    "LOG_LAYER",
+    "SUPPORTED_OPTIMIZERS",
+    "ReplayCheckpointer",
+    "ReplayFallbackWarning",
+    "ReplayReport",
+    "params_digest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +327,8 @@ class ReplayCheckpointer:
                 p.abort()
             try:
                 self.store.vote(self.model, step, self.rank, infos, extra=vote_extra, ok=False, epoch=self.epoch)
-            except Exception:
-                pass
+            except TierStoreError as ve:
+                log.warning("negative vote for step %d failed: %s", step, ve)
             if isinstance(e, TierStoreError):
                 raise
             raise CommitError(f"replay save of step {step} failed on rank {self.rank}: {e!r}",

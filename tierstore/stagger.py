@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from tierstore.errors import ConfigError
 
-__all__ = ["offset", "balanced_slots", "shifted", "is_base_step", "forced_save", "slot_loads"]
+__all__ = ["balanced_slots", "forced_save", "is_base_step", "offset", "shifted", "slot_loads"]
 
 
 def _check_period(period: int) -> None:

@@ -282,11 +282,18 @@ def test_rebuild_index_needs_yes(populated, conn, capsys):
     store, _ = populated
     rc, _, err = run(capsys, conn, "rebuild-index")
     assert rc == 2 and "--yes" in err
-    rc, _, err = run(capsys, conn, "rebuild-index", "--yes")
-    if hasattr(store, "rebuild_index"):
-        assert rc == 0
-    else:
+    if not hasattr(store, "rebuild_index"):
+        rc, _, err = run(capsys, conn, "rebuild-index", "--yes")
         assert rc == 1 and "not available yet" in err
+        return
+    durable_steps = [s for s, st in store.steps.steps(M) if st == "durable"]
+    store.index.r.flushall()  # the index is lost
+    rc, d, _ = run(capsys, conn, "rebuild-index", "--yes")
+    assert rc == 0, d
+    rc, rows, _ = run(capsys, conn, "steps", M)
+    assert rc == 0 and [r["step"] for r in rows if r["state"] == "durable"] == durable_steps
+    rc, text, _ = run(capsys, conn, "rebuild-index", "--yes", json_out=False)
+    assert rc == 0 and "index rebuilt" in text
 
 
 def test_errors(conn, capsys, redis_url, tmp_path):

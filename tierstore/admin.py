@@ -382,8 +382,15 @@ def _cmd_rebuild(store, a) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     result = fn(a.model) if a.model else fn()
-    _emit(a, result if isinstance(result, (dict, list)) else {"result": str(result)},
-          lambda c, d: c.print(f"index rebuilt: {json.dumps(d, default=str)}"))
+    data = result.to_json() if hasattr(result, "to_json") else result
+    if not isinstance(data, (dict, list)):
+        data = {"result": str(data)}
+
+    def render(c, d):
+        c.print("index rebuilt from the durable tier:")
+        for k, v in (d.items() if isinstance(d, dict) else enumerate(d)):
+            c.print(f"  {k}: {json.dumps(v, default=str)}")
+    _emit(a, data, render)
     return EXIT_OK
 
 

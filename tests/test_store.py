@@ -190,3 +190,17 @@ def test_redis_auth(tmp_path, shm_root):
         assert "wrong" not in str(ei.value) and "s3cret" not in str(ei.value)
     finally:
         rp.stop()
+
+
+def test_delta_objects_are_compressed_full_objects_are_not(store):
+    from tierstore.delta import xor_delta
+
+    g = torch.Generator().manual_seed(5)
+    w0 = torch.randn(256, 256, generator=g)
+    w1 = w0 - 1e-4 * torch.randn(256, 256, generator=g)  # a small optimizer update
+    full = store.put(K, {"w": w0})
+    assert full.size >= w0.numel() * 4
+    layout = {"w": {"dtype": "float32", "shape": [256, 256]}}
+    d = store.put(K.with_step(4), {"w": xor_delta(w1, w0)}, {"_delta": layout}, kind="delta", base=K)
+    assert d.size < 0.9 * full.size
+    assert torch.equal(store.get(K.with_step(4)).tensors["w"], w1)

@@ -107,6 +107,17 @@ class PendingObject:
             self.reservation.abort()
 
 
+class _Sealed:
+    """An object encoded (and checksummed) up front, standing in for an EncodePlan."""
+
+    def __init__(self, blob: bytes):
+        self.nbytes = len(blob)
+        self._checksum = codec.checksum(blob)
+
+    def seal(self, buf: memoryview) -> str:
+        return self._checksum
+
+
 def _check_key(key: object) -> ShardKey:
     if isinstance(key, ShardKey):
         return key
@@ -165,11 +176,16 @@ class TierStore:
         base: ShardKey | None = None,
         target: ShardKey | None = None,
         epoch: int | None = None,
+        compress: str = "auto",
     ) -> PendingObject:
         """Copy ``tensors`` into the host tier (the only part a trainer waits for).
 
         Returns a :class:`PendingObject`; the tensors may change as soon as
         this returns. Nothing is visible to readers until ``finish()``.
+
+        ``compress``: ``"auto"`` copies full objects raw (dense floats do not
+        compress; the copy is the whole stall) and lz4-compresses other kinds
+        where a sample shows it pays; ``"always"`` / ``"never"`` force it.
 
         Raises:
             InvalidKeyError, InvalidValueError: bad key, kind or values.
@@ -179,6 +195,8 @@ class TierStore:
         self._check_open()
         if kind not in KINDS:
             raise InvalidValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if compress not in ("auto", "always", "never"):
+            raise InvalidValueError(f"compress must be 'auto', 'always' or 'never', got {compress!r}")
         if kind == "delta" and base is None:
             raise InvalidValueError(f"{key}: a delta object needs its base")
         if kind == "ref" and target is None:
@@ -193,14 +211,24 @@ class TierStore:
             "base": str(_check_key(base)) if base else None,
             "target": str(_check_key(target)) if target else None,
         }
-        plan = codec.plan(tensors, meta)
-        res = self._reserve(key, plan.nbytes)
+        if compress == "never" or (compress == "auto" and kind == "full"):
+            plan = codec.plan(tensors, meta)
+            res = self._reserve(key, plan.nbytes)
+            try:
+                plan.write(res.buffer)
+            except BaseException:
+                res.abort()
+                raise
+            return PendingObject(self, key, plan, res, kind, base, target, epoch)
+        # deltas (byte-shuffled XOR) compress; dense full objects rarely do, so they skip the sampling
+        blob = codec.encode(tensors, meta, compress="always" if compress == "always" else "auto")
+        res = self._reserve(key, len(blob))
         try:
-            plan.write(res.buffer)
+            res.buffer[:] = blob
         except BaseException:
             res.abort()
             raise
-        return PendingObject(self, key, plan, res, kind, base, target, epoch)
+        return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch)
 
     def _reserve(self, key: ShardKey, nbytes: int):
         try:
@@ -240,9 +268,11 @@ class TierStore:
         base: ShardKey | None = None,
         target: ShardKey | None = None,
         epoch: int | None = None,
+        compress: str = "auto",
     ) -> ObjectInfo:
         """Store one shard; it is in the host tier when this returns, durable later (see :meth:`flush`)."""
-        return self.snapshot(key, tensors, metadata, kind=kind, base=base, target=target, epoch=epoch).finish()
+        return self.snapshot(key, tensors, metadata, kind=kind, base=base, target=target, epoch=epoch,
+                             compress=compress).finish()
 
     # -- reading -------------------------------------------------------------------
     def get(

@@ -107,7 +107,7 @@ def rank_main(a: argparse.Namespace) -> dict[str, Any]:
             point, kind = rnd.choice(SOAK_FAULTS)
             plan.arm(FaultRule(point, kind, 1.0, limit=1, delay_s=0.05), *(env_plan.rules if env_plan else []))
             next_fault = now + a.fault_every * (0.5 + rnd.random())
-        if first is None and now - start > min(10.0, a.duration / 4):
+        if first is None and now - start > min(60.0, a.duration / 4):  # after warm-up (pools filled)
             first = sample()
         infos, ok = [], True
         try:

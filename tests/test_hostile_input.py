@@ -5,7 +5,7 @@ the xxh3 trailer. So the fuzzing here forges *valid-checksum* objects with
 hostile headers and tables, and checks that decode/inspect raise only typed
 errors, never crash or hang, and never allocate what an unchecked length
 claims. ``TIERSTORE_FUZZ_EXAMPLES`` (read here) sets the examples per fuzz
-test (default 600, four tests; 100000 for the long run).
+test (default 600, four tests; the long run needs ``--timeout 0``: 100000 for the long run).
 """
 
 from __future__ import annotations

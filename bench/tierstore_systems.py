@@ -5,8 +5,10 @@ tensors (the stall: the snapshot), then a background thread puts each layer
 group through ``store.put`` as a shard keyed ``bench/<layer>/<step>/<rank>``;
 it is *committed* when the last put returns. Restore gets every shard back into
 the live tensors (``store.get(key, out=...)`` where the store has it). The
-store is opened with ``home`` in the run's disk directory and ``durable="none"``
-unless ``options["tierstore_open"]`` says otherwise; rank 0 opens first. Where tierstore cannot be imported or opened,
+store is opened with ``home`` in the run's disk directory, ``host_root`` in its
+/dev/shm directory and ``durable="none"`` unless ``options["tierstore_open"]``
+says otherwise; rank 0 opens first, and stops the embedded server it started at
+teardown. Where tierstore cannot be imported or opened,
 the system is skipped and the reason lands in :data:`bench.systems.SKIPPED`.
 """
 
@@ -61,7 +63,9 @@ if _open is not None:
             from tierstore.keys import ShardKey
 
             self._key = ShardKey
-            kwargs = dict(self.ctx.options.get("tierstore_open") or self.default_open_kwargs())
+            given = self.ctx.options.get("tierstore_open")
+            kwargs = dict(given or self.default_open_kwargs())
+            self._own_home = None if given else kwargs["home"]
             err: BaseException | None = None
             # Rank 0 opens first (it may start the embedded server the ranks share).
             if self.ctx.rank != 0:
@@ -87,8 +91,13 @@ if _open is not None:
             self._thread: threading.Thread | None = None
 
         def default_open_kwargs(self) -> dict[str, Any]:
-            """The embedded default with its home in the run's disk directory, host tier only."""
-            return {"home": os.path.join(self.ctx.disk_dir, "tierstore"), "durable": "none"}
+            """The embedded default, host tier only, everything inside the run's directories
+            (removed after the run; the embedded server is stopped in :meth:`teardown`)."""
+            return {
+                "home": os.path.join(self.ctx.disk_dir, "tierstore"),
+                "host_root": os.path.join(self.ctx.shm_dir, "tierstore-host"),
+                "durable": "none",
+            }
 
         def _layer(self, layer: str) -> str:
             return layer.split(".", 1)[1] if "." in layer else layer
@@ -153,8 +162,15 @@ if _open is not None:
                     pass
 
         def teardown(self) -> None:
-            self.cleanup()
-            close = getattr(self.store, "close", None)
-            if close is not None:
-                close()
-            self.staging = {}
+            try:
+                self.cleanup()
+                close = getattr(self.store, "close", None)
+                if close is not None:
+                    close()
+            finally:
+                self.staging = {}
+                barrier()
+                if self.ctx.rank == 0 and self._own_home is not None:
+                    from tierstore.embedded import stop_server
+
+                    stop_server(self._own_home)

@@ -15,7 +15,7 @@ Figures per policy (sums over both ranks, per training step):
 * ``save()``: median time the training loop spent in ``save()`` (the stall
   seen by the caller; includes waiting for the previous save's background work).
 
-Run: ``python -m bench.bench_policies [--steps 200] [--tau 0.03] [--staleness 10]``
+Run: ``python -m bench.bench_policies [--steps 200] [--tau 0.02] [--staleness 8]``
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--after", type=int, default=50, help="steps compared after the restore")
-    p.add_argument("--tau", type=float, default=0.03)
-    p.add_argument("--staleness", type=int, default=10)
+    p.add_argument("--tau", type=float, default=0.02)
+    p.add_argument("--staleness", type=int, default=8)
     p.add_argument("--base-every", type=int, default=20)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)

@@ -20,7 +20,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierstore.dcp import TierStoreReader, TierStoreWriter, metadata_from_json, metadata_to_json
+from tierstore.dcp import (
+    TierStoreReader,
+    TierStoreWriter,
+    metadata_from_json,
+    metadata_to_json,
+)
 from tierstore.errors import ManifestError
 
 ROOT = Path(__file__).resolve().parents[1]

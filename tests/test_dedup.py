@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import socket
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 

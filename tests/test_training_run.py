@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 KILL = 7
 STOP_EXACT = KILL + 8
@@ -52,7 +51,13 @@ def worker(rank: int, world: int, port: int, home: str, out: str, kill_at: int) 
 
     import tierstore
     from tierstore.checkpointer import Checkpointer
-    from tierstore.gpt import char_dataset, get_batch, make_model, setup_determinism, train_step
+    from tierstore.gpt import (
+        char_dataset,
+        get_batch,
+        make_model,
+        setup_determinism,
+        train_step,
+    )
 
     t0 = time.perf_counter()
     setup_determinism(0)

@@ -51,10 +51,11 @@ class GCReport:
     deleted: list[str] = field(default_factory=list)
     bytes_freed: int = 0
     dry_run: bool = True
+    deferred: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"kept_steps": self.kept_steps, "dropped_steps": self.dropped_steps, "deleted": self.deleted,
-                "bytes_freed": self.bytes_freed, "dry_run": self.dry_run}
+                "bytes_freed": self.bytes_freed, "dry_run": self.dry_run, "deferred": self.deferred}
 
 
 def _closure(store: TierStore, roots: set[ShardKey]) -> set[ShardKey]:
@@ -124,6 +125,13 @@ def collect(store: TierStore, model: str, retention: Retention = Retention(), *,
         if key.step in dropped or (key.step not in state and key.step < newest_decided):
             victims.append(key)  # of a dropped step, or an orphan no step ever recorded
     recs = store.index.get_objects(victims)
+    if getattr(store, "_migrator", None) is not None and store.durable is not None:
+        # an object still queued for migration is left for a later pass: deleting it under the migrator
+        # would surface as a migration failure
+        pending = [(k, r) for k, r in zip(victims, recs) if r is not None and store.durable.tier not in r.tiers]
+        report.deferred = [str(k) for k, _ in pending]
+        skip = {k for k, _ in pending}
+        victims, recs = [k for k in victims if k not in skip], [r for k, r in zip(victims, recs) if k not in skip]
     if not dry_run:
         for s in sorted(dropped):
             if state.get(s) == "durable" and store.durable is not None:

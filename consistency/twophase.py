@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -175,12 +176,21 @@ class StepProtocol:
         self.durable = durable
         self.step_timeout_s = step_timeout_s
         self.clock = clock
+        self._known_models: set[str] = set()
+        self._local = threading.local()
         r = index.r
         self._begin = r.register_script(_BEGIN)
         self._vote = r.register_script(_VOTE)
         self._expire = r.register_script(_EXPIRE)
         self._migrated = r.register_script(_MIGRATED)
         self._durable = r.register_script(_DURABLE)
+
+    def _register(self, model: str) -> None:
+        """Add ``model`` to ``ts:models`` once per instance (it lives outside the model's slot)."""
+        if model not in self._known_models:
+            with translate_redis_errors(f"register model {model}", self.index.url):
+                self.index.r.sadd("ts:models", model)
+            self._known_models.add(model)
 
     def _now(self) -> float:
         return -1.0 if self.clock is None else float(self.clock())
@@ -227,8 +237,7 @@ class StepProtocol:
         """
         self._check(model, step, world_size)
         ks = self._keys(model, step)
-        with translate_redis_errors(f"begin step {step} of {model}", self.index.url):
-            self.index.r.sadd("ts:models", model)
+        self._register(model)
         return _s(self._run(
             f"begin step {step} of {model}", self._begin,
             [ks["epoch"], ks["step"], ks["steps"], ks["votes"]],
@@ -265,8 +274,7 @@ class StepProtocol:
         """
         script, keys, args = self.vote_call(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch,
                                             world_size=world_size, layout=layout)
-        with translate_redis_errors(f"vote for step {step} of {model}", self.index.url):
-            self.index.r.sadd("ts:models", model)
+        self._register(model)
         state = _s(self._run(f"vote of rank {rank} for step {step} of {model}", script, keys, args))
         if state == "committed":
             self.maybe_durable(model, step, epoch=epoch)
@@ -278,26 +286,60 @@ class StepProtocol:
         return _s(v) if v is not None else None
 
     def wait(self, model: str, step: int, timeout: float | None = None, *,
-             sleep: Callable[[float], None] = time.sleep) -> str:
-        """Block until ``step`` is decided (polling with backoff); return its state.
+             sleep: Callable[[float], None] | None = None) -> str:
+        """Block until ``step`` is decided; return its state.
 
-        A step past its own timeout is aborted here. Ranks that prefer
-        push can subscribe to ``ts:{model}:events`` (``"<step> <state>"``).
+        Listens on ``ts:{model}:events`` (pub/sub: woken as soon as the step
+        is decided) and re-reads the state at least every 50 ms, aborting a
+        step past its own timeout. With ``sleep`` given, polls with backoff
+        instead (tests inject it).
 
         Raises:
             CommitError: still undecided after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        state = self.abort_if_stale(model, step)
+        if state in DECIDED:
+            return state
+        pubsub = None
+        if sleep is None:
+            pubsub = self._subscription(model)
         delay = 0.0002
-        while True:
-            state = self.abort_if_stale(model, step)
-            if state in DECIDED:
-                return state
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CommitError(f"step {step} of {model} is still {state or 'unknown'} after {timeout}s",
-                                  model=model, step=step, state=state)
-            sleep(delay)
-            delay = min(delay * 2, 0.05)
+        try:
+            while True:
+                state = self.abort_if_stale(model, step)
+                if state in DECIDED:
+                    return state
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CommitError(f"step {step} of {model} is still {state or 'unknown'} after {timeout}s",
+                                      model=model, step=step, state=state)
+                if pubsub is not None:
+                    with translate_redis_errors(f"events of {model}", self.index.url):
+                        pubsub.get_message(timeout=min(0.05, left if left is not None else 0.05))
+                else:
+                    sleep(min(delay, left) if left is not None else delay)
+                    delay = min(delay * 2, 0.05)
+        except BaseException:
+            if pubsub is not None:  # a broken subscription is not reused
+                self._local.subs.pop(model, None)
+                pubsub.close()
+            raise
+
+    def _subscription(self, model: str):
+        """This thread's subscription to ``model``'s events, kept between waits (drained before use)."""
+        subs = self._local.__dict__.setdefault("subs", {})
+        p = subs.get(model)
+        if p is None:
+            with translate_redis_errors(f"subscribe to events of {model}", self.index.url):
+                p = self.index.r.pubsub(ignore_subscribe_messages=True)
+                p.subscribe(self._keys(model, 0)["events"])
+            subs[model] = p
+        else:
+            with translate_redis_errors(f"events of {model}", self.index.url):
+                while p.get_message(timeout=0) is not None:
+                    pass
+        return p
 
     def manifest(self, model: str, step: int) -> dict | None:
         with translate_redis_errors(f"manifest of step {step} of {model}", self.index.url):

@@ -99,6 +99,19 @@ def test_delta_chains_and_refs_keep_what_they_reach(store):
     assert collect(store, M, Retention(keep_last=1), dry_run=False).deleted == []
 
 
+def test_objects_waiting_for_migration_are_deferred(store):
+    save_step(store, 1, 2, ok=False)
+    store.flush()
+    for k in step_keys(1):
+        store.index.remove_tier(k, "durable")  # as if still queued for migration
+    report = collect(store, M, Retention(keep_last=1), dry_run=False)
+    assert report.deleted == [] and sorted(report.deferred) == sorted(map(str, step_keys(1)))
+    for k in step_keys(1):
+        store.index.add_tier(k, "durable")
+    assert len(collect(store, M, Retention(keep_last=1), dry_run=False).deleted) == 4
+    assert all(gone(store, k) for k in step_keys(1))
+
+
 def test_aborted_steps_are_removed_from_every_tier(store):
     save_step(store, 1, 2)
     save_step(store, 2, 2, ok=False)
@@ -152,5 +165,6 @@ def test_gc_concurrent_with_training(store):
         stop.set()
         t.join()
     assert errors == []
+    store.flush()  # nothing gc deleted was still waiting for migration
     collect(store, M, Retention(keep_last=2), dry_run=False)
     assert [s for s, _ in store.steps.steps(M)] == [7, 8]

@@ -13,6 +13,18 @@ from tests.redis_server import redis_proc, redis_url  # noqa: F401
 from tests.s3_server import *  # noqa: F401,F403
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_shared_memory():
+    """Remove host tiers a test left in /dev/shm (stores opened without an explicit host_root)."""
+    base = Path("/dev/shm")
+    before = set(os.listdir(base)) if base.is_dir() else set()
+    yield
+    if base.is_dir():
+        for name in set(os.listdir(base)) - before:
+            if name.startswith(("tierstore-", "ts-test-")):
+                shutil.rmtree(base / name, ignore_errors=True)
+
+
 @pytest.fixture
 def shm_root() -> "Path":
     """A private directory in /dev/shm, removed afterwards."""

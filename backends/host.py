@@ -114,7 +114,7 @@ class HostBackend(Backend):
         *,
         capacity_bytes: int | None = None,
         pool_bytes: int = 8 << 30,
-        recycle_grace_s: float = 2.0,
+        recycle_grace_s: float = 0.5,
         populate: bool = True,
     ) -> None:
         self.root = Path(root)

@@ -14,15 +14,14 @@ from tests.s3_server import *  # noqa: F401,F403
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_shared_memory():
-    """Remove host tiers a test left in /dev/shm (stores opened without an explicit host_root)."""
-    base = Path("/dev/shm")
-    before = set(os.listdir(base)) if base.is_dir() else set()
-    yield
-    if base.is_dir():
-        for name in set(os.listdir(base)) - before:
-            if name.startswith(("tierstore-", "ts-test-")):
-                shutil.rmtree(base / name, ignore_errors=True)
+def _private_shared_memory(monkeypatch):
+    """Stores opened without an explicit host_root put their host tier in a per-test dir, removed after."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    d = base / f"tierstore-test-shm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    monkeypatch.setenv("TIERSTORE_SHM_DIR", str(d))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

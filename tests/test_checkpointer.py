@@ -164,3 +164,55 @@ def test_rank_from_env():
     assert rank_from_env({}) == (0, 1)
     assert rank_from_env({"RANK": "3", "WORLD_SIZE": "4"}) == (3, 4)
     assert issubclass(FencedError, TierStoreError)
+
+
+def test_retention_recycles_old_versions_and_keeps_restorable(tmp_path, redis_url, shm_root):
+    import tierstore
+    from tierstore.checkpointer import Checkpointer
+
+    store = tierstore.open(tmp_path / "ret", redis=redis_url, durable="none", host_root=str(shm_root / "n"))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        ck = Checkpointer(store, "ret", model, opt, keep_last=2, rank=0, world_size=1)
+        for step in range(6):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            ck.save(step)
+            assert ck.wait() == "committed"
+        ck.save(6)
+        ck.wait()
+        steps = {k.step for k in store.list("ret")}
+        assert steps == {4, 5, 6}, steps  # keep_last committed + the newest; older ones deleted (segments reused)
+        want = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.data.zero_()
+        assert ck.restore()[0] == 6
+        assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+        ck.close()
+    finally:
+        store.close()
+
+
+def test_layerwise_retention_keeps_stale_layers(tmp_path, redis_url, shm_root):
+    import tierstore
+    from tierstore.checkpointer import Checkpointer
+    from tierstore.policies import layerwise
+
+    store = tierstore.open(tmp_path / "lw", redis=redis_url, durable="none", host_root=str(shm_root / "n"))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        ck = Checkpointer(store, "lw", model, None, policy=layerwise(tau=1e9, max_staleness=4), keep_last=1,
+                          rank=0, world_size=1)
+        for step in range(10):
+            with torch.no_grad():
+                model[1].weight.add_(0.01)
+            ck.save(step)
+            assert ck.wait() == "committed"
+        res = store.resolve("lw", max_staleness=4)
+        assert res.step == 9 and set(res.layers) == {"0", "1"}
+        ck.close()
+    finally:
+        store.close()

@@ -111,6 +111,16 @@ class Checkpointer:
         layer_fn: ``param_name -> layer name`` (default: module prefix).
         group: the gloo group for the Checkpointer's collectives.
         timeout: seconds :meth:`wait` waits for a commit decision.
+        keep_last: retention: after each save, this rank's objects that no
+            manifest of the last ``keep_last`` committed steps reaches (through
+            delta bases and refs) are deleted from every tier, so shared-memory
+            segments are recycled; ``None`` keeps everything.
+        preallocate: reserve and pre-fault the host tier's shared memory for
+            two generations of this rank's full shards up front, so the first
+            saves copy at memory speed (fresh shared memory faults every page).
+
+    Memory bound (host tier, this rank): at most ``keep_last + 1`` generations
+    of the saved shards, plus the reuse pool.
     """
 
     def __init__(
@@ -126,6 +136,8 @@ class Checkpointer:
         layer_fn: Callable[[str], str] | None = None,
         group: Any = None,
         timeout: float = 120.0,
+        keep_last: int | None = 3,
+        preallocate: bool = True,
     ) -> None:
         import torch.distributed as dist
 
@@ -148,9 +160,62 @@ class Checkpointer:
         self._dedup = None
         if self.policy.dedup and self.group is not None:
             self._dedup = DedupPlanner(self.policy.dedup_group or self.group, self.policy.dedup_algo)
+        self._stagger()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstore-ckpt-{self.rank}")
         self._future: Future | None = None
         self._last_step: int | None = None
+        self.keep_last = keep_last
+        self._retained_below = 0
+        if preallocate and self._diff is None and self._dedup is None and hasattr(store, "host"):
+            self._preallocate()
+
+    def _stagger(self) -> None:
+        """Give each layer a slot so forced saves and bases spread over steps (LayerCheck's smoothed I/O)."""
+        from tierstore.stagger import balanced_slots, shifted
+
+        layers = sorted(self.map.layers)
+        sizes = [_nbytes(self.map.layer_tensors(ln)) for ln in layers]
+        if self._lw is not None and self._lw.max_staleness >= 1:
+            self._lw.slots = dict(zip(layers, balanced_slots(sizes, self._lw.max_staleness)))
+        if self._diff is not None and self._diff.base_every >= 1:
+            slots = balanced_slots(sizes, self._diff.base_every)
+            self._diff.slots = {ln: shifted(s, self.rank, self._diff.base_every, self.world_size)
+                                for ln, s in zip(layers, slots)}
+
+    def _preallocate(self) -> None:
+        from tierstore import codec
+
+        sizes = [codec.plan(self.map.layer_tensors(ln), {**self.map.layer_meta(ln), "_ts": {}}).nbytes
+                 for ln in sorted(self.map.layers)]
+        try:
+            self.store.host.preallocate(sizes * 2)
+        except TierStoreError as e:  # a small host budget: saves will fault pages in as they go
+            log.info("host tier pre-allocation skipped: %s", e)
+
+    def _retain(self) -> None:
+        """Delete this rank's objects that the last ``keep_last`` committed steps no longer reach."""
+        if self.keep_last is None:
+            return
+        from consistency.gc import reachable
+
+        steps = self.store.steps.steps(self.model)
+        committed = [s for s, st in steps if st in ("committed", "durable")]
+        if len(committed) < self.keep_last:
+            return
+        # a layer-wise resume at step R reads layers saved as far back as R - max_staleness
+        oldest = committed[-self.keep_last] - (self.policy.max_staleness or 0)
+        kept = [s for s in committed if s >= oldest]
+        aborted = {s for s, st in steps if st == "aborted" and s < kept[-1]}
+        horizon = kept[0]
+        if horizon <= self._retained_below and not aborted:
+            return
+        keep = reachable(self.store, self.model, kept)
+        for key in self.store.list(self.model):
+            if key.rank != self.rank or key in keep:
+                continue
+            if key.step < horizon or key.step in aborted:
+                self.store.delete(key)
+        self._retained_below = horizon
 
     # ---- saving ----------------------------------------------------------------
 
@@ -232,6 +297,7 @@ class Checkpointer:
     ) -> str:
         infos = []
         try:
+            self._retain()
             self.store.begin_step(
                 self.model, step, self.world_size, layout={"layers": sorted(self.map.layers)}, epoch=self.epoch
             )

@@ -16,6 +16,7 @@ variable                       field
 ``TIERSTORE_NODE``             ``node_id``
 ``TIERSTORE_PEER_REPLICAS``    ``peer_replicas``
 ``TIERSTORE_PEER_SECRET_FILE`` ``peer_secret_file``
+``TIERSTORE_SHM_DIR``          ``shm_dir`` (where derived host roots go; default ``/dev/shm``)
 =============================  ===============================================
 """
 
@@ -44,6 +45,7 @@ _ENV = {
     "node_id": "TIERSTORE_NODE",
     "peer_replicas": "TIERSTORE_PEER_REPLICAS",
     "peer_secret_file": "TIERSTORE_PEER_SECRET_FILE",
+    "shm_dir": "TIERSTORE_SHM_DIR",
 }
 
 
@@ -77,6 +79,7 @@ class StoreConfig:
         max_delta_chain: longest delta chain a read follows.
         peer_replicas: replicas of every object in other nodes' host tiers
             (through their agents, found in the index); 0 disables the peer tier.
+        shm_dir: the shared-memory directory in which a derived ``host_root`` is made.
         peer_secret_file: the agents' shared secret (needed with peer_replicas).
         durable_every: objects of every K-th step go to the durable tier (full
             objects always do); 0 sends only full objects.
@@ -98,6 +101,7 @@ class StoreConfig:
     peer_replicas: int = 0
     peer_secret_file: str | None = None
     durable_every: int = 1
+    shm_dir: str = "/dev/shm"
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:
@@ -133,7 +137,7 @@ class StoreConfig:
         host_root = self.host_root
         if host_root is None:
             digest = hashlib.sha256(home.encode()).hexdigest()[:12]
-            base = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(home, "shm")
+            base = self.shm_dir if os.path.isdir(self.shm_dir) else os.path.join(home, "shm")
             host_root = os.path.join(base, f"tierstore-{digest}", node)
         durable = self.durable_url
         if durable is None:

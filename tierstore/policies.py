@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from tierstore.stagger import forced_save, is_base_step
+
 from tierstore.errors import ConfigError
 
 __all__ = [
@@ -170,12 +172,15 @@ class LayerwiseTracker:
         self.max_staleness = max_staleness
         self._saved: dict[str, dict[str, torch.Tensor]] = {}
         self._step: dict[str, int] = {}
+        self.slots: dict[str, int] = {}
 
     def want(self, step: int, layer: str, live: Mapping[str, torch.Tensor]) -> bool:
         if layer not in self._saved or set(live) != set(self._saved[layer]):
             return True
         if step - self._step[layer] >= self.max_staleness:
             return True
+        if layer in self.slots and forced_save(step, self._step[layer], self.slots[layer], self.max_staleness):
+            return True  # smoothed I/O: forced saves fall on the layer's own slot
         return relative_change(live, self._saved[layer]) > self.tau
 
     def saved(self, layer: str, step: int, params: Mapping[str, torch.Tensor]) -> None:
@@ -211,6 +216,7 @@ class DiffTracker:
         self.max_chain = max_chain
         self._state: dict[str, _DiffState] = {}
         self._base_step: dict[str, int] = {}
+        self.slots: dict[str, int] = {}
 
     def kind(self, layer: str, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[str, int | None]:
         st = self._state.get(layer)
@@ -218,6 +224,8 @@ class DiffTracker:
             return "full", None
         if st.chain >= self.max_chain or step - self._base_step[layer] >= self.base_every:
             return "full", None
+        if layer in self.slots and is_base_step(step, self.slots[layer], self.base_every):
+            return "full", None  # smoothed I/O: bases fall on the layer's own slot
         if set(tensors) != set(st.tensors) or any(
             tensors[n].shape != st.tensors[n].shape or tensors[n].dtype != st.tensors[n].dtype for n in tensors
         ):

@@ -47,6 +47,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _stop_embedded(home: str) -> None:
+    """Stop an embedded tierstore server a failed run left behind in ``home`` (if any)."""
+    if not os.path.isdir(home):
+        return
+    try:
+        from tierstore.embedded import stop_server
+
+        stop_server(home)
+    except Exception as e:  # noqa: BLE001 - best effort on the way out
+        print(f"could not stop the embedded server in {home}: {e}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; return 0 on success, 1 on failure."""
     args = build_parser().parse_args(argv)
@@ -62,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.report import machine_info
 
-    shm_dir = tempfile.mkdtemp(prefix="tierstore-bench-", dir="/dev/shm")
-    disk_dir = tempfile.mkdtemp(prefix="tierstore-bench-", dir=args.disk_dir)
+    shm_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir="/dev/shm")
+    disk_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir=args.disk_dir)
     cfg: dict[str, Any] = {
         "date": now.isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -94,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
+        _stop_embedded(os.path.join(disk_dir, "tierstore"))
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(disk_dir, ignore_errors=True)
     md_path = os.path.join(out, "results.md")

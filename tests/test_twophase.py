@@ -208,6 +208,17 @@ def test_zombie_rank_cannot_touch_the_restored_state(store, tmp_path, redis_url,
         zombie.close()
 
 
+def test_a_fenced_put_leaves_the_live_object_of_the_same_key(store):
+    e1 = store.open_epoch(M)
+    e2 = store.open_epoch(M)
+    store.begin_step(M, 2, 2, epoch=e2)
+    live = store.put(ShardKey(M, "a", 2, 1), shard("a", 2, 1), epoch=e2)
+    with pytest.raises(FencedError):  # a zombie of epoch e1 writes the same key
+        store.put(ShardKey(M, "a", 2, 1), {"w": torch.zeros(16, 8), "m": torch.zeros(8)}, epoch=e1)
+    got = store.get(live.key)
+    assert torch.equal(got.tensors["w"], shard("a", 2, 1)["w"]) and store.info(live.key).checksum == live.checksum
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda m: m.update(version=99), "unknown manifest version 99"),
     (lambda m: m.update(world=3), "ranks must be exactly"),

@@ -29,6 +29,7 @@ from tierstore import codec
 from tierstore.config import StoreConfig
 from tierstore.errors import (
     CorruptObjectError,
+    FencedError,
     InvalidKeyError,
     InvalidValueError,
     NoValidCopyError,
@@ -243,6 +244,11 @@ class TierStore:
     def _publish(self, p: PendingObject) -> ObjectInfo:
         checksum = p.plan.seal(p.reservation.buffer)
         size = p.plan.nbytes
+        if p.epoch is not None and p.epoch >= 0:
+            current = self.index.epoch(p.key.model)
+            if p.epoch < current:  # fenced: never publish over the live incarnation's object of this key
+                p.reservation.abort()
+                raise FencedError(f"put of {p.key}: epoch {p.epoch} is fenced (now {current})", epoch=current)
         p.reservation.commit()
         try:
             self.index.record_object(

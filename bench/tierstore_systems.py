@@ -1,9 +1,11 @@
 """tierstore's systems, added to the registry when ``tierstore.store.open`` is importable.
 
-``tierstore_host``: the save copies every layer into pre-allocated staging
-tensors (the stall: the snapshot), then a background thread puts each layer
-group through ``store.put`` as a shard keyed ``bench/<layer>/<step>/<rank>``;
-it is *committed* when the last put returns. Restore gets every shard back into
+``tierstore_host``: the save copies every layer once, straight into its
+host-tier shared-memory object (``store.snapshot``: the stall), then a
+background thread seals (xxh3-128), publishes and indexes each shard keyed
+``bench/<layer>/<step>/<rank>``; it is *committed* when the last one is.
+Segments are pre-allocated in setup and recycled after each round's cleanup,
+as the Checkpointer does. Restore gets every shard back into
 the live tensors (``store.get(key, out=...)`` where the store has it). The
 store is opened with ``home`` in the run's disk directory, ``host_root`` in its
 /dev/shm directory and ``durable="none"`` unless ``options["tierstore_open"]``
@@ -53,11 +55,11 @@ if _open is not None:
 
     @register("tierstore_host")
     class TierstoreHost(System):
-        """Snapshot into staging tensors, then ``store.put`` per layer in a background thread."""
+        """Snapshot straight into the host tier, then seal and publish per layer in a background thread."""
 
         kind = "tierstore"
         background = True
-        describe = "tierstore: snapshot to staging, store.put per layer (host tier)"
+        describe = "tierstore: snapshot straight into host-tier shared memory, seal+publish in background"
 
         def setup(self) -> None:
             from tierstore.keys import ShardKey
@@ -83,11 +85,13 @@ if _open is not None:
                 self._get_out = "out" in inspect.signature(self.store.get).parameters
             except (TypeError, ValueError):
                 self._get_out = False
-            self.staging = {
-                layer: {k: torch.empty_like(t) for k, t in group.items()}
-                for layer, group in self.ctx.work.layers.items()
-            }
+            self.staging = dict(self.ctx.work.layers)  # snapshots go straight into the host tier
             self.keys: list[Any] = []
+            self._pending: list[Any] = []
+            from tierstore import codec
+
+            sizes = [codec.plan(group, {"_ts": {}}).nbytes for group in self.staging.values()]
+            self.store.host.preallocate(sizes * 2)  # what the Checkpointer does: pre-faulted, reused segments
             self._thread: threading.Thread | None = None
 
         def default_open_kwargs(self) -> dict[str, Any]:
@@ -103,13 +107,11 @@ if _open is not None:
             return layer.split(".", 1)[1] if "." in layer else layer
 
         def begin(self, step: int) -> dict[str, float]:
-            for layer, group in self.ctx.work.layers.items():
-                dst = self.staging[layer]
-                for k, t in group.items():
-                    dst[k].copy_(t)
             self.keys = [
                 self._key(MODEL, self._layer(layer), step, self.ctx.rank) for layer in self.staging
             ]
+            # the stall: one copy of each layer straight into its shared-memory object
+            self._pending = [self.store.snapshot(key, group) for key, group in zip(self.keys, self.staging.values())]
             self._t_done: float | None = None
             self._err: BaseException | None = None
             self._ev = threading.Event()
@@ -119,8 +121,8 @@ if _open is not None:
 
         def _put_all(self) -> None:
             try:
-                for key, group in zip(self.keys, self.staging.values()):
-                    self.store.put(key, group)
+                for pending in self._pending:
+                    pending.finish()  # checksum, publish, index
                 self._t_done = time.perf_counter()
             except BaseException as e:  # noqa: BLE001 - re-raised in finish()
                 self._err = e

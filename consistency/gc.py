@@ -154,6 +154,19 @@ def collect(store: TierStore, model: str, retention: Retention = Retention(), *,
     return report
 
 
+def _durable_copy_valid(store: TierStore, key: ShardKey) -> bool:
+    """Whether the durable tier's copy of ``key`` is there and matches the index's checksum."""
+    from tierstore import codec
+    from tierstore.errors import CorruptObjectError, TierStoreError
+
+    rec = store.index.get_object(key)
+    try:
+        blob = store.durable.get(str(key)) if store.durable is not None else None
+        return blob is not None and rec is not None and codec.verify(blob) == rec.checksum
+    except (CorruptObjectError, TierStoreError):
+        return False
+
+
 def evict_host(store: TierStore, nbytes: int) -> int:
     """Free at least ``nbytes`` in the host tier by dropping host copies that are durable.
 
@@ -174,6 +187,8 @@ def evict_host(store: TierStore, nbytes: int) -> int:
     for _created, key, size in sorted(candidates, key=lambda c: c[0]):
         if freed >= nbytes:
             break
+        if not _durable_copy_valid(store, key):
+            continue  # the index says durable, but that copy does not verify: the host copy is the last good one
         if store.host.delete(str(key)):
             store.index.remove_tier(key, "host")
             freed += size

@@ -38,6 +38,10 @@ def durable_manifest_name(model: str, step: int) -> str:
     return f"{model}/_manifest/{step:012d}.json"
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _need(cond: bool, what: str) -> None:
     if not cond:
         raise ManifestError(f"invalid manifest: {what}")
@@ -55,7 +59,7 @@ def _check_entry(o: Any, m: dict[str, Any], where: str) -> ShardKey:
     _need(key.model == m["model"], f"{where}: object {key} belongs to another model")
     _need(key.step <= m["step"], f"{where}: object {key} is newer than the step")
     _need(o.get("kind") in _KINDS, f"{where}: object {key} has unknown kind {o.get('kind')!r}")
-    _need(isinstance(o.get("size"), int) and o["size"] >= 0, f"{where}: object {key} has a bad size")
+    _need(_is_int(o.get("size")) and o["size"] >= 0, f"{where}: object {key} has a bad size")
     _need(isinstance(o.get("checksum"), str), f"{where}: object {key} has no checksum")
     tiers = o.get("tiers", [])
     _need(isinstance(tiers, list) and all(isinstance(t, str) for t in tiers), f"{where}: {key} has bad tiers")
@@ -85,6 +89,8 @@ def parse_manifest(raw: bytes | str | dict, *, model: str | None = None, step: i
             m = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise ManifestError("manifest JSON is nested too deeply") from e
     _need(isinstance(m, dict), "not an object")
     version = m.get("version")
     if version != MANIFEST_VERSION:
@@ -92,11 +98,11 @@ def parse_manifest(raw: bytes | str | dict, *, model: str | None = None, step: i
     _need(isinstance(m.get("model"), str), "model must be a string")
     if model is not None and m["model"] != model:
         raise ManifestError(f"manifest is of model {m['model']!r}, expected {model!r}")
-    _need(isinstance(m.get("step"), int) and m["step"] >= 0, "step must be a non-negative int")
+    _need(_is_int(m.get("step")) and m["step"] >= 0, "step must be a non-negative int")
     if step is not None and m["step"] != step:
         raise ManifestError(f"manifest is of step {m['step']}, expected {step}")
     world = m.get("world")
-    _need(isinstance(world, int) and 1 <= world <= 1 << 20, "world must be a positive int")
+    _need(_is_int(world) and 1 <= world <= 1 << 20, "world must be a positive int")
     ranks = m.get("ranks")
     _need(isinstance(ranks, dict), "ranks must be an object")
     _need(sorted(ranks, key=lambda r: int(r) if str(r).isdigit() else -1) == [str(r) for r in range(world)],

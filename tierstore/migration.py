@@ -118,6 +118,8 @@ class Migrator:
         name = str(key)
         blob = self.source.get(name)
         if blob is None:
+            if self.index.get_object(key) is None:
+                return  # deleted (garbage-collected) before its turn: nothing left to migrate
             raise TierUnavailableError(f"{key} vanished from the host tier before migration", key=str(key))
         size = len(blob)
         try:

@@ -369,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-bytes", type=int, default=None)
     p.add_argument("--max-object-bytes", type=int, default=AgentConfig.max_object_bytes)
     p.add_argument("--ttl", type=float, default=AgentConfig.ttl_s, help="registration TTL in seconds")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="expose Prometheus metrics on 127.0.0.1:PORT (needs prometheus_client)")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -381,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         node_id=args.node_id, host_root=args.host_root, secret=_read_secret(args.secret_file), port=args.port,
         host=args.host, redis_url=args.redis, capacity_bytes=args.capacity_bytes,
         max_object_bytes=args.max_object_bytes, ttl_s=args.ttl, heartbeat_s=max(0.2, args.ttl / 3))
+
+    if args.metrics_port is not None:
+        from tierstore.metrics import serve
+
+        serve(args.metrics_port)
 
     def ready(port: int) -> None:
         print(f"tierstore-agent ready node={config.node_id} port={port}", flush=True)

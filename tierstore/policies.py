@@ -179,8 +179,9 @@ class LayerwiseTracker:
             return True
         if step - self._step[layer] >= self.max_staleness:
             return True
-        if layer in self.slots and forced_save(step, self._step[layer], self.slots[layer], self.max_staleness):
-            return True  # smoothed I/O: forced saves fall on the layer's own slot
+        if (layer in self.slots and step - self._step[layer] >= max(1, self.max_staleness // 2)
+                and forced_save(step, self._step[layer], self.slots[layer], self.max_staleness)):
+            return True  # smoothed I/O: past half the bound, a layer's forced save falls on its own slot
         return relative_change(live, self._saved[layer]) > self.tau
 
     def saved(self, layer: str, step: int, params: Mapping[str, torch.Tensor]) -> None:

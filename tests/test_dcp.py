@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -69,10 +68,7 @@ def worker(rank: int, world: int, port: int, home: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.redis_server import free_port as _free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 
 import torch
 import torch.multiprocessing as mp
@@ -58,10 +57,7 @@ def test_assign_owners_three_ranks_partial_classes():
     assert owners["x"]["state"][0] == owners["x"]["state"][1] in (0, 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.redis_server import free_port as _free_port  # noqa: E402
 
 
 def _planner_worker(rank: int, port: int, out: str) -> None:

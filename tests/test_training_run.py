@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -104,10 +103,7 @@ def worker(rank: int, world: int, port: int, home: str, out: str, kill_at: int) 
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.redis_server import free_port as _free_port  # noqa: E402
 
 
 def _run(home: Path, out: Path, kill_at: int) -> list[int]:

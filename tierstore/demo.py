@@ -131,7 +131,7 @@ def _worker(cfg: dict[str, Any]) -> int:
     model, opt = gpt.make_model(seed=cfg["seed"])
     policy = make_policy(cfg["policy"])
     store = _open_store(cfg)
-    ckpt = Checkpointer(store, cfg["model"], model, opt, policy=policy)
+    ckpt = Checkpointer(store, cfg["model"], model, opt, policy=policy, keep_last=None)  # the summary reads every step; gc runs at the end
     m = metrics.Metrics()
     t = time.perf_counter()
     step, _extra = ckpt.restore()

@@ -15,7 +15,7 @@ Figures per policy (sums over both ranks, per training step):
 * ``save()``: median time the training loop spent in ``save()`` (the stall
   seen by the caller; includes waiting for the previous save's background work).
 
-Run: ``python -m bench.bench_policies [--steps 200] [--tau 0.02] [--staleness 8]``
+Run: ``python -m bench.bench_policies [--steps 200] [--tau 0.02] [--staleness 4]``
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, port: int, home: str, out: str, a: argparse.Nam
     jobs = {}
     for i, (name, pol) in enumerate(_policies(a).items()):
         model, opt = make_model(cfg, seed=0)
-        ck = Checkpointer(store, f"bench{i}", model, opt, pol)
+        ck = Checkpointer(store, f"bench{i}", model, opt, pol, keep_last=None)  # every step stays for the bytes column
         ck.restore()
         jobs[name] = {"model": model, "opt": opt, "ck": ck, "save_s": []}
     t0 = time.perf_counter()
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--after", type=int, default=50, help="steps compared after the restore")
     p.add_argument("--tau", type=float, default=0.02)
-    p.add_argument("--staleness", type=int, default=8)
+    p.add_argument("--staleness", type=int, default=4)
     p.add_argument("--base-every", type=int, default=20)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)

@@ -91,7 +91,7 @@ if _open is not None:
             from tierstore import codec
 
             sizes = [codec.plan(group, {"_ts": {}}).nbytes for group in self.staging.values()]
-            self.store.host.preallocate(sizes * 2)  # what the Checkpointer does: pre-faulted, reused segments
+            self.store.host.preallocate(sizes)  # pre-faulted segments, reused after each round's cleanup
             self._thread: threading.Thread | None = None
 
         def default_open_kwargs(self) -> dict[str, Any]:

@@ -352,8 +352,6 @@ class TierStore:
         else:
             raise CorruptObjectError(f"{key}: unknown object kind {kind!r}", key=str(key))
         shard.metadata.pop(_INTERNAL, None)
-        if isinstance(blob, memoryview):
-            del info
         return shard
 
     def _apply_delta(self, key: ShardKey, blob, base_key: ShardKey, out, depth: int) -> codec.Shard:

@@ -13,6 +13,24 @@ from tests.redis_server import redis_proc, redis_url  # noqa: F401
 from tests.s3_server import *  # noqa: F401,F403
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the embedded index servers that tests started (they are detached by design)."""
+    base = str(session.config._tmp_path_factory.getbasetemp())  # noqa: SLF001 - pytest's own temp root
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "server" in cmd and f"unixsocket:{base}" in cmd.replace("\0", " "):
+            try:
+                os.kill(int(pid), 15)
+            except OSError:
+                pass
+
+
 @pytest.fixture(autouse=True)
 def _private_shared_memory(monkeypatch):
     """Stores opened without an explicit host_root put their host tier in a per-test dir, removed after."""

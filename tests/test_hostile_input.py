@@ -317,3 +317,10 @@ def test_delta_with_missing_base_names_the_base(store):
     with pytest.raises(NoValidCopyError) as ei:
         store.get(key)
     assert str(base) in str(ei.value) and str(key) in str(ei.value)
+
+
+def test_mutation_fuzzer_finds_only_typed_errors():
+    """bench/fuzz.py (run with --n 200000 for the full count) on a CI-sized sample."""
+    from bench.fuzz import main
+
+    assert main(["--n", "5000", "--seed", "3"]) == 0

@@ -147,7 +147,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         S.barrier()
         warm = system.save(step)
         step += 1
-        # Peak through the first save only: a restore that maps files (torch.load(mmap=True)
+        # Peak through the first save only: a restore that maps files (torch.load with mmap=True
         # of a /dev/shm file) would count those shared pages in RSS.
         rec["first_peak_extra_bytes"] = peak.private_extra()
         rec["shmem_mapped_bytes"] = rss_shmem_bytes() - peak.shmem_base

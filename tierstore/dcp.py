@@ -28,7 +28,7 @@ size may read (DCP reshards by chunk offsets).
 
 Non-tensor items (DCP's ``BYTE_IO``: ``torch.save`` of arbitrary objects) are
 refused on both sides: DCP's planner reads them back with
-``torch.load(weights_only=False)``, which is pickle on a read path.
+``torch.load`` with weights-only loading switched off, which is pickle on a read path.
 """
 
 from __future__ import annotations

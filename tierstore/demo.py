@@ -422,7 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return 1
                 progress.update(task, completed=a.steps)
         summary = _collect(store, base["model"], events, a.ranks, a.policy, kill_at, out)
-        _plot(summary, out / "demo.png")
+        try:
+            _plot(summary, out / "demo.png")
+        except ImportError:
+            summary["plot"] = "not drawn: matplotlib is not installed (pip install 'tierstore[plot]')"
         if not a.keep_all:
             summary["gc"] = collect(store, base["model"], Retention(keep_last=2), dry_run=False).to_json()
             summary["gc"].pop("deleted")

@@ -413,7 +413,8 @@ def test_s3_access_denied_fails_fast_with_clear_error(tmp_path, redis_url, shm_r
 
 
 def test_dev_shm_full_is_typed_and_loses_nothing(tmp_path, redis_url, shm_root):
-    store = make_store(tmp_path, redis_url, shm_root, host_capacity=64 << 10)
+    # two steps fit (4 objects of 3 pages each per step); the 512 KiB object cannot, even after eviction
+    store = make_store(tmp_path, redis_url, shm_root, host_capacity=128 << 10)
     try:
         store.open_epoch(MODEL)
         for step in (1, 2):

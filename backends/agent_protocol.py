@@ -1,7 +1,7 @@
 """The wire protocol between the peer tier (:mod:`backends.peer`) and the node agent.
 
 It lives in ``backends/`` so that both :mod:`backends.peer` and
-:mod:`tierstore.agent` can import it without breaking the import layering.
+:mod:`tierstore.cli.agent` can import it without breaking the import layering.
 
 Every message travels as a UCX tag message on one endpoint (one connection per
 client and agent). A connection carries one request at a time:

@@ -19,7 +19,7 @@ import torch
 
 from tierstore import codec
 from tierstore.delta import apply_xor_delta, xor_delta
-from tierstore.hashing import digest_many
+from tierstore.train.hashing import digest_many
 
 
 def timeit(fn: Callable[[], object], reps: int) -> tuple[float, float, float]:

@@ -2,7 +2,7 @@
 
 What is measured on this machine (one process):
 
-1. hashing: ``tierstore.hashing.tensor_digest`` over the same bytes with
+1. hashing: ``tierstore.train.hashing.tensor_digest`` over the same bytes with
    xxh3-128 and blake2s: seconds per GiB (best of ``--repeat``);
 2. the exchange: for each layout (DP x TP x PP, ZeRO-1: parameters
    replicated across DP, optimizer state sharded), every rank holds a table
@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from tierstore.hashing import tensor_digest
+from tierstore.train.hashing import tensor_digest
 
 LAYOUTS = [  # (dp, tp, pp)
     (8, 1, 1), (4, 2, 1), (16, 2, 1), (8, 4, 2), (32, 4, 2), (64, 4, 2), (32, 8, 4), (128, 4, 2), (64, 8, 2),

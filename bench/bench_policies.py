@@ -32,7 +32,7 @@ from datetime import timedelta
 
 
 def _policies(a: argparse.Namespace):
-    from tierstore import policies as P
+    from tierstore.train import policies as P
 
     return {
         "full (exact)": P.exact(),
@@ -50,8 +50,8 @@ def _rank(rank: int, world: int, port: int, home: str, out: str, a: argparse.Nam
 
     import tierstore
     from tierstore import codec
-    from tierstore.checkpointer import Checkpointer
-    from tierstore.gpt import (
+    from tierstore.train.checkpointer import Checkpointer
+    from tierstore.testing.gpt import (
         GPTConfig,
         char_dataset,
         get_batch,

@@ -23,9 +23,9 @@ import tempfile
 import time
 
 import tierstore
-from tierstore import policies as P
-from tierstore.checkpointer import Checkpointer
-from tierstore.gpt import (
+from tierstore.train import policies as P
+from tierstore.train.checkpointer import Checkpointer
+from tierstore.testing.gpt import (
     GPTConfig,
     char_dataset,
     get_batch,
@@ -33,7 +33,7 @@ from tierstore.gpt import (
     setup_determinism,
     train_step,
 )
-from tierstore.replay import ReplayCheckpointer
+from tierstore.train.replay import ReplayCheckpointer
 
 
 def bytes_per_step(store, cfg: GPTConfig, steps: int, base_every: int) -> None:

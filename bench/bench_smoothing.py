@@ -1,9 +1,9 @@
 """Smoothed checkpoint I/O (LayerCheck): bytes written per step with and without staggering.
 
 A 200-step run is simulated with the real layer sizes of the char-level GPT
-(``tierstore.layers.StateMap`` of the model and an AdamW that has stepped:
+(``tierstore.train.layers.StateMap`` of the model and an AdamW that has stepped:
 weights, buffers, exp_avg, exp_avg_sq per layer) and the policy decisions of
-:mod:`tierstore.stagger`:
+:mod:`tierstore.train.stagger`:
 
 * ``layerwise``: each layer is saved when the staleness bound forces it
   (``forced_save``) or, voluntarily, when its change exceeds tau, modelled as
@@ -31,9 +31,9 @@ import random
 import numpy as np
 import torch
 
-from tierstore.gpt import GPTConfig, make_model
-from tierstore.layers import PARAM, StateMap
-from tierstore.stagger import balanced_slots, forced_save, is_base_step
+from tierstore.testing.gpt import GPTConfig, make_model
+from tierstore.train.layers import PARAM, StateMap
+from tierstore.train.stagger import balanced_slots, forced_save, is_base_step
 
 
 def layer_sizes(cfg: GPTConfig) -> tuple[list[str], list[int], list[int]]:

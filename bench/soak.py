@@ -7,8 +7,8 @@ append-only file on) and a durable directory, then spawns ``--ranks``
 processes. Each rank loops: begin step, put its shards, vote, wait for the
 outcome (lock-step with the others), every few steps a restore (resolve +
 read every object, compared bitwise); every ``--fault-every`` seconds it arms
-one random fault (``tierstore.faults``; ``TIERSTORE_FAULTS`` adds standing
-rules through :func:`tierstore.faults.plan_from_env`). Host copies of durable
+one random fault (``tierstore.testing.faults``; ``TIERSTORE_FAULTS`` adds standing
+rules through :func:`tierstore.testing.faults.plan_from_env`). Host copies of durable
 steps older than 16 are evicted, so the host tier stays bounded.
 
 At the end the parent re-reads every committed step bitwise (faults off):
@@ -85,7 +85,7 @@ def sample() -> tuple[int, int]:
 def rank_main(a: argparse.Namespace) -> dict[str, Any]:
     from consistency.gc import evict_host  # noqa: F401 - imported before the loop (no growth later)
     from tierstore.errors import TierStoreError
-    from tierstore.faults import FaultPlan, FaultRule, install, plan_from_env
+    from tierstore.testing.faults import FaultPlan, FaultRule, install, plan_from_env
     from tierstore.keys import ShardKey
 
     home = Path(a.home)

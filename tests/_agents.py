@@ -39,7 +39,7 @@ class AgentProc:
         self.root = root
         env = dict(os.environ, UCXX_LOG_LEVEL=os.environ.get("UCXX_LOG_LEVEL", "FATAL"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierstore.agent", "--node-id", node_id, "--host-root", str(root),
+            [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node_id, "--host-root", str(root),
              "--secret-file", str(secret_file), *extra],
             cwd=REPO, stdout=subprocess.PIPE, env=env)
         self.port = self._wait_ready(30.0)

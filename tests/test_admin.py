@@ -18,7 +18,7 @@ import redis
 import torch
 
 from tests.redis_server import free_port
-from tierstore import admin
+from tierstore.cli import admin
 from tierstore.keys import ShardKey
 
 M = "gpt"
@@ -197,7 +197,7 @@ def test_verify_reports_a_copy_missing_from_an_indexed_tier(populated, conn, cap
 
 
 def test_nodes(populated, conn, capsys, redis_url):
-    from tierstore.agent import NodeRegistration
+    from tierstore.cli.agent import NodeRegistration
 
     client = redis.Redis.from_url(redis_url)
     reg = NodeRegistration(client, "nodeA", {"node_id": "nodeA", "address": "127.0.0.1:4567", "capacity": 1 << 30,

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from tierstore.checkpointer import Checkpointer, rank_from_env
+from tierstore.train.checkpointer import Checkpointer, rank_from_env
 from tierstore.errors import FencedError, RestoreMismatchError, TierStoreError
-from tierstore.gpt import GPTConfig, make_model, train
-from tierstore.policies import compose, differential, exact, layerwise
+from tierstore.testing.gpt import GPTConfig, make_model, train
+from tierstore.train.policies import compose, differential, exact, layerwise
 
 torch.set_num_threads(1)
 CFG = GPTConfig(d_model=32, n_layer=2, n_head=2, block=32)
@@ -168,7 +168,7 @@ def test_rank_from_env():
 
 def test_retention_recycles_old_versions_and_keeps_restorable(tmp_path, redis_url, shm_root):
     import tierstore
-    from tierstore.checkpointer import Checkpointer
+    from tierstore.train.checkpointer import Checkpointer
 
     store = tierstore.open(tmp_path / "ret", redis=redis_url, durable="none", host_root=str(shm_root / "n"))
     try:
@@ -197,8 +197,8 @@ def test_retention_recycles_old_versions_and_keeps_restorable(tmp_path, redis_ur
 
 def test_layerwise_retention_keeps_stale_layers(tmp_path, redis_url, shm_root):
     import tierstore
-    from tierstore.checkpointer import Checkpointer
-    from tierstore.policies import layerwise
+    from tierstore.train.checkpointer import Checkpointer
+    from tierstore.train.policies import layerwise
 
     store = tierstore.open(tmp_path / "lw", redis=redis_url, durable="none", host_root=str(shm_root / "n"))
     try:

@@ -31,9 +31,9 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     import torch.distributed as dist
 
     import tierstore
-    from tierstore.checkpointer import Checkpointer
-    from tierstore.gpt import GPTConfig, make_model, setup_determinism, train
-    from tierstore.policies import compose, dedup, differential
+    from tierstore.train.checkpointer import Checkpointer
+    from tierstore.testing.gpt import GPTConfig, make_model, setup_determinism, train
+    from tierstore.train.policies import compose, dedup, differential
 
     setup_determinism(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierstore.dcp import (
+from tierstore.train.dcp import (
     TierStoreReader,
     TierStoreWriter,
     metadata_from_json,

@@ -1,4 +1,4 @@
-"""Tests of tierstore.dedup: owner assignment (pure) and detection over real gloo ranks."""
+"""Tests of tierstore.train.dedup: owner assignment (pure) and detection over real gloo ranks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from tierstore.dedup import DedupPlanner, assign_owners, part_digests, split_parts
+from tierstore.train.dedup import DedupPlanner, assign_owners, part_digests, split_parts
 
 
 def _d(x: int) -> bytes:

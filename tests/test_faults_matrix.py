@@ -38,7 +38,7 @@ from tierstore.config import StoreConfig
 from tierstore.errors import (
     AccessDeniedError, NoValidCopyError, StepAbortedError, TierFullError, TierStoreError, TierUnavailableError,
 )
-from tierstore.faults import FaultPlan, FaultRule, install
+from tierstore.testing.faults import FaultPlan, FaultRule, install
 from tierstore.keys import ShardKey
 from tierstore.store import TierStore
 from tests.redis_server import RedisProcess
@@ -229,7 +229,7 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from pathlib import Path
     from tests.test_faults_matrix import make_store, save_step, commit_clean, MODEL
-    from tierstore.faults import FaultPlan, FaultRule, install
+    from tierstore.testing.faults import FaultPlan, FaultRule, install
     store = make_store(Path({tmp!r}), {url!r}, Path({shm!r}))
     plan = install(store, FaultPlan([FaultRule({point!r}, "kill", 1.0, after={after})], seed=3))
     with plan.paused():

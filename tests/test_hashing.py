@@ -1,4 +1,4 @@
-"""Tests of tierstore.hashing: digests identify bitwise-identical tensors of equal dtype and shape."""
+"""Tests of tierstore.train.hashing: digests identify bitwise-identical tensors of equal dtype and shape."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from tierstore import codec
 from tierstore.errors import InvalidValueError
-from tierstore.hashing import ALGORITHMS, digest_many, tensor_digest
+from tierstore.train.hashing import ALGORITHMS, digest_many, tensor_digest
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)

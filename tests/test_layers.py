@@ -1,4 +1,4 @@
-"""Unit tests of tierstore.layers: layer mapping and validated in-place restore."""
+"""Unit tests of tierstore.train.layers: layer mapping and validated in-place restore."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tierstore.errors import InvalidValueError, RestoreMismatchError
-from tierstore.gpt import GPTConfig, make_model
-from tierstore.layers import StateMap, default_layer_fn, sanitize_layer_name
+from tierstore.testing.gpt import GPTConfig, make_model
+from tierstore.train.layers import StateMap, default_layer_fn, sanitize_layer_name
 
 torch.set_num_threads(1)
 CFG = GPTConfig(d_model=32, n_layer=2, n_head=2, block=16)

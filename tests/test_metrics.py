@@ -1,4 +1,4 @@
-"""tierstore.metrics: the Prometheus families, the per-step log line, migration lag from a real index."""
+"""tierstore.cli.metrics: the Prometheus families, the per-step log line, migration lag from a real index."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 import torch
 
-from tierstore import metrics
+from tierstore.cli import metrics
 from tierstore.keys import ShardKey
 
 pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (tierstore[metrics])")
@@ -18,7 +18,7 @@ def test_record_step_exports_and_logs(caplog):
     m = metrics.Metrics()
     fig = metrics.StepFigures("gpt", 7, rank=1, stall_s=0.004, bytes_by_tier={"host": 1000, "durable": 1000},
                               bytes_by_kind={"full": 1000}, commit_latency_s=0.02, state="committed")
-    with caplog.at_level(logging.INFO, logger="tierstore.metrics"):
+    with caplog.at_level(logging.INFO, logger="tierstore.cli.metrics"):
         m.record_step(fig)
         m.record_restore("gpt", "host", 0.5, step=7)
     lines = [r.getMessage() for r in caplog.records]

@@ -1,4 +1,4 @@
-"""Unit tests of tierstore.policies: composition and the per-layer trackers."""
+"""Unit tests of tierstore.train.policies: composition and the per-layer trackers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tierstore.errors import ConfigError
-from tierstore.policies import (
+from tierstore.train.policies import (
     DiffTracker,
     LayerwiseTracker,
     Policy,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tierstore.errors import ConfigError
-from tierstore.gpt import (
+from tierstore.testing.gpt import (
     GPTConfig,
     char_dataset,
     get_batch,
@@ -30,7 +30,7 @@ from tierstore.gpt import (
     train_step,
 )
 from tierstore.keys import ShardKey
-from tierstore.replay import LOG_LAYER, ReplayCheckpointer, ReplayFallbackWarning
+from tierstore.train.replay import LOG_LAYER, ReplayCheckpointer, ReplayFallbackWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GPTConfig(d_model=32, n_layer=2, n_head=2, block=32)
@@ -233,7 +233,7 @@ def _tamper(home: Path) -> None:
 
 
 def test_two_ranks_kill_restart_replay_is_bitwise(tmp_path):
-    from tierstore.gpt import train_emulated
+    from tierstore.testing.gpt import train_emulated
 
     home = tmp_path / "home"
     assert _run(home, tmp_path / "first", KILL)[1] == 17

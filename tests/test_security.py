@@ -256,7 +256,7 @@ def test_s3_backend_takes_no_credentials():
 
 
 def test_admin_deletes_only_with_yes(store, tmp_path, capsys):
-    admin = pytest.importorskip("tierstore.admin", reason="tierstore/admin.py is not in the tree")
+    admin = pytest.importorskip("tierstore.cli.admin", reason="tierstore/cli/admin.py is not in the tree")
     for step in range(1, 5):
         store.begin_step("m", step, 1)
         info = store.put(ShardKey("m", "l", step, 0), {"w": torch.full((4,), float(step))})

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore.errors import ConfigError
-from tierstore.stagger import (
+from tierstore.train.stagger import (
     balanced_slots,
     forced_save,
     is_base_step,

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_testbed_node_loss_and_restore(tmp_path):
-    from tierstore.testbed import peer_supported
+    from tierstore.cli.testbed import peer_supported
 
     peer, why = peer_supported()
     cmd = [sys.executable, "-m", "tierstore.cli", "testbed", "--ranks-per-node", "1", "--steps", "5",
@@ -46,5 +46,5 @@ def test_compose_file_is_valid():
     assert set(p.stdout.split()) == {"redis", "minio", "bucket", "node0", "node1"}
     p = subprocess.run([exe, "-f", str(compose), "config"], check=False, capture_output=True, text=True, timeout=60)
     text = p.stdout
-    assert "tierstore agent" in text and "torchrun" in text and "tierstore.demo" in text
+    assert "tierstore agent" in text and "torchrun" in text and "tierstore.cli.demo" in text
     assert (REPO / "docker" / "Dockerfile").read_text().count("torch==2.13.0") == 1

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _policy(name: str):
-    from tierstore import policies as P
+    from tierstore.train import policies as P
 
     return {
         "exact": P.exact(),
@@ -49,8 +49,8 @@ def worker(rank: int, world: int, port: int, home: str, out: str, kill_at: int) 
     import torch.distributed as dist
 
     import tierstore
-    from tierstore.checkpointer import Checkpointer
-    from tierstore.gpt import (
+    from tierstore.train.checkpointer import Checkpointer
+    from tierstore.testing.gpt import (
         char_dataset,
         get_batch,
         make_model,
@@ -132,7 +132,7 @@ def _run(home: Path, out: Path, kill_at: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from tierstore.gpt import make_model, setup_determinism, train_emulated
+    from tierstore.testing.gpt import make_model, setup_determinism, train_emulated
 
     tmp = tmp_path_factory.mktemp("run")
     codes1 = _run(tmp / "home", tmp / "first", KILL)

@@ -29,7 +29,7 @@ _LAZY = {
     "TierStore": ("tierstore.store", "TierStore"),
     "StoreConfig": ("tierstore.config", "StoreConfig"),
     "Shard": ("tierstore.codec", "Shard"),
-    "Checkpointer": ("tierstore.checkpointer", "Checkpointer"),
+    "Checkpointer": ("tierstore.train.checkpointer", "Checkpointer"),
 }
 
 __all__ = ["ShardKey", "__version__", *_errors_all, *_LAZY]

@@ -14,7 +14,7 @@ Pure functions, no state. How the policies call them (per save, per layer):
 * LayerCheck's staleness bound (``period = max_staleness``): the layer is due
   when ``forced_save(step, last_saved, slots[i], period)`` or its relative
   change exceeds ``tau``. The bound still holds (never more than ``period``
-  steps between saves). :class:`~tierstore.policies.LayerwiseTracker` applies
+  steps between saves). :class:`~tierstore.train.policies.LayerwiseTracker` applies
   the slot only once half the bound has passed since the layer's last save,
   so staggering adds few saves (and little extra staleness at a restore). All ranks of a layer must save it at the same step,
   so use ``rank=0`` (no rank shift) for layerwise;

@@ -5,7 +5,7 @@ Topology (``docker/docker-compose.yml`` runs the same with containers):
 * a Redis-protocol server on a loopback TCP port (the index);
 * moto's S3 server on a loopback port (the durable tier), one bucket;
 * two "nodes", ``node0`` and ``node1``: each a host tier directory in
-  ``/dev/shm``, a node agent (``python -m tierstore.agent``) serving it to
+  ``/dev/shm``, a node agent (``python -m tierstore.cli.agent``) serving it to
   peers over UCX and registered in the index, and ``--ranks-per-node``
   trainer ranks (the demo's rank program, gloo over loopback).
 
@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierstore.demo import _free_port, _read_events, _tail
+from tierstore.cli.demo import _free_port, _read_events, _tail
 
 __all__ = ["Testbed", "main", "peer_supported"]
 
@@ -159,7 +159,7 @@ class Testbed:
         import redis
 
         (self.shm / node).mkdir(parents=True, exist_ok=True)
-        p = self._spawn(f"agent-{node}", [sys.executable, "-m", "tierstore.agent", "--node-id", node,
+        p = self._spawn(f"agent-{node}", [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node,
                                           "--host-root", str(self.shm / node), "--secret-file", str(self.secret_file),
                                           "--redis", self.redis_url, "--ttl", "5", "--log-level", "INFO"])
         r = redis.Redis.from_url(self.redis_url)
@@ -189,7 +189,7 @@ class Testbed:
             if self.peer:
                 cfg.update(peer_replicas=1, peer_secret_file=str(self.secret_file))
             ranks[r] = self._spawn(f"{node}-rank{r}-phase{phase}",
-                                   [sys.executable, "-m", "tierstore.demo", "--worker", json.dumps(cfg)])
+                                   [sys.executable, "-m", "tierstore.cli.demo", "--worker", json.dumps(cfg)])
         return ranks
 
     def events(self, rank: int, phase: int) -> list[dict[str, Any]]:

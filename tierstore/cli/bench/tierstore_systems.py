@@ -11,7 +11,7 @@ store is opened with ``home`` in the run's disk directory, ``host_root`` in its
 /dev/shm directory and ``durable="none"`` unless ``options["tierstore_open"]``
 says otherwise; rank 0 opens first, and stops the embedded server it started at
 teardown. Where tierstore cannot be imported or opened,
-the system is skipped and the reason lands in :data:`bench.systems.SKIPPED`.
+the system is skipped and the reason lands in :data:`tierstore.cli.bench.systems.SKIPPED`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.systems import SKIPPED, System, SystemUnavailable, barrier, register
+from tierstore.cli.bench.systems import SKIPPED, System, SystemUnavailable, barrier, register
 
 __all__ = ["TierstoreHost", "shard_tensors"]
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tierstore.dedup import DedupPlanner, part_of
+from tierstore.train.dedup import DedupPlanner, part_of
 from tierstore.delta import xor_delta
 from tierstore.errors import (
     CommitError,
@@ -53,8 +53,8 @@ from tierstore.errors import (
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
-from tierstore.layers import PARAM, StateMap
-from tierstore.policies import DiffTracker, LayerwiseTracker, Policy, exact
+from tierstore.train.layers import PARAM, StateMap
+from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 
 __all__ = ["Checkpointer", "SaveStats", "rank_from_env"]
 
@@ -106,7 +106,7 @@ class Checkpointer:
         model_name: the key namespace of this job.
         module: the model; its parameters and buffers are saved by layer.
         optimizer: optional; per-parameter state and param groups are saved.
-        policy: see :mod:`tierstore.policies` (default :func:`exact`).
+        policy: see :mod:`tierstore.train.policies` (default :func:`exact`).
         rank, world_size: default from ``torch.distributed``, else 0 and 1.
         layer_fn: ``param_name -> layer name`` (default: module prefix).
         group: the gloo group for the Checkpointer's collectives.
@@ -171,7 +171,7 @@ class Checkpointer:
 
     def _stagger(self) -> None:
         """Give each layer a slot so forced saves and bases spread over steps (LayerCheck's smoothed I/O)."""
-        from tierstore.stagger import balanced_slots, shifted
+        from tierstore.train.stagger import balanced_slots, shifted
 
         layers = sorted(self.map.layers)
         sizes = [_nbytes(self.map.layer_tensors(ln)) for ln in layers]

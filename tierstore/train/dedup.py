@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from tierstore.hashing import tensor_digest
+from tierstore.train.hashing import tensor_digest
 
 __all__ = ["PARTS", "DedupPlanner", "assign_owners", "part_digests", "part_of", "split_parts"]
 

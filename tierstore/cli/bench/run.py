@@ -1,6 +1,6 @@
-"""Command line: ``python -m bench.run [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--out DIR]``.
+"""Command line: ``tierstore bench [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--out DIR]``.
 
-Spawns ``--ranks`` processes (gloo on loopback), runs :func:`bench.harness.rank_main`
+Spawns ``--ranks`` processes (gloo on loopback), runs :func:`tierstore.cli.bench.harness.rank_main`
 in each, and prints the markdown table rank 0 wrote to ``OUT/results.md``
 (raw figures in ``OUT/results.json``). :func:`main` is what ``tierstore bench``
 calls.
@@ -27,13 +27,13 @@ DEFAULT_SYSTEMS = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (defaults: the full benchmark of BENCHMARKS.md)."""
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tierstore bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small state (64 MiB/rank), 2 rounds, short slowdown pass")
     p.add_argument("--size-gib", type=float, default=None, help="params + AdamW state per rank (default 1, quick 1/16)")
     p.add_argument("--tensors", type=int, default=200, help="tensors per rank (4 per layer)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3, quick 2)")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated; see bench.systems")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated; see tierstore.cli.bench.systems")
     p.add_argument("--out", default=None, help="output directory (default bench/results/<timestamp>)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default CPUs // ranks)")
     p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default a temp dir)")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # Freed large blocks go straight back to the OS, so RSS shows what a system really holds.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
 
-    from bench.report import machine_info
+    from tierstore.cli.bench.report import machine_info
 
     shm_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir="/dev/shm")
     disk_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir=args.disk_dir)
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         "init_method": f"tcp://127.0.0.1:{_free_port()}",
         "pg_timeout_s": 600,
         "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"],
-        "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "tierstore bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     import torch.multiprocessing as mp
 
-    from bench.harness import rank_main
+    from tierstore.cli.bench.harness import rank_main
 
     try:
         mp.spawn(rank_main, args=(cfg,), nprocs=args.ranks, join=True)

@@ -3,8 +3,8 @@
 What it does (no set-up needed: the embedded default of ``--home``):
 
 1. Phase 0: spawns ``--ranks`` processes (gloo, loopback) that train
-   :class:`tierstore.gpt.GPT` and checkpoint every step with a
-   :class:`~tierstore.checkpointer.Checkpointer` (``--policy``).
+   :class:`tierstore.testing.gpt.GPT` and checkpoint every step with a
+   :class:`~tierstore.train.checkpointer.Checkpointer` (``--policy``).
 2. At step ``--kill-at`` the last rank SIGKILLs itself right after its
    training step (a crash: no clean-up, its last save may be in flight);
    the launcher then kills the survivors, as torchrun would.
@@ -44,7 +44,7 @@ _PHASE_TIMEOUT_S = 600.0
 
 def make_policy(spec: str) -> Any:
     """A policy from ``exact``, ``layerwise``, ``differential``, ``dedup`` or a ``+``-joined mix."""
-    from tierstore import policies as P
+    from tierstore.train import policies as P
     from tierstore.errors import ConfigError
 
     table = {"exact": P.exact, "layerwise": lambda: P.layerwise(tau=0.01, max_staleness=5),
@@ -115,8 +115,9 @@ def _worker(cfg: dict[str, Any]) -> int:
 
     import torch.distributed as dist
 
-    from tierstore import gpt, metrics
-    from tierstore.checkpointer import Checkpointer
+    from tierstore.testing import gpt
+    from tierstore.cli import metrics
+    from tierstore.train.checkpointer import Checkpointer
 
     rank, world, phase = cfg["rank"], cfg["world"], cfg["phase"]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
@@ -204,7 +205,7 @@ def _run_phase(base: dict[str, Any], phase: int, out: Path, progress: Any, task:
         cfg = dict(base, rank=r, phase=phase, port=port, events=str(out / f"rank{r}.phase{phase}.jsonl"))
         Path(cfg["events"]).unlink(missing_ok=True)
         log = open(out / f"rank{r}.phase{phase}.log", "w")  # noqa: SIM115
-        procs.append(subprocess.Popen([sys.executable, "-m", "tierstore.demo", "--worker", json.dumps(cfg)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "tierstore.cli.demo", "--worker", json.dumps(cfg)],
                                       stdout=log, stderr=subprocess.STDOUT, env=env))
         log.close()
     deadline = time.monotonic() + _PHASE_TIMEOUT_S
@@ -231,7 +232,7 @@ def _collect(store: Any, model: str, ev: dict[int, list[dict]], world: int, poli
              out: Path) -> dict[str, Any]:
     import statistics
 
-    from tierstore import admin_views as V
+    from tierstore.cli import views as V
 
     r0 = [e for e in ev[0] if e["event"] == "step"]
     r1 = [e for e in ev[1] if e["event"] == "step"]
@@ -322,7 +323,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from tierstore.admin import human_bytes
+    from tierstore.cli.admin import human_bytes
 
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.1f} ms"

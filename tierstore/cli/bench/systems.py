@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 import torch.distributed as dist
 
-from bench.workload import Workload
+from tierstore.cli.bench.workload import Workload
 
 __all__ = [
     "BenchContext",
@@ -172,8 +172,8 @@ def register(name: str) -> Callable[[S], S]:
 
 def load_builtin() -> None:
     """Import the built-in systems: the bound, the peers and, where importable, tierstore's."""
-    import bench.peers  # noqa: F401
-    import bench.tierstore_systems  # noqa: F401
+    import tierstore.cli.bench.peers  # noqa: F401
+    import tierstore.cli.bench.tierstore_systems  # noqa: F401
 
 
 def barrier() -> None:

@@ -2,7 +2,7 @@
 
 Every function takes an open :class:`~tierstore.store.TierStore` (or its
 :class:`~consistency.index.Index`) and returns JSON-ready dicts and lists;
-:mod:`tierstore.admin` renders them as tables or JSON. Nothing here writes
+:mod:`tierstore.cli.admin` renders them as tables or JSON. Nothing here writes
 to the index or a tier. Times are the index server's (``TIME``), so ages do
 not depend on the admin host's clock.
 """

@@ -12,12 +12,12 @@ from importlib import import_module
 __all__ = ["main"]
 
 _COMMANDS = {
-    "demo": ("tierstore.demo", "main", "train a small GPT on 2 ranks, kill one, restore, report"),
-    "agent": ("tierstore.agent", "main", "run this node's agent (host tier served to peers over UCX)"),
-    "admin": ("tierstore.admin", "main", "inspect (and gc) the Redis index"),
-    "bench": ("bench.run", "main", "benchmarks side by side with torch.save and DCP"),
+    "demo": ("tierstore.cli.demo", "main", "train a small GPT on 2 ranks, kill one, restore, report"),
+    "agent": ("tierstore.cli.agent", "main", "run this node's agent (host tier served to peers over UCX)"),
+    "admin": ("tierstore.cli.admin", "main", "inspect (and gc) the Redis index"),
+    "bench": ("tierstore.cli.bench.run", "main", "benchmarks side by side with torch.save and DCP"),
     "server": ("tierstore.cli", "_server", "the embedded index server: status | stop"),
-    "testbed": ("tierstore.testbed", "main", "the docker-compose topology as local processes"),
+    "testbed": ("tierstore.cli.testbed", "main", "the docker-compose topology as local processes"),
 }
 
 

@@ -5,7 +5,7 @@ before ``setup`` through a warm-up save), then ``repeats`` rounds in which the
 systems take turns (the order rotates each round), a barrier around every
 save and restore; then the slowdown pass (training steps idle, while each system
 saves, idle again; idle and busy in the same window); then the extras. Each rank writes ``raw/rank<r>.json``; rank 0
-merges them (:mod:`bench.report`).
+merges them (:mod:`tierstore.cli.bench.report`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bench import systems as S
-from bench.workload import Peak, make_workload, matmul_step, rss_bytes, rss_shmem_bytes, shm_used_bytes
+from tierstore.cli.bench.workload import Peak, make_workload, matmul_step, rss_bytes, rss_shmem_bytes, shm_used_bytes
 
 __all__ = ["rank_main"]
 
@@ -227,7 +227,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         json.dump(out, f, indent=1)
     S.barrier()
     if rank == 0:
-        from bench.report import merge_and_write
+        from tierstore.cli.bench.report import merge_and_write
 
         merge_and_write(cfg)
     S.barrier()

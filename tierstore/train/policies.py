@@ -15,10 +15,10 @@ and :func:`compose` merges them (later arguments win on a field they set)::
   a layer; in between, lossless XOR deltas against the layer's previous saved
   version, at most ``max_chain`` in a row.
 * :func:`dedup` (AdaCheck): shards bitwise identical across the ranks of the
-  data-parallel group are written once (see :mod:`tierstore.dedup`).
+  data-parallel group are written once (see :mod:`tierstore.train.dedup`).
 
 The trackers here hold the per-layer state these decisions need; the
-:class:`~tierstore.checkpointer.Checkpointer` drives them. They are pure
+:class:`~tierstore.train.checkpointer.Checkpointer` drives them. They are pure
 logic (no store, no collectives) and unit-tested as such.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tierstore.stagger import forced_save, is_base_step
+from tierstore.train.stagger import forced_save, is_base_step
 
 from tierstore.errors import ConfigError
 

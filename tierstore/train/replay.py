@@ -1,8 +1,8 @@
 """Gradient-log checkpoints with optimizer replay (AdaCheck's online checkpoints).
 
 A :class:`ReplayCheckpointer` writes a full *base* (module + optimizer state,
-the same layer shards as the :class:`~tierstore.checkpointer.Checkpointer`,
-extracted and restored with :class:`~tierstore.layers.StateMap`) every
+the same layer shards as the :class:`~tierstore.train.checkpointer.Checkpointer`,
+extracted and restored with :class:`~tierstore.train.layers.StateMap`) every
 ``base_every`` steps, and in between, per step, only a *log entry*: the
 gradients the optimizer consumed at that step, in their own dtype, plus the
 scalars of its param groups (lr, betas, weight decay, momentum, ...).
@@ -73,7 +73,7 @@ from typing import Any
 import torch
 import xxhash
 
-from tierstore.checkpointer import SaveStats
+from tierstore.train.checkpointer import SaveStats
 from tierstore.errors import (
     CommitError,
     ConfigError,
@@ -81,9 +81,9 @@ from tierstore.errors import (
     RestoreMismatchError,
     TierStoreError,
 )
-from tierstore.hashing import tensor_digest
+from tierstore.train.hashing import tensor_digest
 from tierstore.keys import ShardKey, validate_name
-from tierstore.layers import StateMap
+from tierstore.train.layers import StateMap
 
 __all__ = [
     "LOG_LAYER",
@@ -190,7 +190,7 @@ class ReplayCheckpointer:
         group: the gloo group for the restore's collectives (default: a new one).
         timeout: seconds :meth:`wait` waits for a commit decision.
         base_offset: a base falls on steps ``s`` with ``(s - base_offset) % base_every == 0``
-            (see :mod:`tierstore.stagger`), besides whenever one is needed.
+            (see :mod:`tierstore.train.stagger`), besides whenever one is needed.
 
     Raises:
         ConfigError: an unsupported optimizer or a bad ``base_every``.

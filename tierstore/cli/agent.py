@@ -46,7 +46,7 @@ from tierstore.errors import ConfigError, KeyExistsError, TierFullError, TierSto
 
 __all__ = ["NODES_SET", "NODE_KEY", "Agent", "AgentConfig", "NodeRegistration", "main", "run_agent"]
 
-log = logging.getLogger("tierstore.agent")
+log = logging.getLogger("tierstore.cli.agent")
 
 NODE_KEY = "ts:node:{node_id}"
 NODES_SET = "ts:nodes"
@@ -385,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_object_bytes=args.max_object_bytes, ttl_s=args.ttl, heartbeat_s=max(0.2, args.ttl / 3))
 
     if args.metrics_port is not None:
-        from tierstore.metrics import serve
+        from tierstore.cli.metrics import serve
 
         serve(args.metrics_port)
 

@@ -22,7 +22,7 @@ every method is a no-op except the log line (``pip install
 Protocol (who calls what):
 
 * A trainer (the demo, or any loop around a
-  :class:`~tierstore.checkpointer.Checkpointer`) calls :meth:`Metrics.record_step`
+  :class:`~tierstore.train.checkpointer.Checkpointer`) calls :meth:`Metrics.record_step`
   once per saved step, :meth:`Metrics.record_restore` after a restore.
 * Anything holding a store (the agent, ``tierstore admin``) may call
   :meth:`Metrics.update_migration_lag` with the index, periodically.
@@ -46,7 +46,7 @@ from typing import Any
 
 __all__ = ["Metrics", "StepFigures", "available", "default", "migration_lag", "serve"]
 
-log = logging.getLogger("tierstore.metrics")
+log = logging.getLogger("tierstore.cli.metrics")
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 

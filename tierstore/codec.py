@@ -55,7 +55,7 @@ __all__ = [
     "FLAG_LZ4",
     "Shard",
     "TensorInfo",
-    "ObjectInfo",
+    "BlobInfo",
     "EncodePlan",
     "plan",
     "encode",
@@ -121,7 +121,7 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-class ObjectInfo:
+class BlobInfo:
     """What :func:`inspect` reports about an encoded object."""
 
     version: int
@@ -575,13 +575,13 @@ def decode(
     return Shard(tensors=tensors, metadata=meta)
 
 
-def inspect(blob: Any, *, verify: bool = True) -> ObjectInfo:
+def inspect(blob: Any, *, verify: bool = True) -> BlobInfo:
     """Verify ``blob`` (header, checksum, table) and describe it without decoding data.
 
     ``verify=False`` skips the checksum pass (see :func:`decode`).
     """
     mv, flags, table_len, raw_len, digest, infos, meta = _open(blob, verify)
-    return ObjectInfo(
+    return BlobInfo(
         version=FORMAT_VERSION, flags=flags, compressed=bool(flags & FLAG_LZ4), table_len=table_len,
         data_len=len(mv) - HEADER.size - table_len - TRAILER_SIZE, raw_len=raw_len, nbytes=len(mv),
         checksum=digest, metadata=meta, tensors=infos,

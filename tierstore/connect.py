@@ -8,7 +8,9 @@ from typing import Any
 
 from backends.base import Backend
 from backends.host import HostBackend
+from backends.peer import PeerBackend
 from consistency.index import Index
+from consistency.nodes import discovery
 from tierstore.config import StoreConfig
 from tierstore.errors import ConfigError
 from tierstore.store import TierStore
@@ -25,9 +27,7 @@ def _peer_backend(cfg: StoreConfig, index: Index) -> Backend | None:
         secret = Path(cfg.peer_secret_file).read_bytes().strip()
     except OSError as e:
         raise ConfigError(f"cannot read the peer secret file {cfg.peer_secret_file}: {e}") from e
-    from backends.peer import PeerBackend, redis_discovery
-
-    return PeerBackend(redis_discovery(index.r), secret=secret, replication=cfg.peer_replicas,
+    return PeerBackend(discovery(index), secret=secret, replication=cfg.peer_replicas,
                        local_node_id=cfg.node_id)
 
 

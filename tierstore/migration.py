@@ -23,16 +23,17 @@ from dataclasses import dataclass
 from backends.base import Backend
 from consistency.index import Index
 from tierstore import codec
-from tierstore.errors import CorruptObjectError, TierStoreError, TierUnavailableError
+from tierstore.errors import (
+    CorruptObjectError,
+    MigrationError,
+    TierStoreError,
+    TierUnavailableError,
+)
 from tierstore.keys import ShardKey
 
-__all__ = ["Migrator", "MigrationError"]
+__all__ = ["Migrator"]
 
 log = logging.getLogger(__name__)
-
-
-class MigrationError(TierUnavailableError):
-    """Objects could not be migrated to the durable tier; ``failures`` lists (key, error)."""
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Migrator:
                  name: str = "migrate"):
         self.source = source
         self.target = target
+        self.before_each: Callable[[ShardKey], None] | None = None  # called before each object migrates
         self.index = index
         self._q: queue.Queue[tuple[ShardKey, str] | None] = queue.Queue(maxsize=maxsize)
         self._lock = threading.Lock()
@@ -115,6 +117,8 @@ class Migrator:
             self._fire(g)
 
     def _migrate(self, key: ShardKey, checksum: str) -> None:
+        if self.before_each is not None:
+            self.before_each(key)
         name = str(key)
         blob = self.source.get(name)
         if blob is None:

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierstore.cli import views as V
-from tierstore.errors import TierStoreError
+from tierstore.errors import TierStoreError, UnknownError
 
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY", "build_parser", "main"]
 
@@ -310,29 +310,23 @@ def _cmd_verify(store, a) -> int:
 
 def _cmd_watch(store, a) -> int:
     V.require_model(store, a.model)
-    channel = store.index.k(a.model, "events")
-    ps = store.index.r.pubsub(ignore_subscribe_messages=True)
-    ps.subscribe(channel)
+    events = store.steps.subscribe(a.model)
     c = None if getattr(a, "json", False) else _console()
     if c is not None:
-        c.print(f"watching {a.model} ({channel}); Ctrl-C to stop")
+        c.print(f"watching step events of {a.model}; Ctrl-C to stop")
     deadline = None if a.timeout is None else time.monotonic() + a.timeout
     seen = 0
     try:
         while a.count is None or seen < a.count:
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            msg = ps.get_message(timeout=wait)
-            if msg is None:
+            got = events.get(timeout=wait)
+            if got is None:
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 continue
-            data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
-            parts = data.split()
-            if len(parts) != 2 or not parts[0].isdigit():
-                continue
-            step, state = int(parts[0]), parts[1]
+            step, state = got
             row = next((r for r in V.steps_view(store, a.model) if r["step"] == step), {})
-            event = {"model": a.model, "step": step, "state": state, "time": V.server_now(store.index),
+            event = {"model": a.model, "step": step, "state": state, "time": store.index.server_time(),
                      "votes": row.get("votes"), "world": row.get("world"), "bytes": row.get("bytes"),
                      "commit_latency_s": row.get("commit_latency_s")}
             seen += 1
@@ -344,18 +338,18 @@ def _cmd_watch(store, a) -> int:
                         f"  votes {event['votes']}/{event['world']}  {human_bytes(event['bytes'])}"
                         + (f"  commit {lat * 1e3:.1f} ms" if lat is not None else ""))
     finally:
-        ps.close()
+        events.close()
     return EXIT_OK
 
 
 def _cmd_gc(store, a) -> int:
-    from consistency.gc import Retention, collect
+    from consistency.gc import Retention
 
     V.require_model(store, a.model)
     if a.keep_last < 0 or a.keep_durable_every < 0:
         print("tierstore admin gc: --keep-last and --keep-durable-every must be >= 0", file=sys.stderr)
         return EXIT_USAGE
-    report = collect(store, a.model, Retention(a.keep_last, a.keep_durable_every), dry_run=not a.yes)
+    report = store.gc(a.model, Retention(a.keep_last, a.keep_durable_every), dry_run=not a.yes)
 
     def render(c, d):
         verb = "would delete" if d["dry_run"] else "deleted"
@@ -376,19 +370,11 @@ def _cmd_rebuild(store, a) -> int:
         print("tierstore admin rebuild-index rewrites the index from the durable tier: add --yes to proceed",
               file=sys.stderr)
         return EXIT_USAGE
-    fn = getattr(store, "rebuild_index", None)
-    if fn is None:
-        print("tierstore admin rebuild-index: not available yet (this TierStore has no rebuild_index())",
-              file=sys.stderr)
-        return EXIT_ERROR
-    result = fn(a.model) if a.model else fn()
-    data = result.to_json() if hasattr(result, "to_json") else result
-    if not isinstance(data, (dict, list)):
-        data = {"result": str(data)}
+    data = store.rebuild_index(a.model or None).to_json()
 
     def render(c, d):
         c.print("index rebuilt from the durable tier:")
-        for k, v in (d.items() if isinstance(d, dict) else enumerate(d)):
+        for k, v in d.items():
             c.print(f"  {k}: {json.dumps(v, default=str)}")
     _emit(a, data, render)
     return EXIT_OK
@@ -423,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     try:
         return _COMMANDS[a.command](store, a)
-    except V.UnknownError as e:
+    except UnknownError as e:
         print(f"tierstore admin {a.command}: {e}", file=sys.stderr)
         return EXIT_ERROR
     except TierStoreError as e:

@@ -161,11 +161,11 @@ def _worker(cfg: dict[str, Any]) -> int:
                 time.sleep(1)
         prev = ckpt.stats.per_step.get(s - 1)
         if prev is not None:  # the previous save's background work is done now: log it
-            state, decided = store.index.r.hmget(store.index.k(cfg["model"], "step", s - 1), "state", "decided")
-            lat = float(decided) - last_wall if decided else None
+            (srec,) = store.steps.records(cfg["model"], [s - 1])
+            lat = srec.decided - last_wall if srec.decided is not None else None
             m.record_step(metrics.StepFigures(cfg["model"], s - 1, rank, stall_s=last_stall, bytes_by_tier={"host": prev},
                                               commit_latency_s=lat if lat is None or lat >= 0 else None,
-                                              state=state.decode() if state else None))
+                                              state=srec.state or None))
         last_wall, last_stall = wall, stall
     state = ckpt.wait()
     emit(event="done", state=state, stats=ckpt.stats.as_dict(), per_step=ckpt.stats.per_step)
@@ -197,7 +197,7 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
 def _run_phase(base: dict[str, Any], phase: int, out: Path, progress: Any, task: Any) -> list[int]:
     """Run every rank of one phase; return their exit codes (a killed rank: -9)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding the tierstore package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     port = _free_port()
     procs = []
@@ -240,13 +240,12 @@ def _collect(store: Any, model: str, ev: dict[int, list[dict]], world: int, poli
     kill = next((e for e in ev[0] if e["event"] == "kill"), {})
     stalls = [e["stall_s"] for e in r0 + r1]
     steps = {s: st for s, st in store.steps.steps(model)}
-    hashes = dict(zip(steps, V._step_hashes(store.index, model, list(steps))))
     t_save = {e["step"]: e["t_save"] for e in r0 + r1}  # the newest save of each step
     commit = []
-    for s, h in hashes.items():
-        if steps[s] in ("committed", "durable") and h.get("decided") and s in t_save:
-            lat = float(h["decided"]) - t_save[s]
-            commit.append(lat if lat >= 0 else float(h["decided"]) - float(h["started"]))
+    for rec in store.steps.records(model, list(steps)):
+        if rec.state in ("committed", "durable") and rec.decided is not None and rec.step in t_save:
+            lat = rec.decided - t_save[rec.step]
+            commit.append(lat if lat >= 0 else rec.commit_latency_s)
     per_step: dict[int, dict[str, int]] = {}
     for row in V.steps_view(store, model):
         kinds: dict[str, int] = {}
@@ -396,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         TimeElapsedColumn,
     )
 
-    from consistency.gc import Retention, collect
+    from consistency.gc import Retention
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -422,13 +421,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{_tail(out / f'rank{bad}.phase{phase}.log')}", file=sys.stderr)
                     return 1
                 progress.update(task, completed=a.steps)
-        summary = _collect(store, base["model"], events, a.ranks, a.policy, kill_at, out)
+        summary = _store.gc(base["model"], events, a.ranks, a.policy, kill_at, out)
         try:
             _plot(summary, out / "demo.png")
         except ImportError:
             summary["plot"] = "not drawn: matplotlib is not installed (pip install 'tierstore[plot]')"
         if not a.keep_all:
-            summary["gc"] = collect(store, base["model"], Retention(keep_last=2), dry_run=False).to_json()
+            summary["gc"] = store.gc(base["model"], Retention(keep_last=2), dry_run=False).to_json()
             summary["gc"].pop("deleted")
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         _print_summary(summary)

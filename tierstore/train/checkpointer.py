@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from consistency.gc import reachable
 from tierstore.train.dedup import DedupPlanner, part_of
 from tierstore.delta import xor_delta
 from tierstore.errors import (
@@ -196,8 +197,6 @@ class Checkpointer:
         """Delete this rank's objects that the last ``keep_last`` committed steps no longer reach."""
         if self.keep_last is None:
             return
-        from consistency.gc import reachable
-
         steps = self.store.steps.steps(self.model)
         committed = [s for s, st in steps if st in ("committed", "durable")]
         if len(committed) < self.keep_last:
@@ -209,7 +208,7 @@ class Checkpointer:
         horizon = kept[0]
         if horizon <= self._retained_below and not aborted:
             return
-        keep = reachable(self.store, self.model, kept)
+        keep = reachable(self.store.steps, self.model, kept)
         for key in self.store.list(self.model):
             if key.rank != self.rank or key in keep:
                 continue

@@ -552,20 +552,9 @@ class _Mismatch(Exception):
 
 def _retire_after(store: Any, model: str, step: int) -> None:
     """Delete every recorded step of ``model`` newer than ``step``: objects, durable manifests, records."""
-    from consistency.index import translate_redis_errors
-    from consistency.manifest import durable_manifest_name
-
     later = [s for s, _ in store.steps.steps(model) if s > step]
+    store.steps.delete_durable_manifests(model, later)
     for key in store.list(model):
         if key.step > step:
             store.delete(key)
-    idx = store.index
-    for s in later:
-        if store.durable is not None:
-            store.durable.delete(durable_manifest_name(model, s))
-    with translate_redis_errors(f"retire steps of {model}", idx.url):
-        pipe = idx.r.pipeline(transaction=False)
-        for s in later:
-            pipe.delete(idx.k(model, "manifest", s), idx.k(model, "votes", s), idx.k(model, "step", s))
-            pipe.zrem(idx.k(model, "steps"), s)
-        pipe.execute()
+    store.steps.drop_steps(model, later, keep_aborted_state=False)

@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size_gib if args.size_gib is not None else (1 / 16 if args.quick else 1.0)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
     now = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   now.strftime("%Y%m%dT%H%M%SZ"))
+    out = args.out or os.path.join("bench", "results", now.strftime("%Y%m%dT%H%M%SZ"))
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     # Freed large blocks go straight back to the OS, so RSS shows what a system really holds.

@@ -43,12 +43,10 @@ def shard_tensors(shard: Any) -> Mapping[str, torch.Tensor]:
 
 
 try:
-    from tierstore import store as _store_mod
-
-    _open = getattr(_store_mod, "open")
+    from tierstore.connect import open as _open
 except Exception as e:  # noqa: BLE001 - any import failure means: skip, with the reason
     _open = None
-    SKIPPED["tierstore_host"] = f"tierstore.store.open is not importable ({type(e).__name__}: {e})"
+    SKIPPED["tierstore_host"] = f"tierstore.open is not importable ({type(e).__name__}: {e})"
 
 
 if _open is not None:

@@ -388,7 +388,7 @@ class HostBackend(Backend):
         now = time.time()
         for dirpath, _dirs, files in os.walk(self.root):
             for f in files:
-                if f.startswith(_TMP) or f.startswith(".claimed-"):
+                if f.startswith((_TMP, ".claimed-")):
                     p = os.path.join(dirpath, f)
                     try:
                         if now - os.stat(p).st_mtime > max_age_s:

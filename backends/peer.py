@@ -106,7 +106,8 @@ class PeerBackend(Backend):
             raise ConfigError(f"replication must be >= 1, got {replication}", field="replication")
         if not P.MIN_CHUNK_SHIFT <= chunk_shift <= P.MAX_CHUNK_SHIFT:
             raise ConfigError(f"chunk_shift must be in {P.MIN_CHUNK_SHIFT}..{P.MAX_CHUNK_SHIFT}", field="chunk_shift")
-        self._discover: Discovery = peers if callable(peers) else (lambda s=tuple(peers): s)
+        fixed = tuple(peers) if not callable(peers) else ()
+        self._discover: Discovery = peers if callable(peers) else (lambda: fixed)
         self.secret = bytes(secret)
         self.replication = replication
         self.local_node_id = local_node_id
@@ -265,7 +266,7 @@ class PeerBackend(Backend):
                 raise P.error_for_status(reply, key=name, tier="peer", node=peer.node_id)
         if corrupt is not None:
             raise corrupt
-        if failures and len(failures) == len(peers) or not peers:
+        if (failures and len(failures) == len(peers)) or not peers:
             raise self._unavailable("reading", name, failures)
         return None
 

@@ -347,7 +347,7 @@ class Index:
                 names = self._r.zrangebyscore(self._k(model, "objs"), step, step)
         out = []
         for n in names:
-            lay, st, rk = _s(n).split("/")
+            lay, st, rk = _s(n).split("/")  # type: ignore[arg-type]
             if layer is not None and lay != layer:
                 continue
             if rank is not None and int(rk) != rank:

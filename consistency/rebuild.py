@@ -60,7 +60,7 @@ def _manifest_names(durable: Backend, model: str | None) -> list[tuple[str, str,
         if _MANIFEST_DIR not in name or not name.endswith(".json"):
             continue
         m, rest = name.split(_MANIFEST_DIR, 1)
-        if "/" in m or model is not None and m != model:
+        if "/" in m or (model is not None and m != model):
             continue
         stem = rest[: -len(".json")]
         if stem.isdigit():

@@ -269,7 +269,7 @@ class StepProtocol:
                 if pubsub is not None:
                     with translate_redis_errors(f"events of {model}", self.index.url):
                         pubsub.get_message(timeout=min(0.05, left if left is not None else 0.05))
-                else:
+                elif sleep is not None:
                     sleep(min(delay, left) if left is not None else delay)
                     delay = min(delay * 2, 0.05)
         except BaseException:

@@ -46,24 +46,24 @@ import xxhash
 from tierstore.errors import CorruptObjectError, InvalidValueError, RestoreMismatchError
 
 __all__ = [
-    "HEADER",
-    "MAGIC",
-    "FORMAT_VERSION",
-    "TRAILER_SIZE",
     "ALIGN",
     "DTYPES",
     "FLAG_LZ4",
-    "Shard",
-    "TensorInfo",
+    "FORMAT_VERSION",
+    "HEADER",
+    "MAGIC",
+    "TRAILER_SIZE",
     "BlobInfo",
     "EncodePlan",
-    "plan",
-    "encode",
-    "decode",
-    "inspect",
+    "Shard",
+    "TensorInfo",
     "checksum",
-    "verify",
     "compute_checksum",
+    "decode",
+    "encode",
+    "inspect",
+    "plan",
+    "verify",
 ]
 
 # magic, version, flags, table_len, data_len, raw_len, reserved (zero) to 64 bytes.
@@ -437,16 +437,17 @@ def _parse_table(raw: memoryview, raw_len: int) -> tuple[tuple[TensorInfo, ...],
             )
         infos.append(TensorInfo(name, dtype, tuple(shape), offset, nbytes))
     end = 0
-    for e in sorted(infos, key=lambda e: e.offset):
-        if e.nbytes and e.offset < end:
-            raise CorruptObjectError(f"tensor {e.name!r} overlaps the tensor before it", field="offset", name=e.name)
-        end = max(end, e.offset + e.nbytes)
+    for info in sorted(infos, key=lambda i: i.offset):
+        if info.nbytes and info.offset < end:
+            raise CorruptObjectError(f"tensor {info.name!r} overlaps the tensor before it", field="offset",
+                                     name=info.name)
+        end = max(end, info.offset + info.nbytes)
     return tuple(infos), meta
 
 
 def _open(blob: Any, verify: bool = True) -> tuple[memoryview, int, int, int, str, tuple[TensorInfo, ...], dict]:
     mv = _bytes_view(blob)
-    flags, table_len, data_len, raw_len = _parse_header(mv)
+    flags, table_len, _data_len, raw_len = _parse_header(mv)
     digest = _verify_trailer(mv) if verify else bytes(mv[len(mv) - TRAILER_SIZE :]).hex()
     infos, meta = _parse_table(mv[HEADER.size : HEADER.size + table_len], raw_len)
     return mv, flags, table_len, raw_len, digest, infos, meta
@@ -526,19 +527,19 @@ def decode(
     """
     mv, flags, table_len, raw_len, _digest, infos, meta = _open(blob, verify)
     targets = dict(out) if out is not None else {}
-    by_name = {e.name: e for e in infos}
+    by_name = {info.name: info for info in infos}
     for name, t in targets.items():
-        e = by_name.get(name)
-        if e is None:
+        stored = by_name.get(name)
+        if stored is None:
             if strict:
                 raise RestoreMismatchError(f"restore target {name!r} is not in the stored object", name=name)
             continue
         if not isinstance(t, torch.Tensor):
             raise RestoreMismatchError(f"restore target {name!r} is not a tensor", name=name)
-        if t.dtype != DTYPES[e.dtype] or tuple(t.shape) != e.shape:
+        if t.dtype != DTYPES[stored.dtype] or tuple(t.shape) != stored.shape:
             raise RestoreMismatchError(
-                f"tensor {name!r}: stored {e.dtype}{list(e.shape)}, target {t.dtype}{list(t.shape)}",
-                name=name, stored_dtype=e.dtype, stored_shape=e.shape,
+                f"tensor {name!r}: stored {stored.dtype}{list(stored.shape)}, target {t.dtype}{list(t.shape)}",
+                name=name, stored_dtype=stored.dtype, stored_shape=stored.shape,
             )
     data = mv[HEADER.size + table_len : len(mv) - TRAILER_SIZE]
     if flags & FLAG_LZ4:
@@ -550,28 +551,28 @@ def decode(
                     f"lz4 frame declares {declared} bytes, header raw_len {raw_len}", field="raw_len"
                 )
             raw = lz4.frame.decompress(data, return_bytearray=True)
-        except RuntimeError as e:
-            raise CorruptObjectError(f"lz4 data section does not decompress: {e}", field="data") from e
+        except RuntimeError as err:
+            raise CorruptObjectError(f"lz4 data section does not decompress: {err}", field="data") from err
         if len(raw) != raw_len:
             raise CorruptObjectError(f"data section decompresses to {len(raw)} bytes, not {raw_len}", field="raw_len")
         data = memoryview(raw)
     tensors: dict[str, torch.Tensor] = {}
     tdata = _torch_buffer(data) if (targets or not copy) else None
     with torch.no_grad():
-        for e in infos:
-            t = targets.get(e.name)
-            if t is not None:
-                if e.nbytes:
-                    t.copy_(_alias(tdata, e))
-                tensors[e.name] = t
+        for info in infos:
+            target = targets.get(info.name)
+            if target is not None:
+                if info.nbytes:
+                    target.copy_(_alias(tdata, info))
+                tensors[info.name] = target
             elif not copy:
-                tensors[e.name] = _alias(tdata, e)
+                tensors[info.name] = _alias(tdata, info)
             else:
-                new = torch.empty(e.shape, dtype=DTYPES[e.dtype])
-                if e.nbytes:
+                new = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+                if info.nbytes:
                     dst = new.reshape(-1).view(torch.uint8).numpy()
-                    dst[:] = np.frombuffer(data, dtype=np.uint8, count=e.nbytes, offset=e.offset)
-                tensors[e.name] = new
+                    dst[:] = np.frombuffer(data, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+                tensors[info.name] = new
     return Shard(tensors=tensors, metadata=meta)
 
 

@@ -147,7 +147,7 @@ class Migrator:
                 try:
                     self._migrate(key, checksum)
                     self._finish(key, None)
-                except Exception as e:  # recorded, surfaced by flush()
+                except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
                     log.warning("migration of %s failed: %s", key, e)
                     try:
                         self.index.set_object_field(key, "migration_error", str(e)[:500])

@@ -15,11 +15,12 @@ the read path (:meth:`resolve`) to :mod:`tierstore.readpath`. See ``DESIGN.md``.
 
 from __future__ import annotations
 
+import builtins  # TierStore.list shadows the builtin inside the class
 import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -314,6 +315,7 @@ class TierStore:
         info = codec.inspect(blob, verify=False)
         internal = info.metadata.get(_INTERNAL) or {}
         kind = internal.get("kind", "full")
+        shard: codec.Shard | None
         if raw or kind == "full":
             shard = codec.decode(blob, out=out if not raw or kind == "full" else None, verify=False)
         elif kind == "ref":
@@ -391,7 +393,7 @@ class TierStore:
             raise InvalidKeyError(f"step must be a non-negative int, got {step!r}", field="step")
         return self.index.list_objects(model, layer, step)
 
-    def models(self) -> list[str]:
+    def models(self) -> builtins.list[str]:
         return self.index.models()
 
     # -- steps (two-phase commit), delegated -------------------------------------
@@ -403,7 +405,7 @@ class TierStore:
                    epoch: int | None = None) -> None:
         self.steps.begin(model, step, world_size, layout=layout, epoch=epoch)
 
-    def vote(self, model: str, step: int, rank: int, objects: list[ObjectRecord], *, extra: dict | None = None,
+    def vote(self, model: str, step: int, rank: int, objects: builtins.list[ObjectRecord], *, extra: dict | None = None,
              ok: bool = True, epoch: int | None = None) -> str:
         """Vote for ``step`` with this rank's objects; the last vote of the world commits it."""
         state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
@@ -432,12 +434,14 @@ class TierStore:
 
         Objects still queued for migration are left for a later pass (reported as deferred).
         """
-        still_migrating = None
-        if self._migrator is not None and self.durable is not None:
-            tier = self.durable.tier
-            still_migrating = lambda rec: tier not in rec.tiers
+        durable_tier = self.durable.tier if self._migrator is not None and self.durable is not None else None
+
+        def still_migrating(rec: ObjectRecord) -> bool:
+            return durable_tier not in rec.tiers
+
         return collect(self.steps, model, retention or Retention(), delete=self.delete, dry_run=dry_run,
-                       max_staleness=max_staleness, still_migrating=still_migrating)
+                       max_staleness=max_staleness,
+                       still_migrating=still_migrating if durable_tier is not None else None)
 
     # -- host-tier eviction ----------------------------------------------------------
     def _durable_copy_valid(self, key: ShardKey) -> bool:
@@ -457,7 +461,7 @@ class TierStore:
         :class:`TierFullError` when not enough can be freed.
         """
         freed = 0
-        candidates: list[tuple[float, ShardKey, int]] = []
+        candidates: builtins.list[tuple[float, ShardKey, int]] = []
         durable_tier = self.durable.tier if self.durable is not None else None
         for model in self.index.models():
             committed = [s for s, st in self.steps.steps(model) if st in ("committed", "durable")]
@@ -537,7 +541,7 @@ class TierStore:
                 t.close()
             self.index.close()
 
-    def __enter__(self) -> TierStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

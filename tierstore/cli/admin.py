@@ -39,8 +39,22 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+import tierstore
+from consistency.gc import Retention
 from tierstore.cli import views as V
 from tierstore.errors import TierStoreError, UnknownError
+from tierstore.keys import ShardKey
 
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY", "build_parser", "main"]
 
@@ -99,8 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _open(a: argparse.Namespace) -> Any:
-    import tierstore
-
     kw: dict[str, Any] = {"migrate": False}
     if getattr(a, "host_root", None):
         kw["host_root"] = a.host_root
@@ -137,15 +149,11 @@ def human_age(s: float | None) -> str:
 
 
 def _console(stderr: bool = False) -> Any:
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
     return Console(file=stream, width=None if stream.isatty() else 160, highlight=False, soft_wrap=False)
 
 
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
-    from rich.table import Table
-
     t = Table(title=title, title_justify="left")
     for c in columns:
         t.add_column(c, justify="right" if c in _RIGHT else "left", overflow="fold")
@@ -203,8 +211,6 @@ def _cmd_steps(store, a) -> int:
 
 
 def _cmd_show(store, a) -> int:
-    from rich.markup import escape
-
     def render(c, d):
         ranks = [str(r) for r in range(d["world"])]
         rows = []
@@ -236,8 +242,6 @@ def _cmd_layers(store, a) -> int:
 
 
 def _cmd_where(store, a) -> int:
-    from rich.markup import escape
-
     d = V.where_view(store, a.key)
 
     def render(c, d):
@@ -277,15 +281,6 @@ def _cmd_du(store, a) -> int:
 
 
 def _cmd_verify(store, a) -> int:
-    from rich.markup import escape
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     keys = V.verify_keys(store, a.model, a.step)
     results = []
     with Progress(TextColumn("verify {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -343,8 +338,6 @@ def _cmd_watch(store, a) -> int:
 
 
 def _cmd_gc(store, a) -> int:
-    from consistency.gc import Retention
-
     V.require_model(store, a.model)
     if a.keep_last < 0 or a.keep_durable_every < 0:
         print("tierstore admin gc: --keep-last and --keep-durable-every must be >= 0", file=sys.stderr)
@@ -396,8 +389,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     if a.command == "where":
         try:
-            from tierstore.keys import ShardKey
-
             ShardKey.parse(a.key)
         except TierStoreError as e:
             print(f"tierstore admin where: bad key {a.key!r}: {e}", file=sys.stderr)

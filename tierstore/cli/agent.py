@@ -41,6 +41,7 @@ from typing import Any
 
 from backends import agent_protocol as P
 from backends.base import Backend
+from backends.host import HostBackend
 from backends.ucx_util import import_ucxx
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
@@ -145,8 +146,6 @@ class NodeRegistration:
 
 
 def _default_backend(config: AgentConfig) -> Backend:
-    from backends.host import HostBackend
-
     return HostBackend(config.host_root, capacity_bytes=config.capacity_bytes)
 
 
@@ -376,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_object_bytes=args.max_object_bytes, ttl_s=args.ttl, heartbeat_s=max(0.2, args.ttl / 3))
 
     if args.metrics_port is not None:
-        from tierstore.cli.metrics import serve
+        from tierstore.cli.metrics import serve  # lazy: only with --metrics-port
 
         serve(args.metrics_port)
 

@@ -53,7 +53,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 def _prom() -> Any:
     try:
-        import prometheus_client
+        import prometheus_client  # lazy: optional dependency (tierstore[metrics])
 
         return prometheus_client
     except ImportError:

@@ -45,11 +45,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
+from tierstore.cli.demo import _free_port, _read_events, _tail
+from tierstore.config import StoreConfig
 from tierstore.embedded import server_binary
 from tierstore.errors import TierUnavailableError
-from tierstore.cli.demo import _free_port, _read_events, _tail
 
 __all__ = ["Testbed", "main", "peer_supported"]
 
@@ -58,7 +62,6 @@ _FAKE_S3_ENV = {"AWS_ACCESS_KEY_ID": "testbed", "AWS_SECRET_ACCESS_KEY": "testbe
 
 def peer_supported() -> tuple[bool, str]:
     """Whether ranks can use the peer tier here, and why not."""
-    from tierstore.config import StoreConfig
 
     if "peer_replicas" not in StoreConfig.__dataclass_fields__:
         return False, "TierStore has no peer tier option (peer_replicas) yet"
@@ -69,7 +72,7 @@ def peer_supported() -> tuple[bool, str]:
 
 def _ucxx_ok() -> bool:
     try:
-        from backends.ucx_util import import_ucxx
+        from backends.ucx_util import import_ucxx  # lazy: the testbed runs without ucxx (--no-peer)
 
         import_ucxx()
         return True
@@ -113,7 +116,7 @@ class Testbed:
                                          "batch_size": 8, "model": "testbed", "hold_after": kill_at}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.work / f"{name}.log", "a")  # noqa: SIM115
+        log = open(self.work / f"{name}.log", "a")
         p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(self.work))
         log.close()
         self.procs[name] = p
@@ -271,9 +274,6 @@ def run(tb: Testbed, kill_at: int, say=print, timeout: float = 300.0) -> dict[st
 
 
 def _print_report(rep: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=f"testbed: {rep['killed']} lost after step {rep['kill_at']}; restored step {rep['restored_step']}",
               title_justify="left")
     for c in ("rank", "node", "restored step", "restore time", "tiers read", "trained to", "last save"):

@@ -248,7 +248,7 @@ def verify_objects(store: TierStore, keys: list[ShardKey]) -> Iterator[dict[str,
         copies = [_check_copy(t, key, rec.checksum if rec else None) for t in store.tiers]
         problems = []
         for c in copies:
-            if c["present"] and not c["ok"] or c["error"] and not c["present"]:
+            if (c["present"] and not c["ok"]) or (c["error"] and not c["present"]):
                 problems.append(f"{c['tier']}: {c['error']}")
             elif rec is not None and c["tier"] in rec.tiers and not c["present"]:
                 problems.append(f"{c['tier']}: the index says it holds a copy, but it does not")

@@ -56,8 +56,18 @@ from backends.peer import PeerBackend
 from tierstore.errors import ConfigError, TierUnavailableError
 
 __all__ = [
-    "POINTS", "KINDS", "FaultRule", "FaultPlan", "InjectedFault", "FaultyBackend", "FaultyReservation",
-    "FaultyRedis", "FaultyEndpoint", "install", "parse_rules", "plan_from_env",
+    "KINDS",
+    "POINTS",
+    "FaultPlan",
+    "FaultRule",
+    "FaultyBackend",
+    "FaultyEndpoint",
+    "FaultyRedis",
+    "FaultyReservation",
+    "InjectedFault",
+    "install",
+    "parse_rules",
+    "plan_from_env",
 ]
 
 POINTS = ("backend.put", "backend.get", "backend.delete", "index.script", "ucx.send", "ucx.recv",
@@ -318,7 +328,7 @@ class FaultyRedis(redis.Redis):
     meaningful for commands and is treated as ``exception``.
     """
 
-    def __init__(self, inner: redis.Redis, plan: FaultPlan) -> None:  # noqa: D107 - no super().__init__
+    def __init__(self, inner: redis.Redis, plan: FaultPlan) -> None:
         self.__dict__.update(inner.__dict__)
         self._faults = plan
 
@@ -340,7 +350,8 @@ class FaultyRedis(redis.Redis):
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
         pipe = redis.Redis.pipeline(self, transaction, shard_hint)
         run = pipe.execute
-        pipe.execute = lambda raise_on_error=True: self._fault("pipeline", lambda: run(raise_on_error))
+        pipe.execute = lambda raise_on_error=True: self._fault(  # type: ignore[method-assign]
+            "pipeline", lambda: run(raise_on_error))
         return pipe
 
 

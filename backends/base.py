@@ -128,6 +128,8 @@ class Backend(ABC):
     reservable: ClassVar[bool] = False
     #: put(..., if_absent=True) is atomic against concurrent writers.
     atomic_create_once: ClassVar[bool] = True
+    #: reads come from this machine's memory or disks (whole objects are cheap to re-read and hash).
+    local_reads: ClassVar[bool] = False
 
     # -- the interface -------------------------------------------------------------
     @abstractmethod
@@ -170,6 +172,20 @@ class Backend(ABC):
         """The object's size in bytes, or ``None`` if there is none."""
         data = self.get(name)
         return None if data is None else len(data)
+
+    def tail(self, name: str, nbytes: int) -> bytes | None:
+        """The last ``nbytes`` bytes of the object (all of it if shorter), or ``None`` if there is none.
+
+        Backends that can read a range override this (a trailer check reads 16 bytes, not the object).
+        """
+        data = self.get(name)
+        if data is None:
+            return None
+        try:
+            return bytes(data[-nbytes:]) if nbytes else b""
+        finally:
+            if isinstance(data, memoryview):
+                data.release()
 
     def put_many(self, items: Iterable[tuple[str, Buffer | Sequence[Buffer]]]) -> None:
         for name, data in items:

@@ -84,6 +84,7 @@ class LocalFSBackend(Backend):
     zero_copy_get = False
     reservable = False
     atomic_create_once = True
+    local_reads = True
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.root = Path(root).absolute()
@@ -189,6 +190,18 @@ class LocalFSBackend(Backend):
             return None
         except OSError as e:
             raise _translate(e, "get", name, self._root_s) from e
+
+    def tail(self, name: str, nbytes: int) -> bytes | None:
+        path = self._path(name)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - nbytes))
+                return f.read(nbytes)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise _translate(e, "tail", name, self._root_s) from e
 
     def size(self, name: str) -> int | None:
         path = self._path(name)

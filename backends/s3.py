@@ -327,6 +327,24 @@ class S3Backend(Backend):
                 continue  # overwritten mid-read: read the new version from the start
         raise TierUnavailableError(f"S3 object {self.bucket}/{key} kept changing while being read", key=key)
 
+    def tail(self, name: str, nbytes: int) -> bytes | None:
+        """The last ``nbytes`` bytes: one ranged GET (``bytes=-n``)."""
+        key = self._key(name)
+        if nbytes <= 0:
+            return b"" if self.exists(name) else None
+
+        def fetch() -> bytes:
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=-{nbytes}")
+            except ClientError as e:
+                if _code_status(e)[0] != "InvalidRange":  # 416: an empty object
+                    raise
+                r = self.client.get_object(Bucket=self.bucket, Key=key)
+            return r["Body"].read()
+
+        got = self._call("get tail", key, fetch, miss_ok=True)
+        return None if got is _MISS else got
+
     def _get_once(self, key: str) -> bytes | memoryview | None:
         client = self.client
         part = self.config.part_size

@@ -1,12 +1,17 @@
 """Garbage collection and host-tier eviction.
 
 Retention (:class:`Retention`): keep the last ``keep_last`` committed steps,
-every ``keep_durable_every``-th durable step, and every step still being
-prepared. :func:`collect` deletes, from every tier and the index:
+every ``keep_durable_every``-th durable step, every step still being
+prepared, and every step a kept step ``requires`` (a replay's base and logs).
+:func:`collect` deletes, from every tier and the index:
 
 - objects of aborted steps, and of committed steps the retention drops,
-  that no kept manifest reaches (a kept manifest reaches its own objects,
-  their delta bases and their ref targets, transitively);
+  that no kept manifest reaches. A manifest records the complete set of
+  objects a restore of its step reads (its own, the older layer versions it
+  inherits under a layer-wise policy, every delta base and ref target they
+  reach: :func:`consistency.manifest.complete_entries`), so keeping what the
+  kept manifests list is right for every policy; links the index records
+  beyond them are followed too (manifests written before they listed them);
 - orphans: objects of a step never begun, older than the newest decided step.
 
 Steps still preparing, and anything newer than the newest decided step, are
@@ -29,11 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from consistency.index import Index, ObjectRecord
-from consistency.manifest import manifest_objects
+from consistency.manifest import complete_entries
 from consistency.twophase import StepProtocol
 from tierstore.keys import ShardKey
 
-__all__ = ["GCReport", "Retention", "closure", "collect", "reachable"]
+__all__ = ["GCReport", "Retention", "closure", "collect", "reachable", "required_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +78,34 @@ def closure(index: Index, roots: set[ShardKey]) -> set[ShardKey]:
     return out
 
 
-def reachable(steps: StepProtocol, model: str, step_numbers: list[int]) -> set[ShardKey]:
-    """Every object reachable from the manifests of ``step_numbers`` (with delta bases and ref targets)."""
-    roots: set[ShardKey] = set()
-    for s in step_numbers:
+def required_steps(steps: StepProtocol, model: str, step_numbers: list[int]) -> set[int]:
+    """``step_numbers`` with every step their manifests (transitively) ``require``."""
+    out: set[int] = set()
+    todo = list(step_numbers)
+    while todo:
+        s = todo.pop()
+        if s in out:
+            continue
+        out.add(s)
         m = steps.manifest(model, s)
         if m is not None:
-            roots.update(ShardKey.parse(o["key"]) for o in manifest_objects(m))
+            todo += [r for r in m.get("requires", []) if r not in out]
+    return out
+
+
+def reachable(steps: StepProtocol, model: str, step_numbers: list[int]) -> set[ShardKey]:
+    """Every object a restore of one of ``step_numbers`` reads: the complete sets their manifests (and the
+    manifests of the steps they require) record, with any delta base or ref target the index links beyond."""
+    roots: set[ShardKey] = set()
+    for s in sorted(required_steps(steps, model, step_numbers)):
+        m = steps.manifest(model, s)
+        if m is not None:
+            roots.update(ShardKey.parse(o["key"]) for o in complete_entries(m))
     return closure(steps.index, roots)
 
 
 def collect(steps: StepProtocol, model: str, retention: Retention = Retention(), *,
-            delete: Callable[[ShardKey], object], dry_run: bool = True, max_staleness: int = 0,
+            delete: Callable[[ShardKey, str], object], dry_run: bool = True, max_staleness: int = 0,
             still_migrating: Callable[[ObjectRecord], bool] | None = None) -> GCReport:
     """Delete what ``retention`` does not keep; see the module docstring.
 
@@ -99,7 +120,8 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
 
     Args:
         steps: the commit protocol (index, manifests, durable tier).
-        delete: deletes one object from every tier and the index.
+        delete: ``delete(key, name)`` deletes the record of ``key`` if it still names the copy ``name``, then
+            that copy from every tier (a record replaced meanwhile is left alone).
         still_migrating: whether an object is still queued for migration (left for a later pass).
     """
     index = steps.index
@@ -119,6 +141,7 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
     if committed and max_staleness > 0:
         newest = committed[-1]
         kept |= {s for s in committed if newest - max_staleness <= s <= newest}
+    kept = required_steps(steps, model, sorted(kept)) & set(committed)
     objects = index.list_objects(model)
     in_flight = {k for k in objects if k.step in preparing or k.step > newest_decided}
     keep_objs = reachable(steps, model, sorted(kept)) | closure(index, in_flight)
@@ -145,7 +168,7 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
         report.deleted.append(str(key))
         report.bytes_freed += rec.size if rec else 0
         if not dry_run:
-            delete(key)
+            delete(key, rec.name if rec is not None else str(key))
     if not dry_run:
         steps.drop_steps(model, dropped, keep_aborted_state=True)
     return report

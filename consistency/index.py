@@ -9,9 +9,12 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:{m}:objs                    ZSET   "layer/step/rank" scored by step
     ts:{m}:obj:<layer>/<step>/<rank>
                                    HASH   kind, size, checksum, base, target, epoch,
-                                          created, t:<tier> = "1" per tier holding it
-    ts:{m}:steps                   ZSET   step numbers scored by step
-    ts:{m}:step:<N>                HASH   state, world, epoch, started, decided, durable, ...
+                                          created, name (the live copy's physical name),
+                                          pinned (a committed manifest of another step
+                                          reads it), t:<tier> = "1" per tier holding it
+    ts:{m}:steps                   ZSET   step numbers scored by step (exact: steps <= 2**53 - 1)
+    ts:{m}:step:<N>                HASH   state, world, epoch, attempt, started, decided, durable,
+                                          memory_only, ...
     ts:{m}:votes:<N>               HASH   rank -> JSON vote
     ts:{m}:manifest:<N>            STRING the committed manifest (JSON)
     ts:{m}:events                  pub/sub channel: "<step> <state>"
@@ -42,13 +45,15 @@ from tierstore.errors import (
     AccessDeniedError,
     ConfigError,
     FencedError,
+    StepCommittedError,
     TierUnavailableError,
 )
-from tierstore.keys import ShardKey, validate_name
+from tierstore.keys import ShardKey, object_name, validate_name
 
 __all__ = ["KINDS", "Index", "ObjectRecord", "redact_url", "translate_redis_errors"]
 
 _FENCED = "TSFENCED"
+_COMMITTED = "TSCOMMITTED"
 KINDS = ("full", "delta", "ref")
 MODELS = "ts:models"
 
@@ -60,17 +65,76 @@ if want > cur then redis.call('SET', KEYS[1], want); return want end
 return cur
 """
 
-# Record an object and its placement, refusing a stale epoch. KEYS: epoch, objs, obj. ARGV: epoch,
-# objname, step, kind, size, checksum, base, target, created, tier...
+# Record an object and its placement: refuse a stale epoch, and refuse to replace the record of a key of a
+# committed step or of one a committed manifest reads (pinned): committed keys are create-once. KEYS: epoch,
+# objs, obj, step (the key's step record). ARGV: epoch, objname, step, kind, size, checksum, base, target,
+# created, name, restore ("1": re-recording what a durable manifest proves), tier... Returns the physical name
+# of the copy the old record named ('' if none, '=' if that is the same copy).
 _RECORD = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ep = tonumber(ARGV[1])
 if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
+local old = ''
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  old = redis.call('HGET', KEYS[3], 'name') or ''
+  if old == '' then old = '-' end
+end
+if ARGV[11] ~= '1' then
+  local st = redis.call('HGET', KEYS[4], 'state')
+  if st == 'committed' or st == 'durable' then
+    return redis.error_reply('TSCOMMITTED step ' .. ARGV[3] .. ' is ' .. st .. ': ' .. ARGV[2] .. ' cannot be written again')
+  end
+  local pin = redis.call('HGET', KEYS[3], 'pinned')
+  if pin then
+    return redis.error_reply('TSCOMMITTED ' .. ARGV[2] .. ' is read by committed step ' .. pin)
+  end
+end
+local pinned = redis.call('HGET', KEYS[3], 'pinned')
+if old == ARGV[10] then old = '=' end
+redis.call('DEL', KEYS[3])
 redis.call('ZADD', KEYS[2], tonumber(ARGV[3]), ARGV[2])
 redis.call('HSET', KEYS[3], 'kind', ARGV[4], 'size', ARGV[5], 'checksum', ARGV[6], 'base', ARGV[7],
-           'target', ARGV[8], 'epoch', ARGV[1], 'created', ARGV[9])
-for i = 10, #ARGV do redis.call('HSET', KEYS[3], 't:' .. ARGV[i], '1') end
-return cur
+           'target', ARGV[8], 'epoch', ARGV[1], 'created', ARGV[9], 'name', ARGV[10])
+if pinned and old == '=' then redis.call('HSET', KEYS[3], 'pinned', pinned) end
+for i = 12, #ARGV do redis.call('HSET', KEYS[3], 't:' .. ARGV[i], '1') end
+return old
+"""
+
+# Set (ARGV[3] == '1') or clear a tier flag of a record, only while the record names the copy ARGV[2]
+# (a copy of a replaced record must not be credited to the live one). KEYS: obj. ARGV: tier, name, set.
+_TIER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local name = redis.call('HGET', KEYS[1], 'name') or ''
+if ARGV[2] ~= '' and name ~= '' and name ~= ARGV[2] then return 0 end
+if ARGV[3] == '1' then redis.call('HSET', KEYS[1], 't:' .. ARGV[1], '1')
+else redis.call('HDEL', KEYS[1], 't:' .. ARGV[1]) end
+return 1
+"""
+
+# Set one field of an existing record. KEYS: obj. ARGV: field, value.
+_ANNOTATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# Pin existing records: a committed manifest of step ARGV[1] reads them. KEYS: obj...
+_PIN = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSETNX', KEYS[i], 'pinned', ARGV[1]) end
+end
+return #KEYS
+"""
+
+# Delete a record (and its member of objs), only while it names the copy ARGV[2] ('' : whatever it names).
+# KEYS: objs, obj. ARGV: objname, name. Returns 1 if deleted.
+_DELETE = """
+if ARGV[2] ~= '' then
+  local name = redis.call('HGET', KEYS[2], 'name') or ''
+  if redis.call('EXISTS', KEYS[2]) == 1 and name ~= '' and name ~= ARGV[2] then return 0 end
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+return redis.call('DEL', KEYS[2])
 """
 
 
@@ -97,6 +161,8 @@ def translate_redis_errors(what: str, url: str = "") -> Iterator[None]:
         if msg.startswith(_FENCED):
             current = int(msg.split()[1]) if len(msg.split()) > 1 else None
             raise FencedError(f"{what}: rejected, the job's epoch is now {current}", epoch=current) from e
+        if msg.startswith(_COMMITTED):
+            raise StepCommittedError(f"{what}: {msg.split(' ', 1)[1]} (a committed step is immutable)") from e
         if "NOAUTH" in msg or "WRONGPASS" in msg:
             raise AccessDeniedError(f"{what}: the index server needs valid credentials", url=redact_url(url)) from e
         raise TierUnavailableError(f"{what}: the index server answered an error: {e}", url=redact_url(url)) from e
@@ -112,7 +178,10 @@ class ObjectRecord:
 
     The one descriptor of an object across the project (the store returns it,
     votes and manifests carry its JSON, the read path resolves to it).
-    ``tiers`` are the tiers recorded as holding a copy.
+    ``tiers`` are the tiers recorded as holding a copy; ``name`` is the
+    physical name of that copy in every tier (:func:`tierstore.keys.object_name`:
+    the key plus a tag unique to the write; the plain key for copies written
+    before tags).
     """
 
     key: ShardKey
@@ -124,6 +193,11 @@ class ObjectRecord:
     epoch: int = 0
     created: float = 0.0
     tiers: frozenset[str] = field(default_factory=frozenset)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", str(self.key))
 
     def to_json(self) -> dict[str, Any]:
         """The entry a vote and a manifest carry (see :mod:`consistency.manifest`)."""
@@ -136,6 +210,7 @@ class ObjectRecord:
             "target": str(self.target) if self.target else None,
             "epoch": self.epoch,
             "tiers": sorted(self.tiers),
+            "name": self.name,
         }
 
     @classmethod
@@ -150,6 +225,7 @@ class ObjectRecord:
             target=ShardKey.parse(o["target"]) if o.get("target") else None,
             epoch=int(o.get("epoch") or 0),
             tiers=frozenset(o.get("tiers") or ()),
+            name=o.get("name") or "",
         )
 
 
@@ -197,6 +273,10 @@ class Index:
         self._r = client
         self._record = self._r.register_script(_RECORD)
         self._raise_epoch = self._r.register_script(_RAISE_EPOCH)
+        self._tier = self._r.register_script(_TIER)
+        self._delete = self._r.register_script(_DELETE)
+        self._pin = self._r.register_script(_PIN)
+        self._annotate = self._r.register_script(_ANNOTATE)
 
     def close(self) -> None:
         self._r.close()
@@ -235,6 +315,12 @@ class Index:
         with translate_redis_errors(f"register model {model}", self.url):
             self._r.sadd(MODELS, model)
 
+    def knows(self, model: str) -> bool:
+        """Whether the index holds any record of ``model`` (an epoch, a step or an object)."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"look up model {model}", self.url):
+            return bool(self._r.exists(self._k(model, "epoch"), self._k(model, "steps"), self._k(model, "objs")))
+
     def epoch(self, model: str) -> int:
         with translate_redis_errors("read epoch", self.url):
             return int(self._r.get(self._k(model, "epoch")) or 0)
@@ -265,13 +351,27 @@ class Index:
         base: ShardKey | None = None,
         target: ShardKey | None = None,
         epoch: int | None = None,
-    ) -> None:
-        """Record an object and the tiers holding it; refuse it if ``epoch`` is stale (``FencedError``)."""
+        name: str | None = None,
+        restore: bool = False,
+    ) -> str | None:
+        """Record an object, the physical ``name`` of its copy and the tiers holding it.
+
+        Refused with :class:`FencedError` if ``epoch`` is stale, and with
+        :class:`StepCommittedError` if the key's step is committed or a committed
+        manifest reads the key (committed keys are create-once; ``restore``,
+        for an index rebuild, re-records what a durable manifest proves).
+
+        Returns:
+            the physical name of the copy the replaced record named, when it is
+            another copy (the caller deletes it: nothing committed reads it), else ``None``.
+        """
         m = key.model
+        name = name or str(key)
         with translate_redis_errors(f"record {key}", self.url):
             self._r.sadd(MODELS, m)
-            self._record(
-                keys=[self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key))],
+            old = _s(self._record(
+                keys=[self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
+                      self._k(m, "step", key.step)],
                 args=[
                     -1 if epoch is None else epoch,
                     self._objname(key),
@@ -282,23 +382,31 @@ class Index:
                     str(base) if base else "",
                     str(target) if target else "",
                     repr(time.time()),
+                    name,
+                    "1" if restore else "0",
                     *tiers,
                 ],
-            )
+            ))
+        if old in ("", "="):
+            return None
+        return str(key) if old == "-" else old
 
-    def add_tier(self, key: ShardKey, tier: str) -> None:
+    def add_tier(self, key: ShardKey, tier: str, *, name: str | None = None) -> bool:
+        """Record that ``tier`` holds the copy ``name`` (default: whatever copy the record names).
+
+        Returns whether the record (still) names that copy and was updated.
+        """
         with translate_redis_errors(f"add tier {tier} to {key}", self.url):
-            okey = self._k(key.model, "obj", self._objname(key))
-            if self._r.exists(okey):
-                self._r.hset(okey, f"t:{tier}", "1")
+            return bool(self._tier(keys=[self._k(key.model, "obj", self._objname(key))], args=[tier, name or "", "1"]))
 
-    def remove_tier(self, key: ShardKey, tier: str) -> None:
+    def remove_tier(self, key: ShardKey, tier: str, *, name: str | None = None) -> bool:
         with translate_redis_errors(f"remove tier {tier} from {key}", self.url):
-            self._r.hdel(self._k(key.model, "obj", self._objname(key)), f"t:{tier}")
+            return bool(self._tier(keys=[self._k(key.model, "obj", self._objname(key))], args=[tier, name or "", "0"]))
 
     def set_object_field(self, key: ShardKey, field_name: str, value: str) -> None:
+        """Annotate the record of ``key`` (if it exists: never creates one)."""
         with translate_redis_errors(f"annotate {key}", self.url):
-            self._r.hset(self._k(key.model, "obj", self._objname(key)), field_name, value)
+            self._annotate(keys=[self._k(key.model, "obj", self._objname(key))], args=[field_name, value])
 
     def get_object(self, key: ShardKey) -> ObjectRecord | None:
         with translate_redis_errors(f"read record of {key}", self.url):
@@ -326,14 +434,25 @@ class Index:
             epoch=int(d.get("epoch") or 0),
             created=float(d.get("created") or 0.0),
             tiers=frozenset(k[2:] for k in d if k.startswith("t:")),
+            name=d.get("name") or object_name(key),
         )
 
-    def delete_object(self, key: ShardKey) -> None:
+    def delete_object(self, key: ShardKey, *, name: str | None = None) -> bool:
+        """Delete the record of ``key``; with ``name``, only while it names that copy. Returns whether it went."""
         with translate_redis_errors(f"delete record of {key}", self.url):
-            pipe = self._r.pipeline(transaction=True)
-            pipe.zrem(self._k(key.model, "objs"), self._objname(key))
-            pipe.delete(self._k(key.model, "obj", self._objname(key)))
-            pipe.execute()
+            return bool(self._delete(keys=[self._k(key.model, "objs"), self._k(key.model, "obj", self._objname(key))],
+                                     args=[self._objname(key), name or ""]))
+
+    def pin_objects(self, keys: list[ShardKey], step: int) -> None:
+        """Mark records as read by committed ``step`` (they can no longer be replaced; see :meth:`record_object`)."""
+        if not keys:
+            return
+        by_model: dict[str, list[str]] = {}
+        for key in keys:
+            by_model.setdefault(key.model, []).append(self._k(key.model, "obj", self._objname(key)))
+        with translate_redis_errors("pin records", self.url):
+            for okeys in by_model.values():  # one model's keys share a slot
+                self._pin(keys=okeys, args=[step])
 
     def list_objects(
         self, model: str, layer: str | None = None, step: int | None = None, rank: int | None = None

@@ -2,16 +2,33 @@
 
 Schema (``version`` 1)::
 
-    {"version": 1, "model": str, "step": int, "world": int, "epoch": int,
+    {"version": 1, "model": str, "step": int, "world": int, "epoch": int, "attempt": int,
      "committed_at": float, "layout": {...} | null, "durable": bool (durable copy only),
      "ranks": {"<rank>": {"objects": [{"key", "kind", "size", "checksum",
-                                       "base", "target", "tiers"}...],
+                                       "base", "target", "tiers", "name"}...],
                           "extra": {...} | null}},
-     "deps": [object entries of older steps it reaches] (durable copy only)}
+     "inherited": [object entries of older steps],
+     "deps": [object entries of older steps],
+     "requires": [older step numbers],
+     "missing": [layer names]}
 
 ``layout`` is what the trainer declared when the step began: its
 ``layers`` (every layer of the model, saved at this step or not) and the
 parallel sizes (``dp``, ``tp``, ``pp``) where known.
+
+A manifest records the **complete set** of objects a restore of its step
+reads (:func:`complete_entries`), written at the commit point (see
+:mod:`consistency.scripts`): its own objects; ``inherited``, for each layer
+of the layout that no rank saved at this step, the entries of the older
+version the step resolves to (layer-wise policies); ``deps``, every delta
+base and ref target those reach, transitively; ``requires``, the older steps
+whose manifests a restore also reads (a replay log step's base and logs).
+``missing`` lists layers of the layout with no version to resolve to (the
+step cannot be restored). Manifests written before these fields hold only
+``ranks`` (and a durable copy its ``deps``).
+
+``name`` is the physical name of the object's copy in the tiers
+(:func:`tierstore.keys.object_name`); absent in older manifests (the key).
 
 A manifest of another version, another model, with missing ranks, objects
 of another model or step, or malformed fields is refused with
@@ -24,9 +41,20 @@ import json
 from typing import Any
 
 from tierstore.errors import ManifestError
-from tierstore.keys import ShardKey
+from tierstore.keys import ShardKey, split_object_name
 
-__all__ = ["MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "durable_manifest_name", "manifest_objects", "parse_manifest"]
+__all__ = [
+    "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "complete_entries",
+    "durable_epoch_name",
+    "durable_epoch_prefix",
+    "durable_manifest_name",
+    "layer_entries",
+    "manifest_objects",
+    "parse_durable_epoch_name",
+    "parse_manifest",
+]
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20
@@ -36,6 +64,25 @@ _KINDS = ("full", "delta", "ref")
 def durable_manifest_name(model: str, step: int) -> str:
     """The durable tier's object name of a step's manifest (written last, create-once)."""
     return f"{model}/_manifest/{step:012d}.json"
+
+
+def durable_epoch_prefix(model: str) -> str:
+    """The durable tier's prefix of a model's epoch records."""
+    return f"{model}/_epoch/"
+
+
+def durable_epoch_name(model: str, epoch: int) -> str:
+    """The durable tier's record of epoch ``epoch`` of ``model`` (written create-once when the epoch is taken)."""
+    return f"{durable_epoch_prefix(model)}{epoch:020d}.epoch"
+
+
+def parse_durable_epoch_name(model: str, name: str) -> int | None:
+    """The epoch a durable epoch record's name holds, or ``None`` if ``name`` is not one."""
+    prefix = durable_epoch_prefix(model)
+    if not name.startswith(prefix) or not name.endswith(".epoch"):
+        return None
+    stem = name[len(prefix):-len(".epoch")]
+    return int(stem) if stem.isdigit() and len(stem) == 20 else None
 
 
 def _is_int(v: object) -> bool:
@@ -63,6 +110,13 @@ def _check_entry(o: Any, m: dict[str, Any], where: str) -> ShardKey:
     _need(isinstance(o.get("checksum"), str), f"{where}: object {key} has no checksum")
     tiers = o.get("tiers", [])
     _need(isinstance(tiers, list) and all(isinstance(t, str) for t in tiers), f"{where}: {key} has bad tiers")
+    name = o.get("name")
+    if name is not None:
+        try:
+            named, _tag = split_object_name(name)
+        except Exception as e:
+            raise ManifestError(f"{where}: object {key} has a bad name: {e}") from e
+        _need(named == key, f"{where}: object {key} is named {name[:80]!r}, a copy of another key")
     for ref in (base, target):
         if ref is not None:
             _need(ref.model == m["model"], f"{where}: object {key} points into another model")
@@ -117,17 +171,49 @@ def parse_manifest(raw: bytes | str | dict, *, model: str | None = None, step: i
             key = _check_entry(o, m, f"rank {r}")
             _need(key.step == m["step"], f"rank {r}: object {key} belongs to another step")
     _need(isinstance(m.get("durable", False), bool), "durable must be a bool")
-    deps = m.get("deps", [])
-    _need(isinstance(deps, list), "deps must be a list")
-    for o in deps:
-        key = _check_entry(o, m, "deps")
-        _need(key.step < m["step"], f"deps: object {key} is not of an older step")
+    _need(m.get("attempt") is None or (_is_int(m["attempt"]) and m["attempt"] >= 1), "attempt must be a positive int")
+    for field_name in ("inherited", "deps"):
+        entries = m.get(field_name, [])
+        _need(isinstance(entries, list), f"{field_name} must be a list")
+        for o in entries:
+            key = _check_entry(o, m, field_name)
+            _need(key.step < m["step"], f"{field_name}: object {key} is not of an older step")
+    requires = m.get("requires", [])
+    _need(isinstance(requires, list) and all(_is_int(s) and 0 <= s < m["step"] for s in requires),
+          "requires must be a list of older steps")
+    missing = m.get("missing", [])
+    _need(isinstance(missing, list) and all(isinstance(x, str) for x in missing), "missing must be a list of layers")
     return m
 
 
 def manifest_objects(m: dict[str, Any]) -> list[dict[str, Any]]:
     """Every object entry of a parsed manifest, all ranks."""
     return [o for vote in m["ranks"].values() for o in vote["objects"]]
+
+
+def complete_entries(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every object entry a restore of the step reads: its own, ``inherited`` and ``deps`` (unique by key).
+
+    The objects of the steps in ``requires`` are read too: they are in those steps' manifests.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for o in [*manifest_objects(m), *m.get("inherited", []), *m.get("deps", [])]:
+        out.setdefault(o["key"], o)
+    return list(out.values())
+
+
+def layer_entries(m: dict[str, Any]) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """Per layer, the ``(rank, entry)`` pairs a restore of the step reads: saved at the step, else inherited."""
+    out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for rank, vote in m["ranks"].items():
+        for o in vote["objects"]:
+            out.setdefault(ShardKey.parse(o["key"]).layer, []).append((int(rank), o))
+    own = set(out)
+    for o in m.get("inherited", []):
+        k = ShardKey.parse(o["key"])
+        if k.layer not in own:
+            out.setdefault(k.layer, []).append((k.rank, o))
+    return out
 
 
 def manifest_layers(m: dict[str, Any]) -> list[str]:

@@ -7,14 +7,17 @@ is lost (a server restarted without persistence, a FLUSHALL), call
 
 1. list ``<model>/_manifest/*.json`` in the durable tier (every model, or one);
 2. parse and validate each manifest (``durable`` must be true);
-3. check that every object it names (its own and its ``deps``: the delta bases
-   and ref targets of older steps it reaches) is present in the durable tier;
-   a step with a missing object is skipped and reported;
+3. check that every object of its complete set (its own, the older layer
+   versions it inherits, and its ``deps``: the delta bases and ref targets it
+   reaches) is present in the durable tier, under the physical name the
+   manifest records; a step with a missing object is skipped and reported;
 4. re-record every object with the durable tier (and the host tier where the
-   local host tier still holds a copy with the same size), the step as
+   local host tier still holds that copy with the same size), the step as
    ``durable`` with its world and layout, and its manifest;
-5. raise the model's epoch to at least the newest manifest's epoch (a restore
-   then bumps it past every writer of those steps).
+5. raise the model's epoch to at least the newest epoch the durable tier
+   records (its manifests' and its epoch records', see
+   :meth:`~consistency.twophase.StepProtocol.open_epoch`): a restore then
+   bumps it past every writer of those steps, so no zombie is unfenced.
 
 Steps that were only committed in memory are gone from the index: the report
 lists the steps whose objects the host tier still holds but no durable
@@ -28,10 +31,10 @@ from dataclasses import dataclass, field
 
 from backends.base import Backend
 from consistency.index import ObjectRecord
-from consistency.manifest import parse_manifest
+from consistency.manifest import complete_entries, parse_manifest
 from consistency.twophase import StepProtocol
 from tierstore.errors import ConfigError, ManifestError, TierStoreError
-from tierstore.keys import ShardKey
+from tierstore.keys import ShardKey, split_object_name
 
 __all__ = ["RebuildReport", "rebuild_index"]
 
@@ -72,12 +75,12 @@ def _record(steps: StepProtocol, durable: Backend, host: Backend | None, o: dict
     rec = ObjectRecord.from_json(o)
     tiers = [durable.tier]
     try:
-        if host is not None and host.size(str(rec.key)) == rec.size:
+        if host is not None and host.size(rec.name) == rec.size:
             tiers.append(host.tier)
     except TierStoreError:
         pass
     steps.index.record_object(rec.key, kind=rec.kind, size=rec.size, checksum=rec.checksum, tiers=tiers,
-                              base=rec.base, target=rec.target, epoch=-1)
+                              base=rec.base, target=rec.target, epoch=-1, name=rec.name, restore=True)
 
 
 def rebuild_index(steps: StepProtocol, model: str | None = None, *, host: Backend | None = None) -> RebuildReport:
@@ -110,8 +113,8 @@ def rebuild_index(steps: StepProtocol, model: str | None = None, *, host: Backen
             report.skipped[name] = str(e)
             log.warning("rebuild: skipping %s: %s", name, e)
             continue
-        entries = [o for v in m["ranks"].values() for o in v["objects"]] + list(m.get("deps", []))
-        missing = [o["key"] for o in entries if not durable.exists(o["key"])]
+        entries = complete_entries(m)
+        missing = [o["key"] for o in entries if not durable.exists(o.get("name") or o["key"])]
         if missing:
             report.skipped[name] = f"{len(missing)} object(s) missing from the durable tier, e.g. {missing[0]}"
             continue
@@ -121,8 +124,11 @@ def rebuild_index(steps: StepProtocol, model: str | None = None, *, host: Backen
         steps.restore_durable(m_name, m)
         report.restored.setdefault(m_name, []).append(step)
         max_epoch[m_name] = max(max_epoch.get(m_name, 0), int(m.get("epoch", 0) or 0))
-    for m_name, ep in max_epoch.items():
-        steps.index.raise_epoch(m_name, ep)
+    models = set(max_epoch) | ({model} if model is not None else set())
+    for m_name in models:
+        ep = max(max_epoch.get(m_name, 0), steps.durable_epoch(m_name))
+        if ep > 0:
+            steps.index.raise_epoch(m_name, ep)
     report.lost_steps = _lost_steps(steps, host, model, report) if host is not None else {}
     return report
 
@@ -136,7 +142,7 @@ def _lost_steps(steps: StepProtocol, host: Backend, model: str | None, report: R
         return {}
     for n in names:
         try:
-            key = ShardKey.parse(n)
+            key, _tag = split_object_name(n)
         except TierStoreError:
             continue
         if key.step not in report.restored.get(key.model, []):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from consistency.manifest import MANIFEST_VERSION
 
-__all__ = ["BEGIN", "DURABLE", "EXPIRE", "MIGRATED", "VOTE"]
+__all__ = ["BEGIN", "DURABLE", "EXPIRE", "MEMORY_ONLY", "MIGRATED", "VOTE"]
 
 # Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
 # last ARGV, a negative value meaning "ask the server".
@@ -22,32 +22,187 @@ local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ep = tonumber(ARGV[1])
 if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
 """
-# Create the step, or restart it when a newer epoch begins a step an older epoch left preparing (its votes
-# are dropped: they belong to a fenced incarnation). KEYS: epoch, step, steps, votes. ARGV: epoch, step,
-# world, layout_json, timeout_s.
+# Create the step, or start a new attempt of it when a newer epoch begins a step an older epoch left
+# preparing or aborted (its votes are dropped: they belong to a fenced incarnation). A committed step is
+# immutable: BEGIN refuses it (TSCOMMITTED); a vote of it is answered with its state. A vote never opens a
+# new attempt of an aborted step (a late vote of the old attempt must not count in a new one).
+# KEYS: epoch, step, steps, votes. ARGV: epoch, step, world, layout_json, timeout_s.
 _OPEN = """
-local function open_step()
+local function open_step(is_begin)
   local st = redis.call('HGET', KEYS[2], 'state')
   local sep = tonumber(redis.call('HGET', KEYS[2], 'epoch') or '-1')
-  if st and not (st == 'preparing' and sep >= 0 and ep > sep) then return st end
+  if st == 'committed' or st == 'durable' then
+    if is_begin then
+      return redis.error_reply('TSCOMMITTED step ' .. ARGV[2] .. ' is ' .. st .. ': it cannot be saved again')
+    end
+    return st
+  end
+  local renew = (st == 'preparing' and sep >= 0 and ep > sep) or (st == 'aborted' and is_begin and ep >= 0 and ep > sep)
+  if st and not renew then return st end
   if tonumber(ARGV[3]) < 1 then return redis.error_reply('TSNOSTEP step ' .. ARGV[2] .. ' was never begun') end
+  local attempt = 1
+  if st then attempt = tonumber(redis.call('HGET', KEYS[2], 'attempt') or '1') + 1 end
   redis.call('DEL', KEYS[2], KEYS[4])
   redis.call('HSET', KEYS[2], 'state', 'preparing', 'world', ARGV[3], 'epoch', ARGV[1], 'started', now,
-             'layout', ARGV[4], 'timeout', ARGV[5], 'nmigrated', 0)
+             'layout', ARGV[4], 'timeout', ARGV[5], 'nmigrated', 0, 'attempt', attempt)
   redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), ARGV[2])
   return 'preparing'
 end
 """
 
+# The commit point's bookkeeping: what a restore of the step reads besides its own objects, so the manifest
+# records the complete set (retention by manifests is then right for every policy):
+# - inherited: for each layer of the declared layout that no rank saved at this step, the entries of the
+#   version the previous committed step P resolved it to (P's own or inherited entries; same world only),
+#   else the layer is listed in "missing";
+# - deps: every delta base and ref target those entries reach, transitively (from P's complete set, else the
+#   index's records);
+# - requires: for a replay log step (layout.replay == "log"), P and the steps P requires (the replay reads
+#   their manifests).
+# Every inherited and dep record is pinned (a committed manifest reads it: it can no longer be replaced).
+# ARGV: see VOTE; PREFIX is the model's key prefix ("ts:{m}:").
+_COMPLETE = """
+local function jstr(v) if v == nil or v == cjson.null or v == '' then return 'null' end return cjson.encode(v) end
+local function jint(v) return string.format('%d', tonumber(v) or 0) end
+local function jtiers(t)
+  if type(t) ~= 'table' or #t == 0 then return '[]' end
+  local parts = {}
+  for i, x in ipairs(t) do parts[i] = cjson.encode(x) end
+  return '[' .. table.concat(parts, ',') .. ']'
+end
+local function entry_json(o)
+  return '{"key":' .. cjson.encode(o.key) .. ',"kind":' .. jstr(o.kind) .. ',"size":' .. jint(o.size) ..
+    ',"checksum":' .. jstr(o.checksum) .. ',"base":' .. jstr(o.base) .. ',"target":' .. jstr(o.target) ..
+    ',"epoch":' .. jint(o.epoch) .. ',"tiers":' .. jtiers(o.tiers) .. ',"name":' .. jstr(o.name) .. '}'
+end
+local function layer_of(k) return string.match(k, '^[^/]+/([^/]+)/') end
+local function objkey(k)
+  local l, s, r = string.match(k, '^[^/]+/([^/]+)/([^/]+)/([^/]+)$')
+  return PREFIX .. 'obj:' .. l .. '/' .. s .. '/' .. r
+end
+local function record_entry(k)
+  local h = redis.call('HGETALL', objkey(k))
+  if #h == 0 then return nil end
+  local t = {}
+  for i = 1, #h, 2 do t[h[i]] = h[i + 1] end
+  local tiers = {}
+  for f, _ in pairs(t) do if string.sub(f, 1, 2) == 't:' then tiers[#tiers + 1] = string.sub(f, 3) end end
+  table.sort(tiers)
+  local name = t.name
+  if name == nil or name == '' then name = k end
+  return {key = k, kind = t.kind, size = t.size, checksum = t.checksum, base = t.base, target = t.target,
+          epoch = t.epoch, tiers = tiers, name = name}
+end
+
+local function complete_set(step, world, layout_json, votes)
+  local own, own_layers = {}, {}
+  for i = 2, #votes, 2 do
+    local v = cjson.decode(votes[i])
+    if type(v.objects) == 'table' then
+      for _, o in ipairs(v.objects) do own[o.key] = o; own_layers[layer_of(o.key)] = true end
+    end
+  end
+  local prev, pm = nil, nil
+  local cands = redis.call('ZREVRANGEBYSCORE', PREFIX .. 'steps', '(' .. step, '-inf', 'LIMIT', 0, 1024)
+  for _, s in ipairs(cands) do
+    local st = redis.call('HGET', PREFIX .. 'step:' .. s, 'state')
+    if st == 'committed' or st == 'durable' then
+      local raw = redis.call('GET', PREFIX .. 'manifest:' .. s)
+      if raw then prev = s; pm = cjson.decode(raw) end
+      break
+    end
+  end
+  local pset, players = {}, {}
+  if pm then
+    local function add(o, inherit)
+      pset[o.key] = o
+      if inherit then
+        local l = layer_of(o.key)
+        players[l] = players[l] or {}
+        table.insert(players[l], o)
+      end
+    end
+    local ranks = {}
+    for r, _ in pairs(pm.ranks) do ranks[#ranks + 1] = tonumber(r) end
+    table.sort(ranks)
+    for _, r in ipairs(ranks) do
+      for _, o in ipairs(pm.ranks[tostring(r)].objects) do add(o, true) end
+    end
+    if type(pm.inherited) == 'table' then for _, o in ipairs(pm.inherited) do add(o, true) end end
+    if type(pm.deps) == 'table' then for _, o in ipairs(pm.deps) do add(o, false) end end
+  end
+  local layout = cjson.decode(layout_json)
+  local inherited, missing, requires = {}, {}, {}
+  if type(layout) == 'table' and type(layout.layers) == 'table' then
+    for _, l in ipairs(layout.layers) do
+      if type(l) == 'string' and not own_layers[l] then
+        if pm and tonumber(pm.world) == world and players[l] then
+          for _, o in ipairs(players[l]) do inherited[#inherited + 1] = o end
+        else
+          missing[#missing + 1] = l
+        end
+      end
+    end
+  end
+  if type(layout) == 'table' and layout.replay == 'log' and pm then
+    if type(pm.requires) == 'table' then for _, s in ipairs(pm.requires) do requires[#requires + 1] = s end end
+    requires[#requires + 1] = tonumber(prev)
+  end
+  local seen, todo, deps = {}, {}, {}
+  for k, _ in pairs(own) do seen[k] = true end
+  for _, o in ipairs(inherited) do seen[o.key] = true end
+  local function push(o)
+    for _, ref in ipairs({o.base or '', o.target or ''}) do
+      -- a link into this step itself is another rank's own object, not a dep
+      if type(ref) == 'string' and ref ~= '' and not seen[ref]
+          and tonumber(string.match(ref, '^[^/]+/[^/]+/([^/]+)/')) < tonumber(step) then
+        seen[ref] = true; todo[#todo + 1] = ref
+      end
+    end
+  end
+  for _, o in pairs(own) do push(o) end
+  for _, o in ipairs(inherited) do push(o) end
+  local n = 0
+  while #todo > 0 and n < 1000000 do
+    n = n + 1
+    local k = table.remove(todo)
+    local o = pset[k] or record_entry(k)
+    if o then deps[#deps + 1] = o; push(o) end
+  end
+  table.sort(deps, function(a, b) return a.key < b.key end)
+  local pins = {}
+  for _, o in ipairs(inherited) do pins[#pins + 1] = o.key end
+  for _, o in ipairs(deps) do pins[#pins + 1] = o.key end
+  for _, k in ipairs(pins) do
+    local ok = objkey(k)
+    if redis.call('EXISTS', ok) == 1 then redis.call('HSETNX', ok, 'pinned', step) end
+  end
+  local parts = {}
+  for i, o in ipairs(inherited) do parts[i] = entry_json(o) end
+  local out = ',"inherited":[' .. table.concat(parts, ',') .. ']'
+  parts = {}
+  for i, o in ipairs(deps) do parts[i] = entry_json(o) end
+  out = out .. ',"deps":[' .. table.concat(parts, ',') .. ']'
+  parts = {}
+  for i, s in ipairs(requires) do parts[i] = jint(s) end
+  out = out .. ',"requires":[' .. table.concat(parts, ',') .. ']'
+  parts = {}
+  for i, l in ipairs(missing) do parts[i] = cjson.encode(l) end
+  return out .. ',"missing":[' .. table.concat(parts, ',') .. ']'
+end
+"""
+
 # KEYS: epoch, step, steps, votes; ARGV: epoch, step, world, layout_json, timeout_s, now
 BEGIN = _FENCE + _NOW + _OPEN + """
-return open_step()
+return open_step(true)
 """
 
 # KEYS: epoch, step, steps, votes, manifest; ARGV: epoch, step, world (0: unknown), layout_json, timeout_s,
-# rank, vote_json, ok, model, channel, now
+# rank, vote_json, ok, model, channel, prefix, now
 VOTE = _FENCE + _NOW + _OPEN + """
-local st = open_step()
+local PREFIX = ARGV[11]
+""" + _COMPLETE + """
+local st = open_step(false)
 if type(st) == 'table' then return st end
 if st ~= 'preparing' then return st end
 local world = tonumber(redis.call('HGET', KEYS[2], 'world'))
@@ -71,8 +226,9 @@ for i = 1, #votes, 2 do parts[#parts + 1] = '"' .. votes[i] .. '":' .. votes[i +
 local layout = redis.call('HGET', KEYS[2], 'layout')
 local manifest = '{"version":' .. MANIFEST_VERSION .. ',"model":' .. cjson.encode(ARGV[9]) .. ',"step":' .. ARGV[2] ..
   ',"world":' .. world .. ',"epoch":' .. redis.call('HGET', KEYS[2], 'epoch') ..
+  ',"attempt":' .. (redis.call('HGET', KEYS[2], 'attempt') or '1') ..
   ',"committed_at":' .. string.format('%.6f', now) .. ',"layout":' .. layout ..
-  ',"ranks":{' .. table.concat(parts, ',') .. '}}'
+  ',"ranks":{' .. table.concat(parts, ',') .. '}' .. complete_set(ARGV[2], world, layout, votes) .. '}'
 redis.call('SET', KEYS[5], manifest)
 redis.call('HSET', KEYS[2], 'state', 'committed', 'decided', now)
 redis.call('PUBLISH', ARGV[10], ARGV[2] .. ' committed')
@@ -110,4 +266,13 @@ if redis.call('HGET', KEYS[2], 'state') == 'committed' then
   return 1
 end
 return 0
+"""
+
+# KEYS: step; ARGV: reason. Record why a committed step stays in memory only (its migration gave up), if the
+# step is still recorded and not durable.
+MEMORY_ONLY = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if st == false or st == 'durable' then return 0 end
+redis.call('HSET', KEYS[1], 'memory_only', ARGV[1])
+return 1
 """

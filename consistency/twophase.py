@@ -15,7 +15,17 @@ collective):
    (:meth:`mark_migrated`), the durable manifest is written there last,
    create-once, and N becomes ``durable``.
 4. *Fencing*: ``begin``, ``vote`` and ``mark_migrated`` carry the job's epoch;
-   an older epoch is refused with :class:`FencedError`.
+   an older epoch is refused with :class:`FencedError`. :meth:`open_epoch`
+   takes a new epoch: recorded create-once in the durable tier
+   (``model/_epoch/<epoch>``) before the index, so an epoch never goes
+   backwards, even when the index is lost.
+5. *Immutability*: a committed step cannot be begun again
+   (:class:`StepCommittedError`, before anything is written); an aborted (or
+   abandoned) step is begun again by a newer epoch as a new *attempt*.
+6. *Index loss*: an index with no record of a model whose durable tier holds
+   its manifests refuses to start fresh (:class:`IndexLostError`, from
+   ``begin``, ``open_epoch`` and the read path), unless an ``on_lost``
+   callback (the store's automatic rebuild) restores it.
 
 A rank learns the outcome with :meth:`wait` (polls with backoff) or by
 subscribing to ``ts:{model}:events``.
@@ -35,19 +45,28 @@ from backends.base import Backend
 from consistency.index import Index, translate_redis_errors
 from consistency.manifest import (
     MANIFEST_VERSION,
+    complete_entries,
+    durable_epoch_name,
+    durable_epoch_prefix,
     durable_manifest_name,
     manifest_objects,
+    parse_durable_epoch_name,
     parse_manifest,
 )
-from consistency.scripts import BEGIN, DURABLE, EXPIRE, MIGRATED, VOTE
+from consistency.scripts import BEGIN, DURABLE, EXPIRE, MEMORY_ONLY, MIGRATED, VOTE
 from tierstore.errors import (
     CommitError,
     FencedError,
+    IndexLostError,
+    InvalidKeyError,
     KeyExistsError,
+    ManifestError,
     StepAbortedError,
+    StepCommittedError,
+    TierStoreError,
     TierUnavailableError,
 )
-from tierstore.keys import ShardKey, validate_name
+from tierstore.keys import ShardKey, validate_name, validate_step
 
 __all__ = ["DECIDED", "STATES", "EventSubscription", "StepProtocol", "StepRecord"]
 
@@ -78,6 +97,8 @@ class StepRecord:
     durable_at: float | None = None
     reason: str | None = None
     rebuilt: bool = False
+    attempt: int = 1
+    memory_only: str | None = None
 
     @property
     def commit_latency_s(self) -> float | None:
@@ -121,15 +142,19 @@ class StepProtocol:
         durable: where durable manifests go (``None``: steps never become durable).
         step_timeout_s: a step still preparing this long after it began is aborted (0: never).
         clock: seconds since the epoch to use instead of the server's ``TIME`` (tests inject one).
+        on_lost: called with a model the index lost (its durable manifests exist): it must restore
+            the index (the store rebuilds it); ``None`` raises :class:`IndexLostError` instead.
     """
 
     def __init__(self, index: Index, durable: Backend | None = None, *, step_timeout_s: float = 600.0,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, on_lost: Callable[[str], object] | None = None):
         self.index = index
         self.durable = durable
         self.step_timeout_s = step_timeout_s
         self.clock = clock
+        self.on_lost = on_lost
         self._known_models: set[str] = set()
+        self._checked: set[str] = set()
         self._local = threading.local()
         r = index._r  # consistency/ owns the client
         self._begin = r.register_script(BEGIN)
@@ -137,6 +162,7 @@ class StepProtocol:
         self._expire = r.register_script(EXPIRE)
         self._migrated = r.register_script(MIGRATED)
         self._durable = r.register_script(DURABLE)
+        self._memory_only = r.register_script(MEMORY_ONLY)
 
     def _register(self, model: str) -> None:
         """Add ``model`` to the models list once per instance (it lives outside the model's slot)."""
@@ -156,13 +182,16 @@ class StepProtocol:
             "votes": k(model, "votes", step),
             "manifest": k(model, "manifest", step),
             "events": k(model, "events"),
+            "prefix": k(model, ""),
         }
 
     @staticmethod
     def _check(model: str, step: int, world_size: int | None = None) -> None:
         validate_name(model, "model")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CommitError(f"step must be a non-negative int, got {step!r}")
+        try:
+            validate_step(step)
+        except InvalidKeyError as e:
+            raise CommitError(f"step must be an int in 0..2**53-1, got {step!r}: {e}", model=model, step=step) from e
         if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                        or world_size < 1):
             raise CommitError(f"world_size must be a positive int, got {world_size!r}")
@@ -181,21 +210,110 @@ class StepProtocol:
               epoch: int | None = None, timeout_s: float | None = None) -> str:
         """Record the step's world size, layout and timeout (first caller of an epoch wins).
 
-        Idempotent. A step that an older epoch left ``preparing`` is restarted
-        (its votes dropped) when a newer epoch begins it. Returns the state.
+        Idempotent while the step is preparing. A step that an older epoch left
+        ``preparing`` or ``aborted`` is begun again as a new attempt (its votes
+        dropped) when a newer epoch begins it. Returns the state.
 
         Raises:
+            StepCommittedError: the step is committed (a committed step is immutable).
+            IndexLostError: the index lost this model (see :meth:`check_index`).
             FencedError: ``epoch`` is older than the job's.
         """
         self._check(model, step, world_size)
+        self.check_index(model)
         ks = self._keys(model, step)
         self._register(model)
-        return _s(self._run(
-            f"begin step {step} of {model}", self._begin,
-            [ks["epoch"], ks["step"], ks["steps"], ks["votes"]],
-            [-1 if epoch is None else epoch, step, world_size, json.dumps(layout),
-             self.step_timeout_s if timeout_s is None else timeout_s],
-        ))
+        try:
+            return _s(self._run(
+                f"begin step {step} of {model}", self._begin,
+                [ks["epoch"], ks["step"], ks["steps"], ks["votes"]],
+                [-1 if epoch is None else epoch, step, world_size, json.dumps(layout),
+                 self.step_timeout_s if timeout_s is None else timeout_s],
+            ))
+        except StepCommittedError as e:
+            raise StepCommittedError(
+                f"step {step} of {model} is already committed and cannot be saved again "
+                "(a committed step is immutable; save a new step number)", model=model, step=step) from e
+
+    # -- epochs and index loss ---------------------------------------------------------
+    def durable_epoch(self, model: str) -> int:
+        """The newest epoch of ``model`` recorded in the durable tier (0 if none or no durable tier)."""
+        if self.durable is None:
+            return 0
+        epochs = [parse_durable_epoch_name(model, n) for n in self.durable.list(durable_epoch_prefix(model))]
+        return max((e for e in epochs if e is not None), default=0)
+
+    def open_epoch(self, model: str) -> int:
+        """Take a new epoch of ``model`` (a new incarnation): writes of older epochs are fenced from now on.
+
+        The epoch is recorded create-once in the durable tier first, then
+        raised in the index; it is always newer than both, so it never goes
+        backwards after an index loss.
+
+        Raises:
+            IndexLostError: the index lost this model (see :meth:`check_index`).
+        """
+        validate_name(model, "model")
+        self.check_index(model)
+        if self.durable is None:
+            return self.index.bump_epoch(model)
+        for _ in range(64):
+            want = max(self.index.epoch(model), self.durable_epoch(model)) + 1
+            body = json.dumps({"model": model, "epoch": want, "taken_at": time.time()}).encode()
+            try:
+                self.durable.put(durable_epoch_name(model, want), body, if_absent=True)
+            except KeyExistsError:
+                continue  # another incarnation took it first
+            if self.index.raise_epoch(model, want) == want:
+                self._prune_epochs(model, want)
+                return want
+        raise CommitError(f"could not take a new epoch of {model}: it kept moving", model=model)
+
+    def _prune_epochs(self, model: str, newest: int, keep: int = 8) -> None:
+        if self.durable is None:
+            return
+        names = [(parse_durable_epoch_name(model, n), n) for n in self.durable.list(durable_epoch_prefix(model))]
+        for e, n in sorted((e, n) for e, n in names if e is not None)[:-keep]:
+            if e < newest:
+                self.durable.delete(n)
+
+    def durable_steps(self, model: str) -> list[int]:
+        """Steps of ``model`` with a durable manifest in the durable tier."""
+        if self.durable is None:
+            return []
+        prefix = f"{model}/_manifest/"
+        out = []
+        for name in self.durable.list(prefix):
+            stem = name[len(prefix):]
+            if stem.endswith(".json") and stem[:-5].isdigit():
+                out.append(int(stem[:-5]))
+        return sorted(out)
+
+    def check_index(self, model: str) -> None:
+        """Refuse to start ``model`` fresh on an index that lost it.
+
+        If the index has no record of ``model`` (no epoch, step or object) but
+        the durable tier holds its durable manifests, the index was lost (a
+        server restarted without persistence, a new index): ``on_lost`` is
+        called to restore it, else :class:`IndexLostError` is raised. Checked
+        once per model and instance.
+        """
+        if model in self._checked or self.durable is None:
+            return
+        if not self.index.knows(model):
+            durable = self.durable_steps(model)
+            if durable:
+                if self.on_lost is None:
+                    raise IndexLostError(
+                        f"the index has no record of model {model!r}, but the durable tier holds "
+                        f"{len(durable)} durable step(s) of it (newest {durable[-1]}): the index was lost. "
+                        f"Run `tierstore admin rebuild-index {model} --yes` before training or restoring "
+                        "(or open the store with rebuild_index_on_loss=True)",
+                        model=model, durable_steps=durable)
+                log.warning("the index lost model %s (%d durable step(s)): rebuilding it from the durable tier",
+                            model, len(durable))
+                self.on_lost(model)
+        self._checked.add(model)
 
     def vote_call(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
                   ok: bool = True, epoch: int | None = None, world_size: int | None = None,
@@ -208,7 +326,7 @@ class StepProtocol:
         ks = self._keys(model, step)
         keys = [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["manifest"]]
         args = [-1 if epoch is None else epoch, step, world_size or 0, json.dumps(layout), self.step_timeout_s,
-                rank, json.dumps(vote, separators=(",", ":")), "1" if ok else "0", model, ks["events"]]
+                rank, json.dumps(vote, separators=(",", ":")), "1" if ok else "0", model, ks["events"], ks["prefix"]]
         return self._vote, keys, args
 
     def vote(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
@@ -299,28 +417,42 @@ class StepProtocol:
         return parse_manifest(raw, model=model, step=step) if raw is not None else None
 
     def mark_migrated(self, model: str, step: int, rank: int, failures: list, *, epoch: int | None = None) -> None:
-        """Called when rank's objects of ``step`` reached the durable tier (or failed to).
+        """Called when rank's objects of ``step`` reached the durable tier (or gave up trying).
+
+        With ``failures`` (the migration gave up after its retries), the step
+        is recorded as staying in memory only (``StepRecord.memory_only``,
+        shown by ``tierstore admin steps``).
 
         Raises:
             FencedError: ``epoch`` is older than the job's (a zombie's migration counts for nothing).
         """
         if failures:
-            log.warning("step %s of %s: %d object(s) of rank %d failed to migrate; it stays memory-only",
-                        step, model, len(failures), rank)
+            first = failures[0]
+            what = f"{first[0]}: {first[1]}" if isinstance(first, tuple) and len(first) == 2 else str(first)
+            log.warning("step %s of %s: %d object(s) of rank %d failed to migrate; it stays memory-only (%s)",
+                        step, model, len(failures), rank, what)
+            self.mark_memory_only(model, step, f"{len(failures)} object(s) of rank {rank} failed to migrate: {what}")
             return
         ks = self._keys(model, step)
         with translate_redis_errors(f"mark step {step} migrated", self.index.url):
             self._migrated(keys=[ks["epoch"], ks["step"]], args=[-1 if epoch is None else epoch, rank])
         self.maybe_durable(model, step, epoch=epoch)
 
-    def _durable_deps(self, model: str, m: dict) -> list[dict] | None:
-        """Entries of every object the step reaches (delta bases, ref targets) outside it; ``None`` if any
-        of them, or of the step's own objects, is not recorded as held by the durable tier."""
+    def mark_memory_only(self, model: str, step: int, reason: str) -> bool:
+        """Record that ``step`` stays in memory only, and why (if it is recorded and not durable)."""
+        with translate_redis_errors(f"mark step {step} of {model} memory-only", self.index.url):
+            return bool(self._memory_only(keys=[self._keys(model, step)["step"]], args=[reason[:1000]]))
+
+    def _durable_entries(self, m: dict) -> list[dict] | None:
+        """The complete set of the step as the durable manifest records it: every entry of
+        :func:`complete_entries` plus any delta base or ref target they reach that the manifest does not list
+        (older manifests), each with the durable tier; ``None`` if any of them is not recorded as held by
+        the durable tier (in the copy the manifest names)."""
         tier = self.durable.tier if self.durable is not None else "durable"
-        own = {o["key"] for o in manifest_objects(m)}
+        listed = {o["key"]: o for o in complete_entries(m)}
         seen: set[str] = set()
-        todo = sorted(own)
-        deps: list[dict] = []
+        todo = sorted(listed)
+        extra: list[dict] = []
         while todo:
             recs = self.index.get_objects([ShardKey.parse(k) for k in todo])
             nxt: list[str] = []
@@ -328,22 +460,30 @@ class StepProtocol:
                 seen.add(name)
                 if rec is None or tier not in rec.tiers:
                     return None
-                if name not in own:
-                    deps.append({**rec.to_json(), "tiers": [tier]})
+                want = listed.get(name)
+                if want is not None and (want.get("name") or name) != rec.name:
+                    return None  # the index now names another copy than the manifest: never durable
+                if want is None:
+                    extra.append({**rec.to_json(), "tiers": [tier]})
                 for ref in (rec.base, rec.target):
                     if ref is not None and str(ref) not in seen and str(ref) not in nxt:
                         nxt.append(str(ref))
             todo = nxt
-        return sorted(deps, key=lambda d: d["key"])
+        return extra
 
     def maybe_durable(self, model: str, step: int, *, epoch: int | None = None) -> bool:
         """If ``step`` is committed, every rank migrated, and every object it reaches is held by the
         durable tier: write the durable manifest there (last, create-once) and mark the step durable.
 
-        The durable manifest is the committed one plus ``durable: true``, the
-        durable tier added to every object's tiers, and ``deps``: the entries
-        of the objects of older steps it reaches, so the index can be rebuilt
-        from it alone.
+        The durable manifest is the committed one plus ``durable: true`` and
+        the durable tier added to every entry's tiers (its ``deps`` completed
+        from the index for manifests written before they listed them), so the
+        index can be rebuilt from it alone.
+
+        Raises:
+            FencedError: ``epoch`` is stale.
+            KeyExistsError: a *different* durable manifest of the step is already there (a
+                lost index restarted from scratch): it is left alone, and the step stays memory-only.
         """
         if self.durable is None:
             return False
@@ -358,24 +498,44 @@ class StepProtocol:
         manifest = self.manifest(model, step)
         if manifest is None:
             return False
-        deps = self._durable_deps(model, manifest)
-        if deps is None:
+        extra = self._durable_entries(manifest)
+        if extra is None:
             return False
         tier = self.durable.tier
-        for vote in manifest["ranks"].values():
-            for o in vote["objects"]:
-                o["tiers"] = sorted(set(o.get("tiers") or ()) | {tier})
+        for o in [*manifest_objects(manifest), *manifest.get("inherited", []), *manifest.get("deps", [])]:
+            o["tiers"] = sorted(set(o.get("tiers") or ()) | {tier})
         manifest["durable"] = True
-        manifest["deps"] = deps
+        manifest["deps"] = sorted([*manifest.get("deps", []), *extra], key=lambda d: d["key"])
         data = json.dumps(manifest, sort_keys=True).encode()
+        name = durable_manifest_name(model, step)
         try:
-            self.durable.put(durable_manifest_name(model, step), data, if_absent=True)
+            self.durable.put(name, data, if_absent=True)
         except KeyExistsError:
-            pass  # another rank wrote it first: it holds the same manifest
+            self._same_durable_manifest(model, step, name, manifest)  # another rank wrote the same one
         with translate_redis_errors(f"mark step {step} durable", self.index.url):
             self._durable(keys=[ks["epoch"], ks["step"]],
                           args=[-1 if epoch is None else epoch, ks["events"], step, self._now()])
         return True
+
+    def _same_durable_manifest(self, model: str, step: int, name: str, manifest: dict) -> None:
+        """Return if the durable manifest already at ``name`` is ``manifest``; else record and raise the conflict."""
+        raw = self.durable.get(name)
+        try:
+            there = parse_manifest(bytes(raw), model=model, step=step) if raw is not None else None
+        except ManifestError:
+            there = None
+        if there == json.loads(json.dumps(manifest, sort_keys=True)):
+            return
+        why = (f"a different durable manifest of step {step} of {model} is already in the durable tier "
+               f"({name}): the index lost the step and it was saved again; the durable one is kept, this one "
+               f"stays memory-only (run `tierstore admin rebuild-index {model} --yes` after an index loss)")
+        log.error(why)
+        try:
+            self.mark_memory_only(model, step, why)
+        except TierStoreError:
+            pass
+        raise KeyExistsError(why, key=name, tier=self.durable.tier if self.durable is not None else "durable",
+                             model=model, step=step)
 
     def steps(self, model: str) -> list[tuple[int, str]]:
         """All recorded steps of ``model`` with their states, oldest first."""
@@ -405,6 +565,7 @@ class StepProtocol:
                 step=step, state=h.get("state", ""), world=int(h.get("world") or 0), epoch=int(h.get("epoch") or 0),
                 votes=int(rows[2 * i + 1]), started=_f(h.get("started")), decided=_f(h.get("decided")),
                 durable_at=_f(h.get("durable_at")), reason=h.get("reason") or None, rebuilt=bool(h.get("rebuilt")),
+                attempt=int(h.get("attempt") or 1), memory_only=h.get("memory_only") or None,
             ))
         return out
 
@@ -442,12 +603,13 @@ class StepProtocol:
     def restore_durable(self, model: str, manifest: dict) -> None:
         """Record a step from its durable manifest as ``durable`` (index rebuild), replacing what was there.
 
-        The objects are the caller's to record first (:meth:`Index.record_object`).
+        The objects are the caller's to record first (:meth:`Index.record_object`);
+        the entries of older steps it reads are pinned here.
         """
         step = manifest["step"]
         ks = self._keys(model, step)
         committed = manifest.get("committed_at", 0.0)
-        index_copy = {k: v for k, v in manifest.items() if k not in ("durable", "deps")}
+        index_copy = {k: v for k, v in manifest.items() if k != "durable"}
         with translate_redis_errors(f"rebuild step {step} of {model}", self.index.url):
             pipe = self.index._r.pipeline(transaction=True)
             pipe.delete(ks["step"], ks["votes"])
@@ -455,12 +617,16 @@ class StepProtocol:
                 "state": "durable", "world": manifest["world"], "epoch": manifest.get("epoch", 0),
                 "started": committed, "decided": committed, "durable_at": committed,
                 "layout": json.dumps(manifest.get("layout")), "timeout": 0, "nmigrated": manifest["world"],
-                "rebuilt": 1,
+                "rebuilt": 1, "attempt": manifest.get("attempt") or 1,
             })
             pipe.zadd(ks["steps"], {str(step): step})
             pipe.set(ks["manifest"], json.dumps(index_copy, separators=(",", ":")))
             pipe.execute()
+        own = {o["key"] for o in manifest_objects(manifest)}
+        self.index.pin_objects([ShardKey.parse(o["key"]) for o in complete_entries(manifest) if o["key"] not in own],
+                               step)
         self.index.register_model(model)
+        self._checked.add(model)
 
     def subscribe(self, model: str) -> EventSubscription:
         """Subscribe to ``model``'s step events (the caller closes the subscription)."""

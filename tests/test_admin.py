@@ -154,7 +154,7 @@ def test_where_reads_every_copy(populated, conn, capsys):
 
 
 def _flip_byte(store, key: ShardKey) -> None:
-    path = store.host.root / str(key)
+    path = store.host.root / store.info(key).name
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.seek(size // 2)
@@ -189,7 +189,7 @@ def test_verify_catches_a_corrupt_host_copy(populated, conn, capsys):
 def test_verify_reports_a_copy_missing_from_an_indexed_tier(populated, conn, capsys):
     store, _infos = populated
     key = ShardKey(M, "head", 1, 1)
-    assert store.durable.delete(str(key))
+    assert store.durable.delete(store.info(key).name)
     rc, d, _ = run(capsys, conn, "verify", M, "1")
     assert rc == admin.EXIT_VERIFY
     (bad,) = [r for r in d["results"] if not r["ok"]]

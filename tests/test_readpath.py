@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._tiers import live_name
 from tests.test_twophase import M, save_step, shard
 from tierstore import ShardKey
 from tierstore.errors import NoValidCopyError
@@ -41,13 +42,13 @@ def test_falls_back_to_an_older_step_when_a_shard_is_gone_everywhere(store):
     save_step(store, 2, 2)
     store.flush()
     lost = ShardKey(M, "b", 2, 1)
-    store.host.delete(str(lost))
-    store.durable.delete(str(lost))
+    store.host.delete(live_name(store, lost))
+    store.durable.delete(live_name(store, lost))
     res = store.resolve(M)
     assert res.step == 1
     check(store, res)
-    store.host.delete(str(ShardKey(M, "a", 1, 0)))
-    store.durable.delete(str(ShardKey(M, "a", 1, 0)))
+    store.host.delete(live_name(store, ShardKey(M, "a", 1, 0)))
+    store.durable.delete(live_name(store, ShardKey(M, "a", 1, 0)))
     with pytest.raises(NoValidCopyError) as ei:
         store.resolve(M)
     assert "gpt/b/2/1" in str(ei.value)

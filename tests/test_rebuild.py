@@ -9,6 +9,7 @@ import tierstore
 from consistency.manifest import durable_manifest_name
 from tests.s3_server import s3_bucket, s3_env, s3_server  # noqa: F401 - fixtures
 from tests.test_gc import put_delta
+from tests._tiers import live_name
 from tests.test_twophase import M, save_step, shard
 from tierstore import ShardKey
 from tierstore.errors import ConfigError, FencedError
@@ -97,7 +98,7 @@ def test_bad_or_incomplete_manifests_are_skipped(store):
     save_step(store, 3, 2)
     store.flush()
     store.durable.put(durable_manifest_name(M, 3), b'{"version": 42}')
-    store.durable.delete(str(ShardKey(M, "b", 2, 1)))
+    store.durable.delete(live_name(store, ShardKey(M, "b", 2, 1)))
     store.index._r.flushall()
     report = store.rebuild_index(M)
     assert report.restored == {M: [1]}

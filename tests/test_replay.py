@@ -115,7 +115,8 @@ def test_flipped_bytes_in_every_tier_fall_back(store):
     rc.close()
     store.flush()
     key = ShardKey("rp-flip", LOG_LAYER, 5, 0)
-    paths = [Path(store.host._path(str(key))), Path(store.durable._path(str(key)))]
+    name = store.info(key).name  # the live copy's physical name
+    paths = [Path(store.host._path(name)), Path(store.durable._path(name))]
     assert all(p.is_file() for p in paths)
     for p in paths:
         _flip(p)
@@ -137,8 +138,16 @@ def test_substituted_gradient_is_detected_by_the_digest(store):
     store.flush()  # the original's migration must not race the substitution
     key = ShardKey("rp-sub", LOG_LAYER, 6, 0)
     shard = store.get(key)
-    store.delete(key)
-    store.put(key, {n: t * 1.5 for n, t in shard.tensors.items()}, shard.metadata)  # valid checksum, wrong bytes
+    # an adversary with write access to the tiers and the index (a committed key cannot be put again):
+    # a valid object with wrong bytes under the live copy's name, and its checksum in the index
+    fake = store.put(ShardKey("rp-sub-fake", LOG_LAYER, 6, 0), {n: t * 1.5 for n, t in shard.tensors.items()},
+                     shard.metadata)
+    blob = bytes(store.host.get(fake.name))
+    rec = store.info(key)
+    for tier in (store.host, store.durable):
+        tier.put(rec.name, blob)
+    store.index.record_object(key, kind=rec.kind, size=len(blob), checksum=fake.checksum, tiers=sorted(rec.tiers),
+                              name=rec.name, restore=True)
     model, _, rc2 = _fresh(store, "rp-sub", "sgd")
     with pytest.warns(ReplayFallbackWarning):
         step, _, rep = rc2.restore()
@@ -227,7 +236,7 @@ def _tamper(home: Path) -> None:
         s.flush()
         key = ShardKey("gpt-replay-tamper", LOG_LAYER, TAMPER, 1)
         for tier in (s.host, s.durable):
-            p = Path(tier._path(str(key)))
+            p = Path(tier._path(s.info(key).name))
             if p.is_file():
                 _flip(p)
 

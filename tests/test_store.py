@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tierstore
+from tests._tiers import copies, live_name, live_path
 from tierstore import ShardKey
 from tierstore.errors import (
     InvalidKeyError,
@@ -81,8 +82,9 @@ def test_non_tensor_values(store, value):
 def test_delete_removes_everywhere(store):
     store.put(K, tensors())
     store.flush()
+    assert copies(store.host, K) and copies(store.durable, K)
     assert store.delete(K)
-    assert store.get(K) is None and not store.host.exists(str(K)) and not store.durable.exists(str(K))
+    assert store.get(K) is None and not copies(store.host, K) and not copies(store.durable, K)
 
 
 def test_migrates_to_durable_and_falls_back_when_host_copy_corrupt(store):
@@ -90,7 +92,7 @@ def test_migrates_to_durable_and_falls_back_when_host_copy_corrupt(store):
     store.put(K, t)
     store.flush()
     assert set(store.info(K).tiers) == {"host", "durable"}
-    path = Path(store.host.root) / str(K)
+    path = live_path(store.host.root, store, K)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))
@@ -102,7 +104,7 @@ def test_no_valid_copy_names_the_shard(store):
     store.put(K, tensors())
     store.flush()
     for root in (Path(store.host.root), Path(store.durable.root)):
-        p = root / str(K)
+        p = live_path(root, store, K)
         p.write_bytes(p.read_bytes()[:-5])
     with pytest.raises(NoValidCopyError) as ei:
         store.get(K)
@@ -113,7 +115,7 @@ def test_falls_back_when_host_copy_missing(store):
     t = tensors()
     store.put(K, t)
     store.flush()
-    store.host.delete(str(K))
+    store.host.delete(live_name(store, K))
     assert torch.equal(store.get(K).tensors["w"], t["w"])
 
 

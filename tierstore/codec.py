@@ -190,7 +190,7 @@ def _check_tensor(name: Any, t: Any) -> str:
         )
     if not isinstance(t, torch.Tensor):
         raise InvalidValueError(f"value of {name!r} is a {type(t).__name__}, not a torch.Tensor", entry=name)
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+    if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
         raise InvalidValueError(f"tensor {name!r} must be a dense strided tensor with data", entry=name)
     dtype = _DTYPE_NAMES.get(t.dtype)
     if dtype is None:

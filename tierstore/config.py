@@ -17,6 +17,7 @@ variable                       field
 ``TIERSTORE_PEER_REPLICAS``    ``peer_replicas``
 ``TIERSTORE_PEER_SECRET_FILE`` ``peer_secret_file``
 ``TIERSTORE_SHM_DIR``          ``shm_dir`` (where derived host roots go; default ``/dev/shm``)
+``TIERSTORE_REBUILD_INDEX``    ``rebuild_index_on_loss`` (``1``/``true``: rebuild a lost index)
 =============================  ===============================================
 """
 
@@ -46,7 +47,9 @@ _ENV = {
     "peer_replicas": "TIERSTORE_PEER_REPLICAS",
     "peer_secret_file": "TIERSTORE_PEER_SECRET_FILE",
     "shm_dir": "TIERSTORE_SHM_DIR",
+    "rebuild_index_on_loss": "TIERSTORE_REBUILD_INDEX",
 }
+_VERIFY = ("auto", "full", "trailer")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,18 @@ class StoreConfig:
         peer_secret_file: the agents' shared secret (needed with peer_replicas).
         durable_every: objects of every K-th step go to the durable tier (full
             objects always do); 0 sends only full objects.
+        migration_retries: attempts of one object's migration after a transient
+            failure (the durable tier or the index unreachable), with exponential
+            backoff from ``migration_backoff_s`` up to ``migration_backoff_max_s``;
+            then its step is recorded as staying in memory only.
+        rebuild_index_on_loss: when the index has no record of a model whose
+            durable tier holds its manifests (a lost index), rebuild it from the
+            durable tier instead of raising :class:`~tierstore.errors.IndexLostError`.
+        restore_verify: how ``resolve`` verifies the objects it chose: ``"auto"``
+            hashes copies in tiers read locally (host, a local durable directory)
+            and compares the stored trailer with the index's checksum in remote
+            ones (S3, peers); ``"full"`` hashes every copy; ``"trailer"`` reads
+            only trailers.
     """
 
     home: str = ".tierstore"
@@ -102,12 +117,24 @@ class StoreConfig:
     peer_secret_file: str | None = None
     durable_every: int = 1
     shm_dir: str = "/dev/shm"
+    migration_retries: int = 5
+    migration_backoff_s: float = 0.05
+    migration_backoff_max_s: float = 5.0
+    rebuild_index_on_loss: bool = False
+    restore_verify: str = "auto"
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:
             raise ConfigError("host_capacity_bytes must be positive")
         if self.migration_queue <= 0 or self.migration_workers <= 0:
             raise ConfigError("migration_queue and migration_workers must be positive")
+        if self.migration_retries < 0 or self.migration_backoff_s < 0 or self.migration_backoff_max_s < 0:
+            raise ConfigError("migration_retries and the migration backoffs must be >= 0")
+        if self.max_delta_chain < 0:
+            raise ConfigError("max_delta_chain must be >= 0", field="max_delta_chain")
+        if self.restore_verify not in _VERIFY:
+            raise ConfigError(f"restore_verify must be one of {_VERIFY}, got {self.restore_verify!r}",
+                              field="restore_verify")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:
@@ -127,6 +154,11 @@ class StoreConfig:
                     values[name] = int(values[name])
                 except ValueError as e:
                     raise ConfigError(f"{_ENV[name]} must be an integer: {e}") from e
+        if "rebuild_index_on_loss" in values:
+            text = str(values["rebuild_index_on_loss"]).strip().lower()
+            if text not in ("1", "true", "yes", "0", "false", "no"):
+                raise ConfigError(f"{_ENV['rebuild_index_on_loss']} must be 1/true/yes or 0/false/no, got {text!r}")
+            values["rebuild_index_on_loss"] = text in ("1", "true", "yes")
         values.update({k: v for k, v in explicit.items() if v is not None})
         return cls(**values)
 

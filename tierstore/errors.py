@@ -19,6 +19,7 @@ __all__ = [
     "ConfigError",
     "CorruptObjectError",
     "FencedError",
+    "IndexLostError",
     "InvalidKeyError",
     "InvalidValueError",
     "KeyExistsError",
@@ -29,6 +30,7 @@ __all__ = [
     "ProtocolError",
     "RestoreMismatchError",
     "StepAbortedError",
+    "StepCommittedError",
     "TierFullError",
     "TierStoreError",
     "TierUnavailableError",
@@ -104,6 +106,22 @@ class CommitError(TierStoreError):
 
 class StepAbortedError(CommitError):
     """The step was aborted (a negative vote, a timeout or a fenced rank)."""
+
+
+class StepCommittedError(CommitError):
+    """The step is already committed: a committed step is immutable, it cannot be saved (or written) again.
+
+    ``model`` and ``step`` name it; ``key`` names the object where a write was refused.
+    """
+
+
+class IndexLostError(TierStoreError):
+    """The index has no record of a model whose durable tier holds its steps: the index was lost.
+
+    Starting fresh would write over the durable history; run ``tierstore admin
+    rebuild-index MODEL --yes`` (or open the store with ``rebuild_index_on_loss``).
+    ``model`` names it; ``durable_steps`` lists the durable manifests found.
+    """
 
 
 class ManifestError(TierStoreError, ValueError):

@@ -11,11 +11,16 @@ from dataclasses import dataclass
 
 from tierstore.errors import InvalidKeyError
 
-__all__ = ["MAX_NAME_LEN", "ShardKey", "validate_name"]
+__all__ = ["MAX_NAME_LEN", "MAX_STEP", "ShardKey", "object_name", "split_object_name", "validate_name", "validate_step"]
 
 MAX_NAME_LEN = 200
+#: The largest step number: steps are exact integers end to end, and the index orders them by a
+#: double-precision score (exact up to 2**53), Lua scripts compare them as doubles and JSON readers
+#: may parse them as doubles. A larger step is refused (``InvalidKeyError``), never misordered.
+MAX_STEP = 2**53 - 1
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 _INT_RE = re.compile(r"(0|[1-9][0-9]{0,18})")
+_TAG_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def validate_name(value: object, field: str) -> str:
@@ -57,6 +62,18 @@ def _validate_int(value: object, field: str) -> int:
     return value
 
 
+def validate_step(value: object, field: str = "step") -> int:
+    """Return ``value`` if it is a valid step number (an int in ``0..MAX_STEP``), else raise.
+
+    Raises:
+        InvalidKeyError: naming ``field``.
+    """
+    step = _validate_int(value, field)
+    if step > MAX_STEP:
+        raise InvalidKeyError(f"{field} {step} is larger than the largest step {MAX_STEP} (2**53 - 1)", field=field)
+    return step
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class ShardKey:
     """What one rank holds of one layer at one step.
@@ -73,7 +90,7 @@ class ShardKey:
     def __post_init__(self) -> None:
         validate_name(self.model, "model")
         validate_name(self.layer, "layer")
-        _validate_int(self.step, "step")
+        validate_step(self.step, "step")
         _validate_int(self.rank, "rank")
 
     def __str__(self) -> str:
@@ -110,3 +127,33 @@ class ShardKey:
             if not _INT_RE.fullmatch(value):
                 raise InvalidKeyError(f"{name} {value[:40]!r} is not a non-negative integer", field=name)
         return cls(model, layer, int(step), int(rank))
+
+
+def object_name(key: ShardKey, tag: str = "") -> str:
+    """The physical name of one stored copy of ``key`` in the tiers: ``model/layer/step/rank.tag``.
+
+    Every write of a key gets a fresh ``tag``, so a name is never reused: a writer
+    (a zombie of an older epoch, a retried attempt) can only ever publish, or
+    delete, its own copy, never the live one. The index records the name of
+    the live copy. An empty tag is the plain key (copies written before tags).
+    """
+    if not tag:
+        return str(key)
+    if not _TAG_RE.fullmatch(tag):
+        raise InvalidKeyError(f"object tag {tag[:80]!r} must be 1..64 of [A-Za-z0-9_-]", field="tag")
+    return f"{key}.{tag}"
+
+
+def split_object_name(name: str) -> tuple[ShardKey, str]:
+    """The key and tag of a physical name (the inverse of :func:`object_name`).
+
+    Raises:
+        InvalidKeyError: ``name`` is not the physical name of a shard.
+    """
+    if not isinstance(name, str):
+        raise InvalidKeyError(f"an object name must be a str, got {type(name).__name__}", field="name")
+    head, _, last = name.rpartition("/")
+    rank, dot, tag = last.partition(".")
+    if dot and not _TAG_RE.fullmatch(tag):
+        raise InvalidKeyError(f"object name {name[:80]!r} has a bad tag", field="name")
+    return ShardKey.parse(f"{head}/{rank}"), tag

@@ -6,10 +6,17 @@ trainer's heap), verify its checksum, write it to the durable tier and record
 the new placement in the index. The queue is bounded: a full queue blocks the
 enqueuing thread (back-pressure), so memory stays bounded whatever the rate.
 
-Errors are never dropped: each is recorded on the object in the index
-(``migration_error``), kept here, and raised by :meth:`Migrator.flush`.
-Callbacks registered with :meth:`Migrator.when_done` run once every object
-of a group has migrated (the tier manager uses them to mark steps durable).
+Each object is migrated under the physical name of its copy (unique to the
+write that made it), so a retry or a late migration can only ever write that
+same copy. A transient failure (the durable tier or the index unreachable:
+:class:`TierUnavailableError`) is retried with exponential backoff, up to
+``retries`` times; other failures (access denied, a full medium, a corrupt
+host copy) are not. Errors that remain are never dropped: each is recorded
+on the object in the index (``migration_error``), kept here, and raised by
+:meth:`Migrator.flush`; the tier manager's callback records the step as
+staying in memory only. Callbacks registered with :meth:`Migrator.when_done`
+run once every object of a group has migrated or given up (the tier manager
+uses them to mark steps durable, or memory-only).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -52,12 +60,18 @@ class Migrator:
     """
 
     def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1,
-                 name: str = "migrate"):
+                 name: str = "migrate", retries: int = 5, backoff_s: float = 0.05, backoff_max_s: float = 5.0,
+                 sleep: Callable[[float], None] = time.sleep):
         self.source = source
         self.target = target
         self.before_each: Callable[[ShardKey], None] | None = None  # called before each object migrates
         self.index = index
-        self._q: queue.Queue[tuple[ShardKey, str] | None] = queue.Queue(maxsize=maxsize)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.sleep = sleep
+        self.retried = 0  # retries made so far (all objects)
+        self._q: queue.Queue[tuple[ShardKey, str, str] | None] = queue.Queue(maxsize=maxsize)
         self._lock = threading.Lock()
         self._errors: list[tuple[ShardKey, BaseException]] = []
         self._done: set[ShardKey] = set()
@@ -69,8 +83,9 @@ class Migrator:
             t.start()
         self.bytes_migrated = 0
 
-    def enqueue(self, key: ShardKey, checksum: str) -> None:
-        self._q.put((key, checksum))
+    def enqueue(self, key: ShardKey, checksum: str, name: str | None = None) -> None:
+        """Queue the copy ``name`` of ``key`` (default: the plain key) for migration."""
+        self._q.put((key, checksum, name or str(key)))
 
     def when_done(
         self, keys: Iterable[ShardKey], callback: Callable[[list[tuple[ShardKey, BaseException]]], None]
@@ -116,26 +131,48 @@ class Migrator:
         for g in ready:
             self._fire(g)
 
-    def _migrate(self, key: ShardKey, checksum: str) -> None:
+    def _migrate(self, key: ShardKey, checksum: str, name: str) -> None:
         if self.before_each is not None:
             self.before_each(key)
-        name = str(key)
         blob = self.source.get(name)
         if blob is None:
-            if self.index.get_object(key) is None:
-                return  # deleted (garbage-collected) before its turn: nothing left to migrate
-            raise TierUnavailableError(f"{key} vanished from the host tier before migration", key=str(key))
+            rec = self.index.get_object(key)
+            if rec is None or rec.name != name:
+                return  # deleted (garbage-collected) or replaced by a newer write before its turn
+            raise TierUnavailableError(f"{key} vanished from the {self.source.tier} tier before migration",
+                                       key=str(key))
         size = len(blob)
         try:
             stored = codec.verify(blob)
             if stored != checksum:
                 raise CorruptObjectError(f"{key}: host copy has checksum {stored}, index says {checksum}")
-            self.target.put(name, blob)
+            self.target.put(name, blob)  # the name is this write's alone: a retry rewrites the same copy
         finally:
             if isinstance(blob, memoryview):
                 blob.release()
-        self.index.add_tier(key, self.target.tier)
+        if not self.index.add_tier(key, self.target.tier, name=name):
+            try:  # the record went or names another copy: this one is garbage in the target tier
+                self.target.delete(name)
+            except TierStoreError as e:
+                log.warning("could not delete superseded %s from the %s tier: %s", name, self.target.tier, e)
+            return
         self.bytes_migrated += size
+
+    def _migrate_with_retries(self, key: ShardKey, checksum: str, name: str) -> None:
+        """Migrate one object; retry transient failures with exponential backoff (``retries`` times)."""
+        attempt = 0
+        while True:
+            try:
+                self._migrate(key, checksum, name)
+                return
+            except TierUnavailableError as e:  # the target or the index unreachable: transient
+                if attempt >= self.retries:
+                    raise
+                delay = min(self.backoff_max_s, self.backoff_s * (2 ** attempt))
+                attempt += 1
+                self.retried += 1
+                log.info("migration of %s failed (%s); retry %d of %d in %.2f s", key, e, attempt, self.retries, delay)
+                self.sleep(delay)
 
     def _run(self) -> None:
         while True:
@@ -143,9 +180,9 @@ class Migrator:
             try:
                 if item is None:
                     return
-                key, checksum = item
+                key, checksum, name = item
                 try:
-                    self._migrate(key, checksum)
+                    self._migrate_with_retries(key, checksum, name)
                     self._finish(key, None)
                 except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
                     log.warning("migration of %s failed: %s", key, e)

@@ -1,43 +1,72 @@
-"""The read path: resolve the freshest consistent set of layers of a model.
+"""The read path: resolve the newest committed step of a model that verifies.
 
-``resolve(protocol, tiers, model, max_staleness=S)`` (the store's
+``resolve(protocol, tiers, model, max_staleness=S, step=None)`` (the store's
 :meth:`~tierstore.store.TierStore.resolve` passes its protocol and tiers):
 
-- the resume step R is the newest committed (or durable) step that can be
-  rebuilt;
-- for each layer of the model at R (its declared layout), the newest version
-  v <= R whose manifest holds the layer's shards for every rank, whose
-  objects (and their delta bases and ref targets, transitively) are recorded
-  in the index with at least one tier that still holds them, and with
-  R - v <= S (S = 0: exact, every layer from R);
-- parameters and optimizer state of a layer live in the same shard, so they
-  always come from the same version.
+- candidates: every committed (or durable) step, newest first; with ``step``
+  given, that step alone;
+- a candidate R's manifest records the complete set of objects a restore of
+  R reads (:func:`consistency.manifest.complete_entries`): for each layer of
+  its declared layout the version v <= R it resolves to (saved at R, else
+  inherited: parameters and optimizer state live in the same shard, so they
+  always come from the same version), with R - v <= S (S = 0: exact), and
+  every delta base and ref target they reach;
+- R is chosen only if every object of that set *verifies*: the index still
+  records the copy the manifest names (same physical name and checksum), a
+  live tier holds that copy and its checksum matches, and no delta/ref chain
+  is longer than ``max_chain`` links (what a read follows). How a copy is
+  checked is ``verify``: ``"auto"`` hashes copies in tiers read locally (host
+  memory, a local durable directory) and compares the stored trailer with
+  the index's checksum in remote tiers (one 16-byte ranged read), ``"full"``
+  hashes every copy, ``"trailer"`` reads only trailers;
+- a candidate that does not verify is skipped, with a logged warning and an
+  entry in :attr:`Resolution.skipped` saying why, and the next older one is
+  tried. If none verifies, :class:`NoValidCopyError` names why the newest did
+  not. With no committed step at all, an index that lost the model raises
+  :class:`~tierstore.errors.IndexLostError` (see
+  :meth:`~consistency.twophase.StepProtocol.check_index`), never "fresh".
 
-If no step can be rebuilt, :class:`NoValidCopyError` names the first missing
-shard of the newest step. All ranks resolve against the same committed
-manifests, and restore bumps the epoch first, so no zombie can commit a newer
-step while they do: they agree.
+Manifests written before they recorded their complete set resolve layers
+they did not save by searching older committed manifests (as before).
+
+All ranks resolve against the same committed manifests, and restore bumps
+the epoch first, so no zombie can commit a newer step while they do: they
+agree, as long as they see the same copies (a copy that fails on one rank
+only is the Checkpointer's to agree on).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import Backend
-from consistency.index import ObjectRecord
-from consistency.manifest import manifest_layers
+from consistency.index import Index, ObjectRecord
+from consistency.manifest import complete_entries, layer_entries, manifest_layers
 from consistency.twophase import StepProtocol
-from tierstore.errors import NoValidCopyError, TierStoreError
-from tierstore.keys import ShardKey
+from tierstore import codec
+from tierstore.errors import CorruptObjectError, NoValidCopyError, TierStoreError
+from tierstore.keys import ShardKey, validate_step
 
 __all__ = ["Resolution", "resolve"]
+
+log = logging.getLogger(__name__)
+
+_COMMITTED = ("committed", "durable")
 
 
 @dataclass
 class Resolution:
-    """Where a restore reads from."""
+    """Where a restore reads from.
+
+    Attributes:
+        step: the resume step R; ``layers`` the version each layer comes from.
+        objects: ``(layer, rank) -> record`` of every object to read.
+        skipped: newer committed steps that did not verify, and why (newest first).
+        requires: older steps whose manifests a restore of R also reads (a replay's base and logs).
+    """
 
     model: str
     step: int
@@ -46,111 +75,234 @@ class Resolution:
     objects: dict[tuple[str, int], ObjectRecord]
     extra: dict[int, Any] = field(default_factory=dict)
     state: str = "committed"
+    skipped: dict[int, str] = field(default_factory=dict)
+    requires: list[int] = field(default_factory=list)
 
     def keys_for_rank(self, rank: int) -> dict[str, ShardKey]:
         return {layer: info.key for (layer, r), info in self.objects.items() if r == rank}
 
 
-class _Reach:
-    """Caches which objects are reachable (recorded, held by a tier, chain intact)."""
+class _Verifier:
+    """Verifies objects against the index and the tiers; caches verdicts per copy (key, name, checksum)."""
 
-    def __init__(self, protocol: StepProtocol, tiers: Sequence[Backend], max_chain: int):
-        self.index = protocol.index
+    def __init__(self, index: Index, tiers: Sequence[Backend], verify: str):
+        self.index = index
         self.tiers = tiers
-        self.max_chain = max_chain
-        self.cache: dict[ShardKey, str | None] = {}
+        self.verify = verify
+        self.records: dict[ShardKey, ObjectRecord | None] = {}
+        self.verdicts: dict[tuple[str, str, str], str | None] = {}
 
-    def why_not(self, key: ShardKey, depth: int = 0) -> str | None:
-        if key in self.cache:
-            return self.cache[key]
-        reason: str | None = None
-        if depth > self.max_chain:
-            reason = f"{key}: chain too long"
-        else:
-            rec = self.index.get_object(key)
-            if rec is None:
-                reason = f"{key} is not in the index"
-            elif not any(self._holds(t, key) for t in self.tiers if t.tier in rec.tiers):
-                reason = f"{key}: no live tier holds it (index says {sorted(rec.tiers)})"
-            elif rec.kind == "delta" and rec.base is not None:
-                reason = self.why_not(rec.base, depth + 1)
-            elif rec.kind == "ref" and rec.target is not None:
-                reason = self.why_not(rec.target, depth + 1)
-        self.cache[key] = reason
-        return reason
+    def load(self, keys: list[ShardKey]) -> None:
+        todo = [k for k in dict.fromkeys(keys) if k not in self.records]
+        if todo:
+            self.records.update(zip(todo, self.index.get_objects(todo)))
 
-    @staticmethod
-    def _holds(tier: Backend, key: ShardKey) -> bool:
+    def record(self, key: ShardKey) -> ObjectRecord | None:
+        self.load([key])
+        return self.records[key]
+
+    def why_not(self, entry: dict) -> str | None:
+        """``None`` if the copy the entry names verifies in some live tier, else why not."""
+        key_s = entry["key"]
+        name = entry.get("name") or key_s
+        ident = (key_s, name, entry["checksum"])
+        if ident not in self.verdicts:
+            self.verdicts[ident] = self._check(ShardKey.parse(key_s), name, entry["checksum"])
+        return self.verdicts[ident]
+
+    def _check(self, key: ShardKey, name: str, checksum: str) -> str | None:
+        rec = self.record(key)
+        if rec is None:
+            return f"{key} is not in the index"
+        if rec.name != name or rec.checksum != checksum:
+            return f"{key}: the index records another copy ({rec.name}) than the manifest ({name})"
+        failures = []
+        for tier in self.tiers:
+            if tier.tier not in rec.tiers:
+                continue
+            problem = self._check_copy(tier, name, checksum)
+            if problem is None:
+                return None
+            failures.append(f"{tier.tier}: {problem}")
+        held = ", ".join(sorted(rec.tiers)) or "none"
+        return f"{key}: no live tier holds a copy that verifies (index says {held}; {'; '.join(failures) or '-'})"
+
+    def _check_copy(self, tier: Backend, name: str, checksum: str) -> str | None:
+        full = self.verify == "full" or (self.verify == "auto" and (tier.zero_copy_get or tier.local_reads))
         try:
-            return tier.exists(str(key))
-        except TierStoreError:  # an unreachable tier does not hold it for this restore
-            return False
+            if not full:
+                tail = tier.tail(name, codec.TRAILER_SIZE)
+                if tail is None:
+                    return "missing"
+                if len(tail) != codec.TRAILER_SIZE or tail.hex() != checksum:
+                    return f"trailer {tail.hex()} is not the index's checksum {checksum}"
+                return None
+            blob = tier.get(name)
+            if blob is None:
+                return "missing"
+            try:
+                got = codec.verify(blob)
+            finally:
+                if isinstance(blob, memoryview):
+                    blob.release()
+            return None if got == checksum else f"checksum {got} is not the index's {checksum}"
+        except CorruptObjectError as e:
+            return f"corrupt ({e})"
+        except TierStoreError as e:  # an unreachable tier does not hold it for this restore
+            return f"unreadable ({e})"
+
+
+def _chain_problem(entries: dict[str, dict], verifier: _Verifier, max_chain: int) -> str | None:
+    """Why a delta/ref chain of the set is unreadable (a link outside it, too long), else ``None``.
+
+    Links outside the set (manifests written before they listed their deps) are looked up in
+    the index and added to ``entries`` (they are verified like the rest).
+    """
+    depth: dict[str, int] = {}
+
+    def link(o: dict) -> str | None:
+        return o.get("base") if o.get("kind") == "delta" else o.get("target") if o.get("kind") == "ref" else None
+
+    for start in list(entries):
+        path: list[str] = []
+        cur: str | None = start
+        while cur is not None and cur not in depth:
+            if cur in path or len(path) > max_chain + 1:
+                break
+            o = entries.get(cur)
+            if o is None:
+                rec = verifier.record(ShardKey.parse(cur))
+                if rec is None:
+                    return f"{path[-1] if path else start} reaches {cur}, which is not in the index"
+                o = entries[cur] = rec.to_json()
+            path.append(cur)
+            cur = link(o)
+        below = depth.get(cur, -1) if cur is not None else -1
+        if cur is not None and cur not in depth:
+            below = max_chain + 1  # a cycle or a chain past the limit
+        for i, k in enumerate(reversed(path)):
+            depth[k] = below + 1 + i
+        if depth.get(start, 0) > max_chain:
+            return f"{start} is {depth[start]} delta/ref links from its full base; a read follows at most {max_chain}"
+    return None
+
+
+def _legacy_inherited(m: dict, committed: list[int], manifest: Callable[[int], dict | None],
+                      max_staleness: int) -> list[dict]:
+    """Entries of the layers a manifest without ``inherited`` did not save: each layer's newest version in an
+    older committed manifest within the staleness bound (the search older manifests need)."""
+    own = {ShardKey.parse(o["key"]).layer for vote in m["ranks"].values() for o in vote["objects"]}
+    out: list[dict] = []
+    r = m["step"]
+    for layer in manifest_layers(m):
+        if layer in own:
+            continue
+        for v in reversed([s for s in committed if r - max_staleness <= s < r]):
+            m_v = manifest(v)
+            if m_v is None or m_v["world"] != m["world"]:
+                continue
+            found = [o for vote in m_v["ranks"].values() for o in vote["objects"]
+                     if ShardKey.parse(o["key"]).layer == layer]
+            if found:
+                out += found
+                break
+    return out
 
 
 def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_staleness: int = 0, *,
-            max_chain: int = 64) -> Resolution:
+            max_chain: int = 64, step: int | None = None, verify: str = "auto") -> Resolution:
     """Resolve ``model``'s resume step and the version of each layer; see the module docstring.
 
     Args:
         protocol: the commit protocol (manifests, object records).
         tiers: the live tiers, fastest first.
         max_chain: the longest delta/ref chain a read follows.
+        step: resolve this committed step only (no fallback).
+        verify: ``"auto"``, ``"full"`` or ``"trailer"`` (see the module docstring).
+
+    Raises:
+        NoValidCopyError: no candidate verifies (``reason`` says why the newest did not;
+            ``skipped`` maps each candidate to why), or ``step`` is not committed.
+        IndexLostError: nothing is committed in the index, but the durable tier holds steps of ``model``.
     """
-    steps = [(s, st) for s, st in protocol.steps(model) if st in ("committed", "durable")]
-    if not steps:
-        raise NoValidCopyError(f"model {model!r} has no committed step", model=model)
-    reach = _Reach(protocol, tiers, max_chain)
+    records = protocol.steps(model)
+    committed = [s for s, st in records if st in _COMMITTED]
+    states = dict(records)
+    if step is not None:
+        validate_step(step)
+        if step not in committed:
+            why = f"step {step} of {model!r} is {states.get(step) or 'not recorded'}, not committed"
+            raise NoValidCopyError(why, model=model, step=step, reason=why)
+        candidates = [step]
+    else:
+        if not committed:
+            protocol.check_index(model)  # a lost index is not a fresh job
+            raise NoValidCopyError(f"model {model!r} has no committed step", model=model)
+        candidates = list(reversed(committed))
     manifests: dict[int, dict | None] = {}
 
-    def manifest(step: int) -> dict | None:
-        if step not in manifests:
-            manifests[step] = protocol.manifest(model, step)
-        return manifests[step]
+    def manifest(s: int) -> dict | None:
+        if s not in manifests:
+            manifests[s] = protocol.manifest(model, s)
+        return manifests[s]
 
-    committed = [s for s, _ in steps]
-    first_failure: str | None = None
-    for r_step in reversed(committed):
-        m_r = manifest(r_step)
-        if m_r is None:
-            continue
-        world = m_r["world"]
-        chosen: dict[str, int] = {}
-        objects: dict[tuple[str, int], ObjectRecord] = {}
-        failure = None
-        for layer in manifest_layers(m_r):
-            found = False
-            for v in reversed([s for s in committed if r_step - max_staleness <= s <= r_step]):
-                m_v = manifest(v)
-                if m_v is None or m_v["world"] != world:
-                    continue
-                entries = {}
-                for rank, vote in m_v["ranks"].items():
-                    for o in vote["objects"]:
-                        k = ShardKey.parse(o["key"])
-                        if k.layer == layer:
-                            entries[int(rank)] = (k, o)
-                if not entries:
-                    continue
-                missing = [reach.why_not(k) for k, _ in entries.values()]
-                missing = [w for w in missing if w]
-                if missing:
-                    failure = failure or missing[0]
-                    continue
-                chosen[layer] = v
-                for rank, (k, o) in entries.items():
-                    objects[(layer, rank)] = ObjectRecord.from_json(o)
-                found = True
-                break
-            if not found:
-                failure = failure or f"layer {layer!r} has no reachable version within {max_staleness} step(s) of {r_step}"
-                break
-        else:
-            extra = {int(r): v.get("extra") for r, v in m_r["ranks"].items()}
-            state = dict(steps).get(r_step, "committed")
-            return Resolution(model, r_step, world, chosen, objects, extra, state)
-        first_failure = first_failure or failure
-    raise NoValidCopyError(
-        f"no committed step of {model!r} can be rebuilt: {first_failure}", model=model, reason=first_failure
-    )
+    verifier = _Verifier(protocol.index, tiers, verify)
+    skipped: dict[int, str] = {}
+    for r_step in candidates:
+        try:
+            found = _try_step(r_step, manifest, committed, verifier, max_staleness, max_chain)
+        except TierStoreError as e:  # a manifest that does not parse, an unreachable index mid-way
+            found = f"{type(e).__name__}: {e}"
+        if isinstance(found, Resolution):
+            found.model, found.state, found.skipped = model, states.get(r_step, "committed"), skipped
+            return found
+        skipped[r_step] = found
+        log.warning("restore of %s: committed step %d skipped: %s", model, r_step, found)
+    first = skipped[candidates[0]]
+    if step is not None:
+        raise NoValidCopyError(f"step {step} of {model!r} cannot be restored: {first}", model=model, step=step,
+                               reason=first, skipped=skipped)
+    raise NoValidCopyError(f"no committed step of {model!r} can be rebuilt: {first}", model=model, reason=first,
+                           skipped=skipped)
 
 
+def _try_step(r_step: int, manifest: Callable[[int], dict | None], committed: list[int], verifier: _Verifier,
+              max_staleness: int, max_chain: int) -> Resolution | str:
+    """The resolution of ``r_step`` if everything it reads verifies, else why not."""
+    m = manifest(r_step)
+    if m is None:
+        return "its manifest is gone from the index"
+    if m.get("missing"):
+        return f"layer(s) {', '.join(m['missing'][:5])} have no saved version to resolve to"
+    if "inherited" not in m:
+        m = {**m, "inherited": _legacy_inherited(m, committed, manifest, max_staleness)}
+    by_layer = layer_entries(m)
+    chosen: dict[str, int] = {}
+    objects: dict[tuple[str, int], ObjectRecord] = {}
+    for layer in manifest_layers(m):
+        pairs = by_layer.get(layer)
+        if not pairs:
+            return f"layer {layer!r} has no version within {max_staleness} step(s) of {r_step}"
+        version = max(ShardKey.parse(o["key"]).step for _, o in pairs)
+        if r_step - version > max_staleness:
+            return (f"layer {layer!r} resolves to step {version}, {r_step - version} step(s) older than the "
+                    f"staleness bound {max_staleness}")
+        chosen[layer] = version
+        for rank, o in pairs:
+            objects[(layer, rank)] = ObjectRecord.from_json(o)
+    entries = {o["key"]: o for o in complete_entries(m)}
+    for s in m.get("requires", []):
+        if s not in committed or manifest(s) is None:
+            return f"it replays onto step {s}, which is no longer committed"
+        for o in complete_entries(manifest(s)):  # type: ignore[arg-type]
+            entries.setdefault(o["key"], o)
+    problem = _chain_problem(entries, verifier, max_chain)
+    if problem is not None:
+        return problem
+    verifier.load([ShardKey.parse(k) for k in entries])
+    for o in entries.values():
+        problem = verifier.why_not(o)
+        if problem is not None:
+            return problem
+    extra = {int(r): v.get("extra") for r, v in m["ranks"].items()}
+    return Resolution("", r_step, m["world"], chosen, objects, extra, requires=list(m.get("requires", [])))

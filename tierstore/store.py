@@ -1,8 +1,12 @@
 """The tier manager: ``tierstore.open()`` and :class:`TierStore`.
 
 A put is copied once, straight into the host tier's shared-memory object (the
-snapshot), sealed with its checksum, published, recorded in the index, and
-queued for migration to the durable tier. A get asks the index what it knows,
+snapshot), sealed with its checksum, published under a physical name unique to
+this write (:func:`~tierstore.keys.object_name`: the key plus a fresh tag,
+create-once), recorded in the index (which refuses a stale epoch and any key
+of a committed step), and queued for migration to the durable tier. A name is
+never reused, so no writer (a fenced zombie, a retried attempt) can publish
+over, or delete, the live copy of a key: it only ever touches its own. A get asks the index what it knows,
 then reads the fastest tier holding the object, verifies the checksum, and
 falls back to the next tier on a miss, an unreachable tier or a mismatch; refs
 and delta chains are resolved into full tensors.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import builtins  # TierStore.list shadows the builtin inside the class
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,13 +43,14 @@ from tierstore.errors import (
     FencedError,
     InvalidKeyError,
     InvalidValueError,
+    KeyExistsError,
     NoValidCopyError,
     RestoreMismatchError,
     TierFullError,
     TierStoreError,
     TierUnavailableError,
 )
-from tierstore.keys import ShardKey, validate_name
+from tierstore.keys import ShardKey, object_name, validate_name, validate_step
 from tierstore.migration import Migrator
 from tierstore.placement import Placement
 from tierstore.readpath import Resolution, resolve
@@ -71,6 +77,7 @@ class PendingObject:
     base: ShardKey | None
     target: ShardKey | None
     epoch: int | None
+    name: str = ""
     _done: bool = field(default=False, repr=False)
 
     def finish(self) -> ObjectRecord:
@@ -94,6 +101,12 @@ class _Sealed:
 
     def seal(self, buf: memoryview) -> str:
         return self._checksum
+
+
+def _tag(epoch: int | None) -> str:
+    """A fresh tag for one write's physical name (the writer's epoch, for a person reading the tiers)."""
+    rand = secrets.token_hex(6)
+    return f"e{epoch}-{rand}" if epoch is not None and epoch >= 0 else rand
 
 
 def _check_key(key: object) -> ShardKey:
@@ -127,19 +140,28 @@ class TierStore:
         self.durable = durable
         self.tiers: list[Backend] = [t for t in (host, peer, durable) if t is not None]
         self._migrator = (
-            Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers)
+            Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers,
+                     retries=config.migration_retries, backoff_s=config.migration_backoff_s,
+                     backoff_max_s=config.migration_backoff_max_s)
             if durable is not None and config.migrate
             else None
         )
         self.placement = Placement(config.peer_replicas if peer is not None else 0, config.durable_every)
         self._replicator = (
-            Migrator(host, peer, index, maxsize=config.migration_queue, workers=1, name="replicate")
+            Migrator(host, peer, index, maxsize=config.migration_queue, workers=1, name="replicate",
+                     retries=config.migration_retries, backoff_s=config.migration_backoff_s,
+                     backoff_max_s=config.migration_backoff_max_s)
             if peer is not None
             else None
         )
         self._lock = threading.Lock()
         self._closed = False
-        self.steps = StepProtocol(index, durable)
+        self._depths: dict[ShardKey, int] = {}  # chain depth of objects this store wrote (bounded)
+        self.steps = StepProtocol(index, durable, on_lost=self._on_lost if config.rebuild_index_on_loss else None)
+
+    def _on_lost(self, model: str) -> None:
+        report = self.rebuild_index(model)
+        log.warning("index rebuilt for %s from the durable tier: %s", model, report.to_json())
 
     # -- writing -------------------------------------------------------------------
     def snapshot(
@@ -187,56 +209,126 @@ class TierStore:
             "base": str(_check_key(base)) if base else None,
             "target": str(_check_key(target)) if target else None,
         }
+        if kind == "delta" and base is not None and self._depth(_check_key(base)) + 1 > self.config.max_delta_chain:
+            # a reader follows at most max_delta_chain links: this delta would be unreadable, so the chain
+            # is cut here and the object written as a new base (a full object)
+            tensors, meta = self._rebased(key, _check_key(base), tensors, meta)
+            kind, base = "full", None
+            meta[_INTERNAL] = {"kind": "full", "base": None, "target": None}
+        name = object_name(key, _tag(epoch))
         if compress == "never" or (compress == "auto" and kind == "full"):
             plan = codec.plan(tensors, meta)
-            res = self._reserve(key, plan.nbytes)
+            res = self._reserve(key, name, plan.nbytes)
             try:
                 plan.write(res.buffer)
             except BaseException:
                 res.abort()
                 raise
-            return PendingObject(self, key, plan, res, kind, base, target, epoch)
+            return PendingObject(self, key, plan, res, kind, base, target, epoch, name)
         # deltas (byte-shuffled XOR) compress; dense full objects rarely do, so they skip the sampling
         blob = codec.encode(tensors, meta, compress="always" if compress == "always" else "auto")
-        res = self._reserve(key, len(blob))
+        res = self._reserve(key, name, len(blob))
         try:
             res.buffer[:] = blob
         except BaseException:
             res.abort()
             raise
-        return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch)
+        return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch, name)
 
-    def _reserve(self, key: ShardKey, nbytes: int):
+    def _depth(self, key: ShardKey) -> int:
+        """Links from ``key`` to its full base (0 for a full object), as a read follows them."""
+        walked: builtins.list[ShardKey] = []
+        cur: ShardKey | None = key
+        below = -1  # depth of what the walk stopped at (-1: walked[-1] is a full object)
+        while cur is not None:
+            if cur in self._depths:
+                below = self._depths[cur]
+                break
+            if len(walked) > self.config.max_delta_chain + 1:
+                return len(walked)  # past the limit: the exact depth no longer matters
+            rec = self.index.get_object(cur)
+            if rec is None:  # a broken chain: unreadable whatever its length (a read names the missing link)
+                return len(walked)
+            walked.append(cur)
+            cur = rec.base if rec.kind == "delta" else rec.target if rec.kind == "ref" else None
+        for i, k in enumerate(reversed(walked)):
+            self._remember_depth(k, below + 1 + i)
+        return below + len(walked) if walked else below
+
+    def _remember_depth(self, key: ShardKey, depth: int) -> None:
+        if len(self._depths) > 100_000:
+            self._depths.clear()
+        self._depths[key] = depth
+
+    def _rebased(self, key: ShardKey, base: ShardKey, deltas: Mapping[str, torch.Tensor],
+                 meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
+        """The full tensors a delta on ``base`` stands for (the delta applied to the base's tensors)."""
+        old = self._get(base, None, False, 0)
+        if old is None:
+            raise NoValidCopyError(f"{key} is a delta on {base}, which is gone", key=str(key))
+        layout = meta.get("_delta") or {}
+        full: dict[str, torch.Tensor] = {}
+        for name, b in old.tensors.items():
+            full[name] = apply_xor_delta(b, deltas[name]) if name in deltas else b
+        for name in deltas:
+            if name not in old.tensors or (name in layout and list(old.tensors[name].shape) != list(layout[name]["shape"])):
+                raise InvalidValueError(f"{key}: delta tensor {name!r} does not fit its base {base}", entry=name)
+        return full, {k: v for k, v in meta.items() if k != "_delta"}
+
+    def _reserve(self, key: ShardKey, name: str, nbytes: int):
         try:
-            return self.host.reserve(str(key), nbytes)
+            return self.host.reserve(name, nbytes)
         except TierFullError:
             freed = self.evict_host(nbytes)
             log.info("host tier full: evicted %d bytes for %s", freed, key)
-            return self.host.reserve(str(key), nbytes)
+            return self.host.reserve(name, nbytes)
 
     def _publish(self, p: PendingObject) -> ObjectRecord:
         checksum = p.plan.seal(p.reservation.buffer)
         size = p.plan.nbytes
         if p.epoch is not None and p.epoch >= 0:
             current = self.index.epoch(p.key.model)
-            if p.epoch < current:  # fenced: never publish over the live incarnation's object of this key
+            if p.epoch < current:  # fenced: refused early (the fresh name is what makes a late publish harmless)
                 p.reservation.abort()
                 raise FencedError(f"put of {p.key}: epoch {p.epoch} is fenced (now {current})", epoch=current)
-        p.reservation.commit()
         try:
-            self.index.record_object(
+            p.reservation.commit(if_absent=True)  # a fresh name: create-once, never over another copy
+        except KeyExistsError:
+            raise
+        except TierStoreError:
+            self._drop_copy(p.name)  # a torn publish may have left our own copy behind
+            raise
+        try:
+            old = self.index.record_object(
                 p.key, kind=p.kind, size=size, checksum=checksum, tiers=[self.host.tier],
-                base=p.base, target=p.target, epoch=p.epoch,
+                base=p.base, target=p.target, epoch=p.epoch, name=p.name,
             )
         except TierStoreError:
-            self.host.delete(str(p.key))  # fenced or index gone: the object must not linger unindexed
+            self._drop_copy(p.name)  # fenced, committed or index gone: our own copy must not linger unindexed
             raise
+        if old is not None:
+            self._drop_copy(old)  # the copy of the record this one replaced (of an uncommitted step)
+        link = p.base if p.kind == "delta" else p.target if p.kind == "ref" else None
+        if link is None:
+            self._remember_depth(p.key, 0)
+        elif link in self._depths:
+            self._remember_depth(p.key, self._depths[link] + 1)
+        else:
+            self._depths.pop(p.key, None)
         if self._replicator is not None and self.placement.to_peer(p.kind, p.key.step):
-            self._replicator.enqueue(p.key, checksum)
+            self._replicator.enqueue(p.key, checksum, p.name)
         if self._migrator is not None and self.placement.to_durable(p.kind, p.key.step):
-            self._migrator.enqueue(p.key, checksum)
+            self._migrator.enqueue(p.key, checksum, p.name)
         return ObjectRecord(p.key, p.kind, size, checksum, p.base, p.target, p.epoch if p.epoch is not None else 0,
-                            tiers=frozenset((self.host.tier,)))
+                            tiers=frozenset((self.host.tier,)), name=p.name)
+
+    def _drop_copy(self, name: str) -> None:
+        """Delete the copy ``name`` from every tier, best effort (a name belongs to one write only)."""
+        for tier in self.tiers:
+            try:
+                tier.delete(name)
+            except TierStoreError as e:
+                log.warning("could not delete %s from the %s tier: %s", name, tier.tier, e)
 
     def put(
         self,
@@ -279,9 +371,10 @@ class TierStore:
     def _read_blob(self, key: ShardKey, rec: ObjectRecord | None):
         """The first valid copy of ``key`` as (blob, tier); ``None`` if no tier has any copy."""
         failures: list[str] = []
+        name = rec.name if rec is not None else str(key)
         for tier in self.tiers:
             try:
-                blob = tier.get(str(key))
+                blob = tier.get(name)
             except TierStoreError as e:
                 failures.append(f"{tier.tier}: {e}")
                 continue
@@ -378,19 +471,32 @@ class TierStore:
         """Delete an object from every tier and the index; return whether it existed anywhere."""
         key = _check_key(key)
         self._check_open()
-        existed = self.index.get_object(key) is not None
+        rec = self.index.get_object(key)
+        existed = rec is not None
+        names = [rec.name] if rec is not None else [str(key)]  # no record: a copy under the plain key
         for tier in self.tiers:
-            existed = tier.delete(str(key)) or existed
+            for name in names:
+                existed = tier.delete(name) or existed
         self.index.delete_object(key)
         return existed
+
+    def _collect(self, key: ShardKey, name: str) -> bool:
+        """Delete the record of ``key`` if it still names the copy ``name``, then that copy (garbage collection).
+
+        A record replaced meanwhile (a new write of the key) is left alone, and so is its copy.
+        """
+        if not self.index.delete_object(key, name=name):
+            return False
+        self._drop_copy(name)
+        return True
 
     def list(self, model: str, layer: str | None = None, step: int | None = None) -> list[ShardKey]:
         """Keys of ``model`` recorded in the index, optionally of one layer and/or step."""
         validate_name(model, "model")
         if layer is not None:
             validate_name(layer, "layer")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-            raise InvalidKeyError(f"step must be a non-negative int, got {step!r}", field="step")
+        if step is not None:
+            validate_step(step)
         return self.index.list_objects(model, layer, step)
 
     def models(self) -> builtins.list[str]:
@@ -398,11 +504,24 @@ class TierStore:
 
     # -- steps (two-phase commit), delegated -------------------------------------
     def open_epoch(self, model: str) -> int:
-        """Start a new incarnation of ``model``'s job; writes of older epochs are fenced."""
-        return self.index.bump_epoch(model)
+        """Start a new incarnation of ``model``'s job; writes of older epochs are fenced.
+
+        The epoch is recorded in the durable tier too, so it never goes backwards.
+
+        Raises:
+            IndexLostError: the index lost ``model`` (its durable tier holds steps the index does not know).
+        """
+        return self.steps.open_epoch(model)
 
     def begin_step(self, model: str, step: int, world_size: int, *, layout: dict | None = None,
                    epoch: int | None = None) -> None:
+        """Begin (prepare) ``step``: call on every rank before writing its objects.
+
+        Raises:
+            StepCommittedError: ``step`` is already committed (nothing was written).
+            IndexLostError: the index lost ``model`` (nothing was written).
+            FencedError: ``epoch`` is stale.
+        """
         self.steps.begin(model, step, world_size, layout=layout, epoch=epoch)
 
     def vote(self, model: str, step: int, rank: int, objects: builtins.list[ObjectRecord], *, extra: dict | None = None,
@@ -419,10 +538,14 @@ class TierStore:
     def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:
         return self.steps.wait(model, step, timeout=timeout)
 
-    def resolve(self, model: str, max_staleness: int = 0) -> Resolution:
-        """The freshest consistent layer set of ``model``; see :mod:`tierstore.readpath`."""
+    def resolve(self, model: str, max_staleness: int = 0, *, step: int | None = None) -> Resolution:
+        """The freshest consistent layer set of ``model`` that verifies; see :mod:`tierstore.readpath`.
+
+        Args:
+            step: resolve this committed step (no fallback to another).
+        """
         return resolve(self.steps, self.tiers, model, max_staleness=max_staleness,
-                       max_chain=self.config.max_delta_chain)
+                       max_chain=self.config.max_delta_chain, step=step, verify=self.config.restore_verify)
 
     def rebuild_index(self, model: str | None = None) -> RebuildReport:
         """Rebuild a lost index from the durable manifests; see :mod:`consistency.rebuild`."""
@@ -439,17 +562,16 @@ class TierStore:
         def still_migrating(rec: ObjectRecord) -> bool:
             return durable_tier not in rec.tiers
 
-        return collect(self.steps, model, retention or Retention(), delete=self.delete, dry_run=dry_run,
+        return collect(self.steps, model, retention or Retention(), delete=self._collect, dry_run=dry_run,
                        max_staleness=max_staleness,
                        still_migrating=still_migrating if durable_tier is not None else None)
 
     # -- host-tier eviction ----------------------------------------------------------
-    def _durable_copy_valid(self, key: ShardKey) -> bool:
-        """Whether the durable tier's copy of ``key`` is there and matches the index's checksum."""
-        rec = self.index.get_object(key)
+    def _durable_copy_valid(self, rec: ObjectRecord) -> bool:
+        """Whether the durable tier's copy of ``rec`` is there and matches the index's checksum."""
         try:
-            blob = self.durable.get(str(key)) if self.durable is not None else None
-            return blob is not None and rec is not None and codec.verify(blob) == rec.checksum
+            blob = self.durable.get(rec.name) if self.durable is not None else None
+            return blob is not None and codec.verify(blob) == rec.checksum
         except TierStoreError:
             return False
 
@@ -461,7 +583,7 @@ class TierStore:
         :class:`TierFullError` when not enough can be freed.
         """
         freed = 0
-        candidates: builtins.list[tuple[float, ShardKey, int]] = []
+        candidates: builtins.list[tuple[float, ShardKey, ObjectRecord]] = []
         durable_tier = self.durable.tier if self.durable is not None else None
         for model in self.index.models():
             committed = [s for s, st in self.steps.steps(model) if st in ("committed", "durable")]
@@ -469,15 +591,14 @@ class TierStore:
             keys = [k for k in self.index.list_objects(model) if k.step != newest]
             for key, rec in zip(keys, self.index.get_objects(keys)):
                 if rec and self.host.tier in rec.tiers and durable_tier in rec.tiers:
-                    candidates.append((rec.created, key, rec.size))
-        for _created, key, size in sorted(candidates, key=lambda c: c[0]):
+                    candidates.append((rec.created, key, rec))
+        for _created, key, rec in sorted(candidates, key=lambda c: c[0]):
             if freed >= nbytes:
                 break
-            if not self._durable_copy_valid(key):
+            if not self._durable_copy_valid(rec):
                 continue  # the index says durable, but that copy does not verify: the host copy is the last good one
-            if self.host.delete(str(key)):
-                self.index.remove_tier(key, self.host.tier)
-                freed += size
+            if self.index.remove_tier(key, self.host.tier, name=rec.name) and self.host.delete(rec.name):
+                freed += rec.size
         freed += self.host.drain_pool()
         if freed < nbytes:
             raise TierFullError(
@@ -509,7 +630,8 @@ class TierStore:
             self.tiers = [t for t in (self.host, self.peer, self.durable) if t is not None]
         if index is not None:
             self.index = index(self.index)
-        self.steps = StepProtocol(self.index, self.durable, step_timeout_s=self.steps.step_timeout_s)
+        self.steps = StepProtocol(self.index, self.durable, step_timeout_s=self.steps.step_timeout_s,
+                                  on_lost=self.steps.on_lost)
         for mover, target in ((self._migrator, self.durable), (self._replicator, self.peer)):
             if mover is not None and target is not None:
                 mover.source, mover.target, mover.index = self.host, target, self.index

@@ -5,7 +5,7 @@ Usage::
     tierstore admin [CONNECTION] [--json] COMMAND [ARGS]
 
     models                      models with steps, epoch, objects, bytes
-    steps MODEL                 per step: state, age, votes/world, bytes per tier
+    steps MODEL                 per step: state, attempt, age, votes/world, bytes per tier, memory-only
     show MODEL STEP             the step's manifest: layers x ranks (kind, size, tiers)
     layers MODEL                per layer: newest version, staleness, bytes
     where KEY                   which tiers hold model/layer/step/rank; reads and verifies each copy
@@ -205,7 +205,10 @@ def _cmd_steps(store, a) -> int:
                        [[r["step"], _state(r["state"]), human_age(r["age_s"]),
                          f"{r['commit_latency_s'] * 1e3:.1f} ms" if r["commit_latency_s"] is not None else None,
                          f"{r['votes']}/{r['world']}", r["epoch"], r["objects"], human_bytes(r["bytes"]),
-                         _tiers_text(r["bytes_per_tier"]), r["reason"]] for r in rows]))
+                         _tiers_text(r["bytes_per_tier"]),
+                         "; ".join(x for x in (r["reason"], r["memory_only"] and f"memory-only: {r['memory_only']}",
+                                               f"attempt {r['attempt']}" if r["attempt"] > 1 else None) if x)
+                         or None] for r in rows]))
     _emit(a, V.steps_view(store, a.model), render)
     return EXIT_OK
 

@@ -97,7 +97,9 @@ def steps_view(store: TierStore, model: str) -> list[dict[str, Any]]:
             "votes": rec.votes,
             "world": rec.world,
             "epoch": rec.epoch,
+            "attempt": rec.attempt,
             "reason": rec.reason,
+            "memory_only": rec.memory_only,
             "objects": len(recs),
             "bytes": sum(r.size for r in recs),
             "bytes_per_tier": _bytes_per_tier(recs),
@@ -190,12 +192,12 @@ def layers_view(store: TierStore, model: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _check_copy(tier: Any, key: ShardKey, expected: str | None) -> dict[str, Any]:
-    """Read ``tier``'s copy of ``key`` and verify it: present, size, checksum, ok, error."""
+def _check_copy(tier: Any, name: str, expected: str | None) -> dict[str, Any]:
+    """Read ``tier``'s copy ``name`` (a physical name) and verify it: present, size, checksum, ok, error."""
     out: dict[str, Any] = {"tier": tier.tier, "present": False, "size": None, "checksum": None, "ok": None,
                            "error": None}
     try:
-        blob = tier.get(str(key))
+        blob = tier.get(name)
     except TierStoreError as e:
         out["error"] = f"{type(e).__name__}: {e}"
         out["ok"] = False
@@ -223,7 +225,7 @@ def where_view(store: TierStore, key: ShardKey | str) -> dict[str, Any]:
     """Which tiers hold ``key``: the index's record, and each tier's copy read back and verified."""
     key = key if isinstance(key, ShardKey) else ShardKey.parse(key)
     rec = store.index.get_object(key)
-    copies = [_check_copy(t, key, rec.checksum if rec else None) for t in store.tiers]
+    copies = [_check_copy(t, rec.name if rec else str(key), rec.checksum if rec else None) for t in store.tiers]
     for c in copies:
         c["indexed"] = bool(rec and c["tier"] in rec.tiers)
     if rec is None and not any(c["present"] for c in copies):
@@ -245,7 +247,7 @@ def verify_objects(store: TierStore, keys: list[ShardKey]) -> Iterator[dict[str,
     index names holds a copy; ``problems`` says what is wrong otherwise.
     """
     for key, rec in zip(keys, store.index.get_objects(keys)):
-        copies = [_check_copy(t, key, rec.checksum if rec else None) for t in store.tiers]
+        copies = [_check_copy(t, rec.name if rec else str(key), rec.checksum if rec else None) for t in store.tiers]
         problems = []
         for c in copies:
             if (c["present"] and not c["ok"]) or (c["error"] and not c["present"]):

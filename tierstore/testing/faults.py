@@ -254,6 +254,7 @@ class FaultyBackend(Backend):
         self.zero_copy_get = inner.zero_copy_get  # type: ignore[misc]
         self.reservable = inner.reservable  # type: ignore[misc]
         self.atomic_create_once = inner.atomic_create_once  # type: ignore[misc]
+        self.local_reads = inner.local_reads  # type: ignore[misc]
 
     def __getattr__(self, name: str) -> Any:  # backend extras (root, drain_pool, cleanup_temp, ...)
         if name == "inner":

@@ -154,7 +154,6 @@ class StepProtocol:
         self.clock = clock
         self.on_lost = on_lost
         self._known_models: set[str] = set()
-        self._checked: set[str] = set()
         self._local = threading.local()
         r = index._r  # consistency/ owns the client
         self._begin = r.register_script(BEGIN)
@@ -240,7 +239,12 @@ class StepProtocol:
         """The newest epoch of ``model`` recorded in the durable tier (0 if none or no durable tier)."""
         if self.durable is None:
             return 0
-        epochs = [parse_durable_epoch_name(model, n) for n in self.durable.list(durable_epoch_prefix(model))]
+        try:
+            names = list(self.durable.list(durable_epoch_prefix(model)))
+        except TierStoreError as e:
+            log.warning("cannot read the durable epoch records of %s: %s", model, e)
+            return 0
+        epochs = [parse_durable_epoch_name(model, n) for n in names]
         return max((e for e in epochs if e is not None), default=0)
 
     def open_epoch(self, model: str) -> int:
@@ -264,6 +268,9 @@ class StepProtocol:
                 self.durable.put(durable_epoch_name(model, want), body, if_absent=True)
             except KeyExistsError:
                 continue  # another incarnation took it first
+            except TierStoreError as e:  # a restart must not wait for the durable tier: the index still fences
+                log.warning("epoch %d of %s is not recorded in the durable tier (%s): after an index loss "
+                            "now, it could be taken again", want, model, e)
             if self.index.raise_epoch(model, want) == want:
                 self._prune_epochs(model, want)
                 return want
@@ -295,13 +302,18 @@ class StepProtocol:
         If the index has no record of ``model`` (no epoch, step or object) but
         the durable tier holds its durable manifests, the index was lost (a
         server restarted without persistence, a new index): ``on_lost`` is
-        called to restore it, else :class:`IndexLostError` is raised. Checked
-        once per model and instance.
+        called to restore it, else :class:`IndexLostError` is raised. One
+        ``EXISTS`` while the index knows the model; the durable tier is listed
+        only when it does not.
         """
-        if model in self._checked or self.durable is None:
+        if self.durable is None:
             return
         if not self.index.knows(model):
-            durable = self.durable_steps(model)
+            try:
+                durable = self.durable_steps(model)
+            except TierStoreError as e:  # cannot tell: checked again at the next call
+                log.warning("cannot check whether the index lost %s (the durable tier: %s)", model, e)
+                return
             if durable:
                 if self.on_lost is None:
                     raise IndexLostError(
@@ -313,7 +325,6 @@ class StepProtocol:
                 log.warning("the index lost model %s (%d durable step(s)): rebuilding it from the durable tier",
                             model, len(durable))
                 self.on_lost(model)
-        self._checked.add(model)
 
     def vote_call(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
                   ok: bool = True, epoch: int | None = None, world_size: int | None = None,
@@ -626,7 +637,6 @@ class StepProtocol:
         self.index.pin_objects([ShardKey.parse(o["key"]) for o in complete_entries(manifest) if o["key"] not in own],
                                step)
         self.index.register_model(model)
-        self._checked.add(model)
 
     def subscribe(self, model: str) -> EventSubscription:
         """Subscribe to ``model``'s step events (the caller closes the subscription)."""

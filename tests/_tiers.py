@@ -4,27 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierstore.errors import InvalidKeyError
-from tierstore.keys import ShardKey, split_object_name
+from tierstore.keys import ShardKey
 
 
 def copies(tier, key: ShardKey) -> list[str]:
-    """Names of every copy of ``key`` that ``tier`` holds (any tag)."""
-    out = []
-    for name in tier.list(f"{key.model}/{key.layer}/{key.step}/"):
-        try:
-            if split_object_name(name)[0] == key:
-                out.append(name)
-        except InvalidKeyError:
-            continue
-    return out
+    """Names of every copy of ``key`` that ``tier`` holds: ``model/layer/step/rank`` plus any ``.tag``."""
+    prefix = f"{key.model}/{key.layer}/{key.step}/"
+    return [n for n in tier.list(prefix) if "/" not in n[len(prefix):]
+            and n[len(prefix):].partition(".")[0] == str(key.rank)]
 
 
 def live_name(store, key: ShardKey) -> str:
     """The physical name of the copy of ``key`` the index records."""
     rec = store.info(key)
     assert rec is not None, f"{key} is not in the index"
-    return rec.name
+    return getattr(rec, "name", str(key))
 
 
 def live_path(root, store, key: ShardKey) -> Path:

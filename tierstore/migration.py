@@ -33,6 +33,7 @@ from consistency.index import Index
 from tierstore import codec
 from tierstore.errors import (
     CorruptObjectError,
+    FencedError,
     MigrationError,
     TierStoreError,
     TierUnavailableError,
@@ -46,9 +47,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Group:
-    pending: set[ShardKey]
+    pending: dict[str, ShardKey]  # physical name -> key, still migrating
     callback: Callable[[list[tuple[ShardKey, BaseException]]], None]
     failures: list[tuple[ShardKey, BaseException]]
+    first: ShardKey | None = None
 
 
 class Migrator:
@@ -74,7 +76,8 @@ class Migrator:
         self._q: queue.Queue[tuple[ShardKey, str, str] | None] = queue.Queue(maxsize=maxsize)
         self._lock = threading.Lock()
         self._errors: list[tuple[ShardKey, BaseException]] = []
-        self._done: set[ShardKey] = set()
+        self._done: set[str] = set()  # physical names migrated
+        self._failed: dict[str, BaseException] = {}  # physical names that gave up
         self._groups: list[_Group] = []
         self._threads = [
             threading.Thread(target=self._run, name=f"tierstore-{name}-{i}", daemon=True) for i in range(workers)
@@ -88,18 +91,21 @@ class Migrator:
         self._q.put((key, checksum, name or str(key)))
 
     def when_done(
-        self, keys: Iterable[ShardKey], callback: Callable[[list[tuple[ShardKey, BaseException]]], None]
+        self, copies: Iterable[tuple[ShardKey, str]], callback: Callable[[list[tuple[ShardKey, BaseException]]], None]
     ) -> None:
-        """Call ``callback(failures)`` once every key has been migrated (or has failed)."""
-        group = _Group(set(keys), callback, [])
+        """Call ``callback(failures)`` once every copy ``(key, physical name)`` has migrated (or given up).
+
+        Copies are told apart by their physical name: a key written again is another copy.
+        """
+        copies = list(copies)
+        group = _Group({name: key for key, name in copies}, callback, [], copies[0][0] if copies else None)
         with self._lock:
-            failed = {k: e for k, e in self._errors}
-            for k in list(group.pending):
-                if k in self._done:
-                    group.pending.discard(k)
-                elif k in failed:
-                    group.pending.discard(k)
-                    group.failures.append((k, failed[k]))
+            for name, key in list(group.pending.items()):
+                if name in self._done:
+                    del group.pending[name]
+                elif name in self._failed:
+                    del group.pending[name]
+                    group.failures.append((key, self._failed[name]))
             if group.pending:
                 self._groups.append(group)
                 return
@@ -108,26 +114,34 @@ class Migrator:
     def _fire(self, group: _Group) -> None:
         try:
             group.callback(group.failures)
-        except Exception:  # a callback's failure must not kill the worker
+        except FencedError:
+            log.info("migration callback of a fenced writer refused", exc_info=True)
+        except Exception as e:  # a callback's failure must not kill the worker; flush() reports it
             log.exception("migration callback failed")
+            if group.first is not None:
+                with self._lock:
+                    self._errors.append((group.first, e))
 
-    def _finish(self, key: ShardKey, error: BaseException | None) -> None:
+    def _finish(self, key: ShardKey, name: str, error: BaseException | None) -> None:
         ready = []
         with self._lock:
             if error is None:
-                self._done.add(key)
+                self._done.add(name)
             else:
                 self._errors.append((key, error))
+                self._failed[name] = error
             for g in self._groups:
-                if key in g.pending:
-                    g.pending.discard(key)
+                if name in g.pending:
+                    del g.pending[name]
                     if error is not None:
                         g.failures.append((key, error))
                     if not g.pending:
                         ready.append(g)
             self._groups = [g for g in self._groups if g.pending]
             if len(self._done) > 100_000:
-                self._done.clear()  # bounded memory; groups registered later re-check the index
+                self._done.clear()  # bounded memory (names are never reused: only old ones are forgotten)
+            if len(self._failed) > 10_000:
+                self._failed.clear()
         for g in ready:
             self._fire(g)
 
@@ -183,14 +197,14 @@ class Migrator:
                 key, checksum, name = item
                 try:
                     self._migrate_with_retries(key, checksum, name)
-                    self._finish(key, None)
+                    self._finish(key, name, None)
                 except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
                     log.warning("migration of %s failed: %s", key, e)
                     try:
                         self.index.set_object_field(key, "migration_error", str(e)[:500])
                     except TierStoreError:
                         pass
-                    self._finish(key, e)
+                    self._finish(key, name, e)
             finally:
                 self._q.task_done()
 

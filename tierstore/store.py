@@ -530,9 +530,9 @@ class TierStore:
         state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
         if (ok and self._migrator is not None and self.steps.durable is not None
                 and all(self.placement.to_durable(o.kind, o.key.step) for o in objects)):
-            keys = [o.key for o in objects]
             self._migrator.when_done(
-                keys, lambda failures: self.steps.mark_migrated(model, step, rank, failures, epoch=epoch))
+                [(o.key, o.name) for o in objects],
+                lambda failures: self.steps.mark_migrated(model, step, rank, failures, epoch=epoch))
         return state
 
     def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:

@@ -162,8 +162,8 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
         report.deferred = [str(k) for k, _ in pending]
         skip = {k for k, _ in pending}
         victims, recs = [k for k in victims if k not in skip], [r for k, r in zip(victims, recs) if k not in skip]
-    if not dry_run:
-        steps.delete_durable_manifests(model, [s for s in dropped if state.get(s) == "durable"])
+    if not dry_run:  # a committed step's may be being written right now: it goes too (see maybe_durable)
+        steps.delete_durable_manifests(model, [s for s in dropped if state.get(s) in ("committed", "durable")])
     for key, rec in zip(victims, recs):
         report.deleted.append(str(key))
         report.bytes_freed += rec.size if rec else 0

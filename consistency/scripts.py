@@ -258,8 +258,10 @@ return {tonumber(redis.call('HGET', KEYS[2], 'nmigrated')), tonumber(redis.call(
         redis.call('HGET', KEYS[2], 'state') or ''}
 """
 
-# KEYS: epoch, step; ARGV: epoch, channel, step, now. committed -> durable only.
-DURABLE = _FENCE + _NOW + """
+# KEYS: epoch, step; ARGV: epoch, channel, step, now. committed -> durable only. Not fenced: it runs once the
+# durable manifest is written, and a committed step whose complete set is durable is durable whoever says so
+# (a fence here would leave a durable manifest behind a step the index calls committed).
+DURABLE = _NOW + """
 if redis.call('HGET', KEYS[2], 'state') == 'committed' then
   redis.call('HSET', KEYS[2], 'state', 'durable', 'durable_at', now)
   redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' durable')

@@ -524,8 +524,13 @@ class StepProtocol:
         except KeyExistsError:
             self._same_durable_manifest(model, step, name, manifest)  # another rank wrote the same one
         with translate_redis_errors(f"mark step {step} durable", self.index.url):
-            self._durable(keys=[ks["epoch"], ks["step"]],
-                          args=[-1 if epoch is None else epoch, ks["events"], step, self._now()])
+            marked = self._durable(keys=[ks["epoch"], ks["step"]],
+                                   args=[-1 if epoch is None else epoch, ks["events"], step, self._now()])
+        if not marked and self.state(model, step) != "durable":
+            # garbage collection dropped the step while its manifest was being written: an index rebuild
+            # must not resurrect it
+            self.durable.delete(name)
+            return False
         return True
 
     def _same_durable_manifest(self, model: str, step: int, name: str, manifest: dict) -> None:

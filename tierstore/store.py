@@ -209,11 +209,12 @@ class TierStore:
             "base": str(_check_key(base)) if base else None,
             "target": str(_check_key(target)) if target else None,
         }
-        if kind == "delta" and base is not None and self._depth(_check_key(base)) + 1 > self.config.max_delta_chain:
-            # a reader follows at most max_delta_chain links: this delta would be unreadable, so the chain
-            # is cut here and the object written as a new base (a full object)
-            tensors, meta = self._rebased(key, _check_key(base), tensors, meta)
-            kind, base = "full", None
+        link = _check_key(base) if kind == "delta" else _check_key(target) if kind == "ref" else None
+        if link is not None and self._depth(link) + 1 > self.config.max_delta_chain:
+            # a reader follows at most max_delta_chain links: this object would be unreadable, so the chain
+            # is cut here and the object written as a new base (a full object with the same contents)
+            tensors, meta = self._rebased(key, link, tensors, meta, ref=kind == "ref")
+            kind, base, target = "full", None, None
             meta[_INTERNAL] = {"kind": "full", "base": None, "target": None}
         name = object_name(key, _tag(epoch))
         if compress == "never" or (compress == "auto" and kind == "full"):
@@ -261,11 +262,13 @@ class TierStore:
         self._depths[key] = depth
 
     def _rebased(self, key: ShardKey, base: ShardKey, deltas: Mapping[str, torch.Tensor],
-                 meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
-        """The full tensors a delta on ``base`` stands for (the delta applied to the base's tensors)."""
+                 meta: dict, *, ref: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+        """The full tensors (and metadata) a delta on ``base``, or a ref to it, stands for."""
         old = self._get(base, None, False, 0)
         if old is None:
-            raise NoValidCopyError(f"{key} is a delta on {base}, which is gone", key=str(key))
+            raise NoValidCopyError(f"{key} is a delta on (or ref to) {base}, which is gone", key=str(key))
+        if ref:
+            return dict(old.tensors), dict(old.metadata)
         layout = meta.get("_delta") or {}
         full: dict[str, torch.Tensor] = {}
         for name, b in old.tensors.items():

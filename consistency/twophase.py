@@ -42,25 +42,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import Backend
+from consistency.durable import conflict, durable_entries
+from consistency.epochs import EpochLog
 from consistency.index import Index, translate_redis_errors
 from consistency.manifest import (
     MANIFEST_VERSION,
     complete_entries,
-    durable_epoch_name,
-    durable_epoch_prefix,
     durable_manifest_name,
     manifest_objects,
-    parse_durable_epoch_name,
     parse_manifest,
 )
 from consistency.scripts import BEGIN, DURABLE, EXPIRE, MEMORY_ONLY, MIGRATED, VOTE
 from tierstore.errors import (
     CommitError,
     FencedError,
-    IndexLostError,
     InvalidKeyError,
     KeyExistsError,
-    ManifestError,
     StepAbortedError,
     StepCommittedError,
     TierStoreError,
@@ -153,6 +150,7 @@ class StepProtocol:
         self.step_timeout_s = step_timeout_s
         self.clock = clock
         self.on_lost = on_lost
+        self.epochs = EpochLog(index, durable)
         self._known_models: set[str] = set()
         self._local = threading.local()
         r = index._r  # consistency/ owns the client
@@ -234,97 +232,28 @@ class StepProtocol:
                 f"step {step} of {model} is already committed and cannot be saved again "
                 "(a committed step is immutable; save a new step number)", model=model, step=step) from e
 
-    # -- epochs and index loss ---------------------------------------------------------
+    # -- epochs and index loss (see consistency.epochs) --------------------------------
     def durable_epoch(self, model: str) -> int:
         """The newest epoch of ``model`` recorded in the durable tier (0 if none or no durable tier)."""
-        if self.durable is None:
-            return 0
-        try:
-            names = list(self.durable.list(durable_epoch_prefix(model)))
-        except TierStoreError as e:
-            log.warning("cannot read the durable epoch records of %s: %s", model, e)
-            return 0
-        epochs = [parse_durable_epoch_name(model, n) for n in names]
-        return max((e for e in epochs if e is not None), default=0)
+        return self.epochs.durable_epoch(model)
 
     def open_epoch(self, model: str) -> int:
-        """Take a new epoch of ``model`` (a new incarnation): writes of older epochs are fenced from now on.
-
-        The epoch is recorded create-once in the durable tier first, then
-        raised in the index; it is always newer than both, so it never goes
-        backwards after an index loss.
+        """Take a new epoch of ``model`` (a new incarnation); see :meth:`EpochLog.open_epoch`.
 
         Raises:
             IndexLostError: the index lost this model (see :meth:`check_index`).
         """
         validate_name(model, "model")
         self.check_index(model)
-        if self.durable is None:
-            return self.index.bump_epoch(model)
-        for _ in range(64):
-            want = max(self.index.epoch(model), self.durable_epoch(model)) + 1
-            body = json.dumps({"model": model, "epoch": want, "taken_at": time.time()}).encode()
-            try:
-                self.durable.put(durable_epoch_name(model, want), body, if_absent=True)
-            except KeyExistsError:
-                continue  # another incarnation took it first
-            except TierStoreError as e:  # a restart must not wait for the durable tier: the index still fences
-                log.warning("epoch %d of %s is not recorded in the durable tier (%s): after an index loss "
-                            "now, it could be taken again", want, model, e)
-            if self.index.raise_epoch(model, want) == want:
-                self._prune_epochs(model, want)
-                return want
-        raise CommitError(f"could not take a new epoch of {model}: it kept moving", model=model)
-
-    def _prune_epochs(self, model: str, newest: int, keep: int = 8) -> None:
-        if self.durable is None:
-            return
-        names = [(parse_durable_epoch_name(model, n), n) for n in self.durable.list(durable_epoch_prefix(model))]
-        for e, n in sorted((e, n) for e, n in names if e is not None)[:-keep]:
-            if e < newest:
-                self.durable.delete(n)
+        return self.epochs.open_epoch(model)
 
     def durable_steps(self, model: str) -> list[int]:
         """Steps of ``model`` with a durable manifest in the durable tier."""
-        if self.durable is None:
-            return []
-        prefix = f"{model}/_manifest/"
-        out = []
-        for name in self.durable.list(prefix):
-            stem = name[len(prefix):]
-            if stem.endswith(".json") and stem[:-5].isdigit():
-                out.append(int(stem[:-5]))
-        return sorted(out)
+        return self.epochs.durable_steps(model)
 
     def check_index(self, model: str) -> None:
-        """Refuse to start ``model`` fresh on an index that lost it.
-
-        If the index has no record of ``model`` (no epoch, step or object) but
-        the durable tier holds its durable manifests, the index was lost (a
-        server restarted without persistence, a new index): ``on_lost`` is
-        called to restore it, else :class:`IndexLostError` is raised. One
-        ``EXISTS`` while the index knows the model; the durable tier is listed
-        only when it does not.
-        """
-        if self.durable is None:
-            return
-        if not self.index.knows(model):
-            try:
-                durable = self.durable_steps(model)
-            except TierStoreError as e:  # cannot tell: checked again at the next call
-                log.warning("cannot check whether the index lost %s (the durable tier: %s)", model, e)
-                return
-            if durable:
-                if self.on_lost is None:
-                    raise IndexLostError(
-                        f"the index has no record of model {model!r}, but the durable tier holds "
-                        f"{len(durable)} durable step(s) of it (newest {durable[-1]}): the index was lost. "
-                        f"Run `tierstore admin rebuild-index {model} --yes` before training or restoring "
-                        "(or open the store with rebuild_index_on_loss=True)",
-                        model=model, durable_steps=durable)
-                log.warning("the index lost model %s (%d durable step(s)): rebuilding it from the durable tier",
-                            model, len(durable))
-                self.on_lost(model)
+        """Refuse to start ``model`` fresh on an index that lost it; see :meth:`EpochLog.check_index`."""
+        self.epochs.check_index(model, self.on_lost)
 
     def vote_call(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
                   ok: bool = True, epoch: int | None = None, world_size: int | None = None,
@@ -454,34 +383,6 @@ class StepProtocol:
         with translate_redis_errors(f"mark step {step} of {model} memory-only", self.index.url):
             return bool(self._memory_only(keys=[self._keys(model, step)["step"]], args=[reason[:1000]]))
 
-    def _durable_entries(self, m: dict) -> list[dict] | None:
-        """The complete set of the step as the durable manifest records it: every entry of
-        :func:`complete_entries` plus any delta base or ref target they reach that the manifest does not list
-        (older manifests), each with the durable tier; ``None`` if any of them is not recorded as held by
-        the durable tier (in the copy the manifest names)."""
-        tier = self.durable.tier if self.durable is not None else "durable"
-        listed = {o["key"]: o for o in complete_entries(m)}
-        seen: set[str] = set()
-        todo = sorted(listed)
-        extra: list[dict] = []
-        while todo:
-            recs = self.index.get_objects([ShardKey.parse(k) for k in todo])
-            nxt: list[str] = []
-            for name, rec in zip(todo, recs):
-                seen.add(name)
-                if rec is None or tier not in rec.tiers:
-                    return None
-                want = listed.get(name)
-                if want is not None and (want.get("name") or name) != rec.name:
-                    return None  # the index now names another copy than the manifest: never durable
-                if want is None:
-                    extra.append({**rec.to_json(), "tiers": [tier]})
-                for ref in (rec.base, rec.target):
-                    if ref is not None and str(ref) not in seen and str(ref) not in nxt:
-                        nxt.append(str(ref))
-            todo = nxt
-        return extra
-
     def maybe_durable(self, model: str, step: int, *, epoch: int | None = None) -> bool:
         """If ``step`` is committed, every rank migrated, and every object it reaches is held by the
         durable tier: write the durable manifest there (last, create-once) and mark the step durable.
@@ -509,7 +410,7 @@ class StepProtocol:
         manifest = self.manifest(model, step)
         if manifest is None:
             return False
-        extra = self._durable_entries(manifest)
+        extra = durable_entries(self.index, self.durable.tier, manifest)
         if extra is None:
             return False
         tier = self.durable.tier
@@ -521,8 +422,15 @@ class StepProtocol:
         name = durable_manifest_name(model, step)
         try:
             self.durable.put(name, data, if_absent=True)
-        except KeyExistsError:
-            self._same_durable_manifest(model, step, name, manifest)  # another rank wrote the same one
+        except KeyExistsError as e:  # another rank wrote the same one; a different one is a conflict
+            why = conflict(self.durable, model, step, name, manifest)
+            if why is not None:
+                log.error(why)
+                try:
+                    self.mark_memory_only(model, step, why)
+                except TierStoreError:
+                    pass
+                raise KeyExistsError(why, key=name, tier=self.durable.tier, model=model, step=step) from e
         with translate_redis_errors(f"mark step {step} durable", self.index.url):
             marked = self._durable(keys=[ks["epoch"], ks["step"]],
                                    args=[-1 if epoch is None else epoch, ks["events"], step, self._now()])
@@ -532,26 +440,6 @@ class StepProtocol:
             self.durable.delete(name)
             return False
         return True
-
-    def _same_durable_manifest(self, model: str, step: int, name: str, manifest: dict) -> None:
-        """Return if the durable manifest already at ``name`` is ``manifest``; else record and raise the conflict."""
-        raw = self.durable.get(name)
-        try:
-            there = parse_manifest(bytes(raw), model=model, step=step) if raw is not None else None
-        except ManifestError:
-            there = None
-        if there == json.loads(json.dumps(manifest, sort_keys=True)):
-            return
-        why = (f"a different durable manifest of step {step} of {model} is already in the durable tier "
-               f"({name}): the index lost the step and it was saved again; the durable one is kept, this one "
-               f"stays memory-only (run `tierstore admin rebuild-index {model} --yes` after an index loss)")
-        log.error(why)
-        try:
-            self.mark_memory_only(model, step, why)
-        except TierStoreError:
-            pass
-        raise KeyExistsError(why, key=name, tier=self.durable.tier if self.durable is not None else "durable",
-                             model=model, step=step)
 
     def steps(self, model: str) -> list[tuple[int, str]]:
         """All recorded steps of ``model`` with their states, oldest first."""

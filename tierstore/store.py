@@ -36,6 +36,7 @@ from consistency.index import KINDS, Index, ObjectRecord
 from consistency.rebuild import RebuildReport, rebuild_index
 from consistency.twophase import StepProtocol
 from tierstore import codec
+from tierstore.chains import ChainDepths
 from tierstore.config import StoreConfig
 from tierstore.delta import apply_xor_delta
 from tierstore.errors import (
@@ -50,6 +51,7 @@ from tierstore.errors import (
     TierStoreError,
     TierUnavailableError,
 )
+from tierstore.eviction import evict_host
 from tierstore.keys import ShardKey, object_name, validate_name, validate_step
 from tierstore.migration import Migrator
 from tierstore.placement import Placement
@@ -156,7 +158,7 @@ class TierStore:
         )
         self._lock = threading.Lock()
         self._closed = False
-        self._depths: dict[ShardKey, int] = {}  # chain depth of objects this store wrote (bounded)
+        self.chains = ChainDepths(index, config.max_delta_chain)
         self.steps = StepProtocol(index, durable, on_lost=self._on_lost if config.rebuild_index_on_loss else None)
 
     def _on_lost(self, model: str) -> None:
@@ -210,7 +212,7 @@ class TierStore:
             "target": str(_check_key(target)) if target else None,
         }
         link = _check_key(base) if kind == "delta" else _check_key(target) if kind == "ref" else None
-        if link is not None and self._depth(link) + 1 > self.config.max_delta_chain:
+        if link is not None and self.chains.depth(link) + 1 > self.config.max_delta_chain:
             # a reader follows at most max_delta_chain links: this object would be unreadable, so the chain
             # is cut here and the object written as a new base (a full object with the same contents)
             tensors, meta = self._rebased(key, link, tensors, meta, ref=kind == "ref")
@@ -235,31 +237,6 @@ class TierStore:
             res.abort()
             raise
         return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch, name)
-
-    def _depth(self, key: ShardKey) -> int:
-        """Links from ``key`` to its full base (0 for a full object), as a read follows them."""
-        walked: builtins.list[ShardKey] = []
-        cur: ShardKey | None = key
-        below = -1  # depth of what the walk stopped at (-1: walked[-1] is a full object)
-        while cur is not None:
-            if cur in self._depths:
-                below = self._depths[cur]
-                break
-            if len(walked) > self.config.max_delta_chain + 1:
-                return len(walked)  # past the limit: the exact depth no longer matters
-            rec = self.index.get_object(cur)
-            if rec is None:  # a broken chain: unreadable whatever its length (a read names the missing link)
-                return len(walked)
-            walked.append(cur)
-            cur = rec.base if rec.kind == "delta" else rec.target if rec.kind == "ref" else None
-        for i, k in enumerate(reversed(walked)):
-            self._remember_depth(k, below + 1 + i)
-        return below + len(walked) if walked else below
-
-    def _remember_depth(self, key: ShardKey, depth: int) -> None:
-        if len(self._depths) > 100_000:
-            self._depths.clear()
-        self._depths[key] = depth
 
     def _rebased(self, key: ShardKey, base: ShardKey, deltas: Mapping[str, torch.Tensor],
                  meta: dict, *, ref: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
@@ -311,13 +288,7 @@ class TierStore:
             raise
         if old is not None:
             self._drop_copy(old)  # the copy of the record this one replaced (of an uncommitted step)
-        link = p.base if p.kind == "delta" else p.target if p.kind == "ref" else None
-        if link is None:
-            self._remember_depth(p.key, 0)
-        elif link in self._depths:
-            self._remember_depth(p.key, self._depths[link] + 1)
-        else:
-            self._depths.pop(p.key, None)
+        self.chains.published(p.key, p.base if p.kind == "delta" else p.target if p.kind == "ref" else None)
         if self._replicator is not None and self.placement.to_peer(p.kind, p.key.step):
             self._replicator.enqueue(p.key, checksum, p.name)
         if self._migrator is not None and self.placement.to_durable(p.kind, p.key.step):
@@ -570,14 +541,6 @@ class TierStore:
                        still_migrating=still_migrating if durable_tier is not None else None)
 
     # -- host-tier eviction ----------------------------------------------------------
-    def _durable_copy_valid(self, rec: ObjectRecord) -> bool:
-        """Whether the durable tier's copy of ``rec`` is there and matches the index's checksum."""
-        try:
-            blob = self.durable.get(rec.name) if self.durable is not None else None
-            return blob is not None and codec.verify(blob) == rec.checksum
-        except TierStoreError:
-            return False
-
     def evict_host(self, nbytes: int) -> int:
         """Free at least ``nbytes`` in the host tier by dropping host copies that are durable.
 
@@ -585,31 +548,7 @@ class TierStore:
         first), nor a copy of a model's newest committed step. Raises
         :class:`TierFullError` when not enough can be freed.
         """
-        freed = 0
-        candidates: builtins.list[tuple[float, ShardKey, ObjectRecord]] = []
-        durable_tier = self.durable.tier if self.durable is not None else None
-        for model in self.index.models():
-            committed = [s for s, st in self.steps.steps(model) if st in ("committed", "durable")]
-            newest = committed[-1] if committed else None
-            keys = [k for k in self.index.list_objects(model) if k.step != newest]
-            for key, rec in zip(keys, self.index.get_objects(keys)):
-                if rec and self.host.tier in rec.tiers and durable_tier in rec.tiers:
-                    candidates.append((rec.created, key, rec))
-        for _created, key, rec in sorted(candidates, key=lambda c: c[0]):
-            if freed >= nbytes:
-                break
-            if not self._durable_copy_valid(rec):
-                continue  # the index says durable, but that copy does not verify: the host copy is the last good one
-            if self.index.remove_tier(key, self.host.tier, name=rec.name) and self.host.delete(rec.name):
-                freed += rec.size
-        freed += self.host.drain_pool()
-        if freed < nbytes:
-            raise TierFullError(
-                f"host tier full: only {freed} of {nbytes} bytes could be freed without dropping the last copy "
-                "of a committed version; raise the host budget or let migration catch up",
-                tier="host", needed=nbytes, freed=freed,
-            )
-        return freed
+        return evict_host(self.host, self.durable, self.index, self.steps, nbytes)
 
     # -- lifecycle -----------------------------------------------------------------
     def rewire(
@@ -633,6 +572,7 @@ class TierStore:
             self.tiers = [t for t in (self.host, self.peer, self.durable) if t is not None]
         if index is not None:
             self.index = index(self.index)
+            self.chains.index = self.index
         self.steps = StepProtocol(self.index, self.durable, step_timeout_s=self.steps.step_timeout_s,
                                   on_lost=self.steps.on_lost)
         for mover, target in ((self._migrator, self.durable), (self._replicator, self.peer)):

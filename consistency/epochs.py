@@ -1,0 +1,129 @@
+"""Epochs that never go backwards, and a lost index that is never taken for a fresh start.
+
+The index holds a model's current epoch (fencing, see :mod:`consistency.twophase`).
+:class:`EpochLog` also records every epoch taken in the durable tier, create-once,
+*before* the index uses it (``model/_epoch/<epoch>.epoch``, the newest few kept,
+see :func:`consistency.manifest.durable_epoch_name`), so a new epoch is always
+newer than any epoch ever handed out, even after the index was lost; and it
+tells an index that lost a model (no record of it at all) from a fresh model
+by the durable manifests the durable tier still holds.
+
+Protocol: :class:`~consistency.twophase.StepProtocol` owns one and calls
+:meth:`EpochLog.check_index` before a step begins, an epoch is taken, or a
+read finds nothing committed; :meth:`EpochLog.open_epoch` at each restore.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from backends.base import Backend
+from consistency.index import Index
+from consistency.manifest import durable_epoch_name, durable_epoch_prefix, parse_durable_epoch_name
+from tierstore.errors import CommitError, IndexLostError, KeyExistsError, TierStoreError
+
+__all__ = ["EpochLog"]
+
+log = logging.getLogger(__name__)
+
+
+class EpochLog:
+    """A model's epochs in the index and the durable tier (``durable`` may be ``None``: index only)."""
+
+    def __init__(self, index: Index, durable: Backend | None, *, keep: int = 8) -> None:
+        self.index = index
+        self.durable = durable
+        self.keep = keep
+
+    def durable_epoch(self, model: str) -> int:
+        """The newest epoch of ``model`` recorded in the durable tier (0 if none, or unreadable)."""
+        if self.durable is None:
+            return 0
+        try:
+            names = list(self.durable.list(durable_epoch_prefix(model)))
+        except TierStoreError as e:
+            log.warning("cannot read the durable epoch records of %s: %s", model, e)
+            return 0
+        epochs = [parse_durable_epoch_name(model, n) for n in names]
+        return max((e for e in epochs if e is not None), default=0)
+
+    def open_epoch(self, model: str) -> int:
+        """Take a new epoch of ``model`` (a new incarnation): writes of older epochs are fenced from now on.
+
+        The candidate is one past both the index's epoch and the durable tier's
+        newest record; it is recorded create-once in the durable tier (another
+        incarnation that took it first makes this one try the next), then
+        raised in the index. A durable tier that cannot be written does not
+        stop a restart: the index still fences (with a warning).
+        """
+        if self.durable is None:
+            return self.index.bump_epoch(model)
+        for _ in range(64):
+            want = max(self.index.epoch(model), self.durable_epoch(model)) + 1
+            body = json.dumps({"model": model, "epoch": want, "taken_at": time.time()}).encode()
+            try:
+                self.durable.put(durable_epoch_name(model, want), body, if_absent=True)
+            except KeyExistsError:
+                continue  # another incarnation took it first
+            except TierStoreError as e:
+                log.warning("epoch %d of %s is not recorded in the durable tier (%s): after an index loss "
+                            "now, it could be taken again", want, model, e)
+            if self.index.raise_epoch(model, want) == want:
+                self._prune(model, want)
+                return want
+        raise CommitError(f"could not take a new epoch of {model}: it kept moving", model=model)
+
+    def _prune(self, model: str, newest: int) -> None:
+        assert self.durable is not None
+        try:
+            names = [(parse_durable_epoch_name(model, n), n) for n in self.durable.list(durable_epoch_prefix(model))]
+            for e, n in sorted((e, n) for e, n in names if e is not None)[:-self.keep]:
+                if e < newest:
+                    self.durable.delete(n)
+        except TierStoreError as e:  # old records only cost space
+            log.info("could not prune the epoch records of %s: %s", model, e)
+
+    def durable_steps(self, model: str) -> list[int]:
+        """Steps of ``model`` with a durable manifest in the durable tier."""
+        if self.durable is None:
+            return []
+        prefix = f"{model}/_manifest/"
+        out = []
+        for name in self.durable.list(prefix):
+            stem = name[len(prefix):]
+            if stem.endswith(".json") and stem[:-5].isdigit():
+                out.append(int(stem[:-5]))
+        return sorted(out)
+
+    def check_index(self, model: str, on_lost: Callable[[str], object] | None = None) -> None:
+        """Refuse to start ``model`` fresh on an index that lost it.
+
+        If the index has no record of ``model`` (no epoch, step or object) but
+        the durable tier holds its durable manifests, the index was lost (a
+        server restarted without persistence, a new index): ``on_lost`` is
+        called to restore it, else :class:`IndexLostError` is raised. One
+        ``EXISTS`` while the index knows the model; the durable tier is listed
+        only when it does not (an unreachable durable tier is warned about,
+        and checked again at the next call).
+        """
+        if self.durable is None or self.index.knows(model):
+            return
+        try:
+            durable = self.durable_steps(model)
+        except TierStoreError as e:
+            log.warning("cannot check whether the index lost %s (the durable tier: %s)", model, e)
+            return
+        if not durable:
+            return
+        if on_lost is None:
+            raise IndexLostError(
+                f"the index has no record of model {model!r}, but the durable tier holds {len(durable)} durable "
+                f"step(s) of it (newest {durable[-1]}): the index was lost. Run `tierstore admin rebuild-index "
+                f"{model} --yes` before training or restoring (or open the store with rebuild_index_on_loss=True)",
+                model=model, durable_steps=durable)
+        log.warning("the index lost model %s (%d durable step(s)): rebuilding it from the durable tier",
+                    model, len(durable))
+        on_lost(model)

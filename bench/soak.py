@@ -171,8 +171,8 @@ def _evict_old(store, below: int) -> None:
         if key.step < below:
             rec = store.index.get_object(key)
             if rec and "host" in rec.tiers and "durable" in rec.tiers:
-                store.host.delete(str(key))
-                store.index.remove_tier(ShardKey(key.model, key.layer, key.step, key.rank), "host")
+                store.index.remove_tier(ShardKey(key.model, key.layer, key.step, key.rank), "host", name=rec.name)
+                store.host.delete(rec.name)  # the live copy's physical name
 
 
 def verify_all(home: Path, url: str) -> dict[str, Any]:

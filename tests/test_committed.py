@@ -78,6 +78,24 @@ def test_admin_gc_of_a_layerwise_model_keeps_what_restore_reads(store, conn):
     assert store.resolve("lw", max_staleness=10).step == 4
 
 
+def test_gc_keeps_the_base_and_logs_a_kept_replay_step_replays(store, conn):
+    """A replay log step reads its base and the logs before it: gc keeps them (the manifest requires them)."""
+    from tests.test_replay import _equal, _fresh, _train
+
+    _, _, rc, states, _ = _train(store, "rp-gc", "adamw", 7, base_every=4)  # bases 0 and 4, logs 5 and 6
+    rc.close()
+    store.flush()
+    assert store.steps.manifest("rp-gc", 6)["requires"] == [4, 5]
+    p = admin_cli(conn, "--json", "gc", "rp-gc", "--yes", "--keep-last", "1")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["kept_steps"] == [4, 5, 6]
+    model, _, rc2 = _fresh(store, "rp-gc", "adamw")
+    step, _extra, rep = rc2.restore()
+    rc2.close()
+    assert step == 6 and rep.base_step == 4 and rep.replayed == [5, 6] and not rep.fell_back
+    assert _equal(model, states[6])
+
+
 # -- item 3: chains longer than the reader's limit -----------------------------------------------------
 
 

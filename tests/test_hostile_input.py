@@ -223,6 +223,7 @@ def test_resolve_refuses_a_manifest_of_another_model_in_the_index(store):
     store.begin_step("m", 1, 1)
     info = store.put(ShardKey("m", "l", 1, 0), {"w": torch.ones(3)})
     assert store.vote("m", 1, 0, [info]) in ("committed", "durable")
+    store.flush()  # the step is durable before the tampering (a tampered manifest is never made durable)
     raw = json.loads(store.index._r.get(store.index._k("m", "manifest", 1)))
     raw["ranks"]["0"]["objects"][0]["key"] = "other/l/1/0"
     store.index._r.set(store.index._k("m", "manifest", 1), json.dumps(raw))

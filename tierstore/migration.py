@@ -112,15 +112,29 @@ class Migrator:
         self._fire(group)
 
     def _fire(self, group: _Group) -> None:
-        try:
-            group.callback(group.failures)
-        except FencedError:
-            log.info("migration callback of a fenced writer refused", exc_info=True)
-        except Exception as e:  # a callback's failure must not kill the worker; flush() reports it
-            log.exception("migration callback failed")
-            if group.first is not None:
+        """Run a group's callback; retry it like a migration when the index is unreachable."""
+        attempt = 0
+        while True:
+            try:
+                group.callback(group.failures)
+                return
+            except FencedError:
+                log.info("migration callback of a fenced writer refused", exc_info=True)
+                return
+            except TierUnavailableError as e:
+                if attempt < self.retries:
+                    attempt += 1
+                    self.retried += 1
+                    self.sleep(min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1))))
+                    continue
+                err: Exception = e
+            except Exception as e:  # noqa: BLE001 - a callback's failure must not kill the worker
+                err = e
+            log.error("migration callback failed: %s", err)
+            if group.first is not None:  # flush() reports it
                 with self._lock:
-                    self._errors.append((group.first, e))
+                    self._errors.append((group.first, err))
+            return
 
     def _finish(self, key: ShardKey, name: str, error: BaseException | None) -> None:
         ready = []

@@ -6,10 +6,12 @@ this write (:func:`~tierstore.keys.object_name`: the key plus a fresh tag,
 create-once), recorded in the index (which refuses a stale epoch and any key
 of a committed step), and queued for migration to the durable tier. A name is
 never reused, so no writer (a fenced zombie, a retried attempt) can publish
-over, or delete, the live copy of a key: it only ever touches its own. A get asks the index what it knows,
-then reads the fastest tier holding the object, verifies the checksum, and
-falls back to the next tier on a miss, an unreachable tier or a mismatch; refs
-and delta chains are resolved into full tensors.
+over, or delete, the live copy of a key: it only ever touches its own. A delta
+or ref that a reader could not follow (``max_delta_chain``) is written as a
+full object instead. A get asks the index what it knows (the live copy's
+name), then reads the fastest tier holding the object, verifies the checksum,
+and falls back to the next tier on a miss, an unreachable tier or a mismatch;
+refs and delta chains are resolved into full tensors.
 
 The commit protocol (:meth:`TierStore.begin_step`, :meth:`vote`,
 :meth:`wait_step`, :meth:`open_epoch`), garbage collection (:meth:`gc`) and
@@ -274,7 +276,7 @@ class TierStore:
         try:
             p.reservation.commit(if_absent=True)  # a fresh name: create-once, never over another copy
         except KeyExistsError:
-            raise
+            raise  # not ours (a tag collision): leave it
         except TierStoreError:
             self._drop_copy(p.name)  # a torn publish may have left our own copy behind
             raise
@@ -504,9 +506,8 @@ class TierStore:
         state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
         if (ok and self._migrator is not None and self.steps.durable is not None
                 and all(self.placement.to_durable(o.kind, o.key.step) for o in objects)):
-            self._migrator.when_done(
-                [(o.key, o.name) for o in objects],
-                lambda failures: self.steps.mark_migrated(model, step, rank, failures, epoch=epoch))
+            self._migrator.when_done([(o.key, o.name) for o in objects],
+                                     lambda failures: self.steps.mark_migrated(model, step, rank, failures, epoch=epoch))
         return state
 
     def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:

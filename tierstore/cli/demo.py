@@ -118,10 +118,12 @@ def _restore_tiers(store: Any, model: str, rank: int, staleness: int) -> dict[st
     """Which tier each of this rank's restored objects is read from (the fastest holding it)."""
     res = store.resolve(model, max_staleness=staleness)
     counts: dict[str, int] = {}
-    for key in res.keys_for_rank(rank % res.world_size).values():
+    for (_layer, r), info in res.objects.items():
+        if r != rank % res.world_size:
+            continue
         for tier in store.tiers:
             try:
-                if tier.exists(str(key)):
+                if tier.exists(info.name):  # the physical name of the copy the step reads
                     counts[tier.tier] = counts.get(tier.tier, 0) + 1
                     break
             except Exception:  # noqa: BLE001 - an unreachable tier is skipped, as the read path does

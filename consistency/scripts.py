@@ -192,8 +192,11 @@ local function complete_set(step, world, layout_json, votes)
 end
 """
 
-# KEYS: epoch, step, steps, votes; ARGV: epoch, step, world, layout_json, timeout_s, now
+# KEYS: epoch, step, steps, votes, objs; ARGV: epoch, step, world, layout_json, timeout_s, check, now. With
+# check = '1', a model the index holds no record of (no epoch, step or object) is answered 'unknown' and nothing
+# is created: the caller first makes sure the index did not lose it (see consistency.epochs).
 BEGIN = _FENCE + _NOW + _OPEN + """
+if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then return 'unknown' end
 return open_step(true)
 """
 

@@ -180,6 +180,7 @@ class StepProtocol:
             "manifest": k(model, "manifest", step),
             "events": k(model, "events"),
             "prefix": k(model, ""),
+            "objs": k(model, "objs"),
         }
 
     @staticmethod
@@ -217,16 +218,23 @@ class StepProtocol:
             FencedError: ``epoch`` is older than the job's.
         """
         self._check(model, step, world_size)
-        self.check_index(model)
         ks = self._keys(model, step)
         self._register(model)
-        try:
+
+        def run(check: bool) -> str:
             return _s(self._run(
                 f"begin step {step} of {model}", self._begin,
-                [ks["epoch"], ks["step"], ks["steps"], ks["votes"]],
+                [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["objs"]],
                 [-1 if epoch is None else epoch, step, world_size, json.dumps(layout),
-                 self.step_timeout_s if timeout_s is None else timeout_s],
+                 self.step_timeout_s if timeout_s is None else timeout_s, "1" if check else "0"],
             ))
+
+        try:
+            state = run(self.durable is not None)
+            if state == "unknown":  # a new model, or one the index lost: the durable tier tells (one round trip
+                self.check_index(model)  # per begin otherwise)
+                state = run(False)
+            return state
         except StepCommittedError as e:
             raise StepCommittedError(
                 f"step {step} of {model} is already committed and cannot be saved again "

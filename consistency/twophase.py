@@ -167,10 +167,10 @@ class StepProtocol:
                                        or world_size < 1):
             raise CommitError(f"world_size must be a positive int, got {world_size!r}")
 
-    def _run(self, what: str, script, keys: list[str], args: list) -> Any:
+    def _run(self, what: str, script, keys: list[str], args: list, *, ack: bool = True) -> Any:
         try:
-            with translate_redis_errors(what, self.index.url):
-                return script(keys=keys, args=[*args, self._now()])
+            with translate_redis_errors(what, self.index.url):  # ack: the replicas have it (Index.run_script)
+                return self.index.run_script(script, keys, [*args, self._now()], ack=ack, what=what)
         except TierUnavailableError as e:
             msg = str(e.__cause__ or "")
             if "TSNOSTEP" in msg or "TSRANK" in msg:
@@ -310,7 +310,7 @@ class StepProtocol:
             return
         ks = self._keys(model, step)
         with translate_redis_errors(f"mark step {step} migrated", self.index.url):
-            self._migrated(keys=[ks["epoch"], ks["step"]], args=[-1 if epoch is None else epoch, rank])
+            self.index.run_script(self._migrated, [ks["epoch"], ks["step"]], [-1 if epoch is None else epoch, rank])
         self.maybe_durable(model, step, epoch=epoch)
 
     def _durable_deps(self, model: str, m: dict) -> list[dict] | None:
@@ -373,8 +373,8 @@ class StepProtocol:
         except KeyExistsError:
             pass  # another rank wrote it first: it holds the same manifest
         with translate_redis_errors(f"mark step {step} durable", self.index.url):
-            self._durable(keys=[ks["epoch"], ks["step"]],
-                          args=[-1 if epoch is None else epoch, ks["events"], step, self._now()])
+            self.index.run_script(self._durable, [ks["epoch"], ks["step"]],
+                                  [-1 if epoch is None else epoch, ks["events"], step, self._now()])
         return True
 
     def steps(self, model: str) -> list[tuple[int, str]]:
@@ -473,7 +473,10 @@ class StepProtocol:
     def abort_if_stale(self, model: str, step: int) -> str:
         """Abort ``step`` if it is still preparing past its timeout; return its state ("" if unknown)."""
         key = self._keys(model, step)["step"]
-        return _s(self._run(f"expire step {step} of {model}", self._expire, [key], []))
+        state = _s(self._run(f"expire step {step} of {model}", self._expire, [key], [], ack=False))
+        if state in DECIDED:  # reported only once the replicas have it (a no-op on an unreplicated index)
+            self.index.sync(model, f"acknowledge step {step} {state}")
+        return state
 
     def require_committed(self, model: str, step: int, timeout: float | None = None) -> str:
         state = self.wait(model, step, timeout)

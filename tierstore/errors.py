@@ -27,6 +27,7 @@ __all__ = [
     "MissingDependencyError",
     "NoValidCopyError",
     "ProtocolError",
+    "ReplicaAckError",
     "RestoreMismatchError",
     "StepAbortedError",
     "TierFullError",
@@ -104,6 +105,18 @@ class CommitError(TierStoreError):
 
 class StepAbortedError(CommitError):
     """The step was aborted (a negative vote, a timeout or a fenced rank)."""
+
+
+class ReplicaAckError(CommitError):
+    """The index's primary applied a state change, but too few replicas acknowledged it in time.
+
+    Not acknowledged means not committed: the primary has the change, a
+    replica may not, and a failover to that replica may lose it. Fields:
+    ``wanted`` and ``acked`` (replica counts), ``timeout_s``, and ``state``:
+    what the primary answered (``"committed"`` for a deciding vote), which a
+    caller must not act on. Asking again (``wait``) once a replica is back
+    acknowledges it, or, after a failover, answers what survived.
+    """
 
 
 class ManifestError(TierStoreError, ValueError):

@@ -77,16 +77,15 @@ def connect(url: str, kwargs: dict[str, Any]) -> redis.Redis | RedisCluster:
         if forced:
             raise ConfigError("a Redis Cluster is reached over TCP (redis+cluster://host:port), not a unix socket")
         return redis.Redis.from_url(plain, **kwargs)
-    if not forced:
-        probe = redis.Redis.from_url(plain, **kwargs)
-        try:
-            if not is_cluster(probe):
-                return probe
-        except BaseException:
-            probe.close()
-            raise
-        probe.close()
     db = urlparse(plain).path.strip("/")
+    if not forced:
+        probe = redis.Redis.from_url(urlparse(plain)._replace(path="").geturl(), **kwargs)  # db 0: a cluster has no other
+        try:
+            cluster = is_cluster(probe)
+        finally:
+            probe.close()
+        if not cluster:
+            return redis.Redis.from_url(plain, **kwargs)
     if db not in ("", "0"):
         raise ConfigError(f"a Redis Cluster has only database 0, the URL asks for {db!r}")
     kw = {k: v for k, v in kwargs.items() if k != "health_check_interval"}
@@ -105,21 +104,25 @@ def is_cluster(client: redis.Redis) -> bool:
 def replica_count(client: redis.Redis | RedisCluster) -> int:
     """Replicas attached now: the fewest any slot-serving primary has (cluster), or the server's."""
     if isinstance(client, RedisCluster):
-        shards = client.cluster_shards()
         counts = []
-        for sh in shards:
-            if not sh.get("slots") and not sh.get(b"slots"):
-                continue
-            nodes = sh.get("nodes") or sh.get(b"nodes") or []
-            counts.append(sum(1 for n in nodes if _field(n, "role") == "replica" and _field(n, "health") == "online"))
+        for shard in client.cluster_shards():
+            sh = _text_keys(shard)
+            if not sh.get("slots"):
+                continue  # a shard serving no slot holds no model
+            nodes = [_text_keys(n) for n in sh.get("nodes") or []]
+            counts.append(sum(1 for n in nodes if _text(n.get("role")) == "replica"
+                              and _text(n.get("health")) == "online"))
         return min(counts, default=0)
     info = client.info("replication")
-    return int(info.get("connected_slaves", 0) or 0)
+    return sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
 
 
-def _field(node: dict, name: str) -> str:
-    v = node.get(name, node.get(name.encode()))
+def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v or "")
+
+
+def _text_keys(d: dict) -> dict[str, Any]:
+    return {_text(k): v for k, v in d.items()}
 
 
 def owner(client: redis.Redis | RedisCluster, key: str) -> redis.Redis:

@@ -48,7 +48,6 @@ import redis
 from redis.cluster import RedisCluster
 
 from consistency.cluster import CLUSTER_SCHEMES, acked, connect, replica_count
-
 from tierstore.errors import (
     AccessDeniedError,
     ConfigError,

@@ -425,7 +425,8 @@ class StepProtocol:
         with translate_redis_errors(f"drop steps of {model}", self.index.url):
             pipe = self.index._r.pipeline(transaction=False)
             for s in steps:
-                pipe.delete(k(model, "manifest", s), k(model, "votes", s))
+                pipe.delete(k(model, "manifest", s))  # one key per DEL: a cluster pipeline refuses multi-key DEL
+                pipe.delete(k(model, "votes", s))
                 if states.get(s) != "aborted":
                     pipe.delete(k(model, "step", s))
                     pipe.zrem(k(model, "steps"), s)

@@ -39,7 +39,7 @@ from redis.cluster import key_slot
 import tierstore
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
-from tests.redis_cluster import LocalCluster, cluster_url, make_cluster, redis_cluster  # noqa: F401 - fixtures
+from tests.redis_cluster import LocalCluster, make_cluster
 from tests.redis_server import RedisProcess
 from tierstore import ShardKey
 from tierstore.cli import admin
@@ -103,7 +103,7 @@ def errorstats(cl: LocalCluster) -> dict[str, int]:
 
 
 # -- detection ------------------------------------------------------------------------------------
-def test_a_seed_of_any_node_is_detected_as_a_cluster(redis_cluster, cluster_url, redis_url):  # noqa: F811
+def test_a_seed_of_any_node_is_detected_as_a_cluster(redis_cluster, cluster_url, redis_url):
     cl = redis_cluster
     primary = cl.primary_of("ts:{gpt}:x")
     others = [n for n in cl.nodes if n is not primary]
@@ -142,7 +142,7 @@ def test_index_settings_come_from_config_and_environment():
 
 
 # -- the whole life of steps, on models spread over the primaries -----------------------------------
-def test_models_on_every_primary_commit_restore_collect_and_rebuild(redis_cluster, cluster_url, tmp_path,  # noqa: F811
+def test_models_on_every_primary_commit_restore_collect_and_rebuild(redis_cluster, cluster_url, tmp_path,
                                                                     monkeypatch):
     cl = redis_cluster
     models = models_on_each_primary(cl)
@@ -191,7 +191,7 @@ def test_models_on_every_primary_commit_restore_collect_and_rebuild(redis_cluste
             s.close()
 
 
-def test_node_registry_models_list_and_events_across_slots(redis_cluster, cluster_url, tmp_path):  # noqa: F811
+def test_node_registry_models_list_and_events_across_slots(redis_cluster, cluster_url, tmp_path):
     models = models_on_each_primary(redis_cluster)
     idx = Index(cluster_url)
     reg = NodeRegistry(idx)
@@ -230,7 +230,7 @@ def _admin_args(url: str, tmp_path: Path) -> list[str]:
             "--host-root", str(tmp_path / "shm" / "node0"), "--json"]
 
 
-def test_admin_cli_against_the_cluster(redis_cluster, cluster_url, tmp_path, capsys):  # noqa: F811
+def test_admin_cli_against_the_cluster(redis_cluster, cluster_url, tmp_path, capsys):
     models = models_on_each_primary(redis_cluster)
     store = open_store(tmp_path, cluster_url)
     try:

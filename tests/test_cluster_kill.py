@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from tests import test_consistency_kill as tk
-from tests.redis_cluster import LocalCluster, cluster_url, make_cluster, redis_cluster  # noqa: F401 - fixtures
+from tests.redis_cluster import LocalCluster, make_cluster
 from tests.redis_server import free_port
-from tests.s3_server import FAKE_ENV, s3_bucket, s3_env, s3_server  # noqa: F401 - fixtures
+from tests.s3_server import FAKE_ENV
 
 M = tk.M
 WORLD = tk.WORLD
@@ -38,7 +38,7 @@ HELD = WORLD - 1  # this rank votes only after the harness killed the primary
 # -- 1. the crash/restore scenario on a cluster -----------------------------------------------------
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("kill", ["mid_prepare", "vote_sent", "mid_migration"])
-def test_restore_after_a_rank_is_killed_on_a_cluster(kill, tmp_path, cluster_url, shm_root, s3_bucket):  # noqa: F811
+def test_restore_after_a_rank_is_killed_on_a_cluster(kill, tmp_path, cluster_url, shm_root, s3_bucket):
     import tierstore
 
     endpoint, bucket = s3_bucket

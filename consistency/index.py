@@ -217,6 +217,7 @@ class Index:
         self._replicas = replicas
         self.replica_timeout_s = float(replica_timeout_s)
         self._lock = threading.Lock()
+        self._listed: set[str] = set()  # models this instance added to ts:models
         self._client = client
         self._kwargs: dict[str, Any] = {}
         if client is None:
@@ -384,7 +385,9 @@ class Index:
         """Record an object and the tiers holding it; refuse it if ``epoch`` is stale (``FencedError``)."""
         m = key.model
         with translate_redis_errors(f"record {key}", self.url):
-            self._r.sadd(MODELS, m)
+            if m not in self._listed:  # ts:models lives outside the model's slot: one SADD per model and client
+                self._r.sadd(MODELS, m)
+                self._listed.add(m)
             self._record(
                 keys=[self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key))],
                 args=[

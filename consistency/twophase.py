@@ -368,6 +368,7 @@ class StepProtocol:
         manifest["durable"] = True
         manifest["deps"] = deps
         data = json.dumps(manifest, sort_keys=True).encode()
+        self.index.sync(model, f"acknowledge step {step} before its durable manifest")  # never durable unreplicated
         try:
             self.durable.put(durable_manifest_name(model, step), data, if_absent=True)
         except KeyExistsError:

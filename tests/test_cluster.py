@@ -16,7 +16,8 @@ What is tried, the way an operator or a user would:
   (SIGSTOP, its replication link closed), the deciding vote fails with ReplicaAckError instead of
   reporting a commit, and so do ``wait`` and a new epoch; after the primary is
   SIGKILLed and the frozen replica promoted, exactly that unacknowledged
-  commit is gone and restore returns the newest acknowledged step;
+  commit is gone and restore returns the newest acknowledged step; garbage
+  collection meanwhile refuses to drop the older step for it;
 - on a single server: acks off by default, a replica attached turns them on,
   asking for a replica that is not there fails typed.
 """
@@ -37,6 +38,7 @@ import torch
 from redis.cluster import key_slot
 
 import tierstore
+from consistency.gc import Retention
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
 from tests.redis_cluster import LocalCluster, make_cluster
@@ -305,6 +307,10 @@ def test_a_commit_no_replica_acknowledged_is_never_reported_and_only_it_is_lost_
                 store.wait_step(model, 2, timeout=5)
             with pytest.raises(ReplicaAckError):
                 store.open_epoch(model)
+            # gc keeping only the newest step would drop step 1 for an unacknowledged step 2: it refuses
+            with pytest.raises(ReplicaAckError):
+                store.gc(model, Retention(keep_last=1), dry_run=False)
+            assert store.gc(model, Retention(keep_last=1)).dropped_steps == [1]  # what it would have done
             cl.kill(primary)  # the primary dies before its replica ever had step 2
         finally:
             os.kill(replica.proc.pid, signal.SIGCONT)

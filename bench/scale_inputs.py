@@ -14,7 +14,8 @@ What is measured (medians of ``--repeats`` runs unless stated):
   not decide the step (its client latency) on a single server (no replica
   acknowledgement), on a primary with one replica (``WAIT 1`` after it) and
   on a 3+3 Redis Cluster (``WAIT 1``); the deciding vote of a 1024-voter step
-  (it assembles the manifest); a round of 1024 votes sent at once by 8 client
+  (it assembles the manifest), that manifest's size and the server CPU to
+  serve it once (a restoring rank reads it); a round of 1024 votes sent at once by 8 client
   threads, first vote to commit, and the server's CPU per vote in it (what
   the primary serializes), without and with acknowledgements;
 * **index operations per step**: a real :class:`~tierstore.store.TierStore`
@@ -168,8 +169,8 @@ def per_byte(mib: int, repeats: int, work: Path) -> dict[str, float]:
 
 
 # -- per message ---------------------------------------------------------------------------------
-def _objects(rank: int, step: int, n: int = 13) -> list[dict]:
-    return [{"key": f"scale/layer{i}/{step}/{rank}", "kind": "full", "size": 1 << 24,
+def _objects(model: str, rank: int, step: int, n: int = 13) -> list[dict]:
+    return [{"key": f"{model}/layer{i}/{step}/{rank}", "kind": "full", "size": 1 << 24,
              "checksum": "0123456789abcdef0123456789abcdef", "base": None, "target": None, "tiers": ["host"]}
             for i in range(n)]
 
@@ -185,14 +186,15 @@ def _vote_latency(url: str, votes: int) -> float:
     lat = []
     for rank in range(votes):
         t0 = time.perf_counter()
-        assert sp.vote(model, 1, rank, _objects(rank, 1), extra={"rank": rank}) == "preparing"
+        assert sp.vote(model, 1, rank, _objects(model, rank, 1), extra={"rank": rank}) == "preparing"
         lat.append(time.perf_counter() - t0)
     sp.index.close()
     return _pct(lat[10:], 50)
 
 
-def _deciding_vote(url: str, voters: int, rounds: int) -> float:
-    """p50 latency (s) of the vote that decides a step of ``voters`` (it writes the manifest)."""
+def _deciding_vote(url: str, voters: int, rounds: int) -> dict[str, float]:
+    """The vote that decides a step of ``voters`` (it writes the manifest): its p50 latency; then the
+    manifest a restoring rank reads: its size and the server CPU per read (every rank reads it)."""
     from consistency.index import Index
     from consistency.twophase import StepProtocol
 
@@ -202,12 +204,20 @@ def _deciding_vote(url: str, voters: int, rounds: int) -> float:
     for step in range(rounds):
         sp.begin(model, step, voters)
         for rank in range(voters - 1):
-            sp.vote(model, step, rank, _objects(rank, step), extra={"rank": rank})
+            sp.vote(model, step, rank, _objects(model, rank, step), extra={"rank": rank})
         t0 = time.perf_counter()
-        assert sp.vote(model, step, voters - 1, _objects(voters - 1, step), extra={}) == "committed"
+        assert sp.vote(model, step, voters - 1, _objects(model, voters - 1, step), extra={}) == "committed"
         lat.append(time.perf_counter() - t0)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    reads = 20
+    size = len(json.dumps(sp.manifest(model, rounds - 1), separators=(",", ":")))
+    c0 = _main_cpu(port)
+    for _ in range(reads):  # one GET each on the server
+        sp.manifest(model, rounds - 1)
+    cpu = (_main_cpu(port) - c0) / reads
     sp.index.close()
-    return statistics.median(lat)
+    return {"deciding_vote_s": statistics.median(lat), "manifest_bytes": size,
+            "manifest_objects": voters * len(_objects(model, 0, 0)), "manifest_read_cpu_s": cpu}
 
 
 def _vote_round(url: str, voters: int, rounds: int, clients: int = 8) -> tuple[float, float]:
@@ -227,7 +237,7 @@ def _vote_round(url: str, voters: int, rounds: int, clients: int = 8) -> tuple[f
         def send(c: int, step: int = step, barrier: threading.Barrier = barrier) -> None:
             barrier.wait()
             for rank in range(c, voters, clients):
-                protos[c].vote(model, step, rank, _objects(rank, step), extra={"rank": rank})
+                protos[c].vote(model, step, rank, _objects(model, rank, step), extra={"rank": rank})
 
         threads = [threading.Thread(target=send, args=(c,)) for c in range(clients)]
         for t in threads:
@@ -426,9 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         proc, port = _server(work / "lat-single")
         try:
             url = f"redis://127.0.0.1:{port}/0"
-            msg = {"ping_s": _ping(port), "vote_s": _vote_latency(url, a.votes),
-                   "deciding_vote_s": _deciding_vote(url, a.voters, a.repeats), "deciding_voters": a.voters,
-                   }
+            msg = {"ping_s": _ping(port), "vote_s": _vote_latency(url, a.votes), "deciding_voters": a.voters,
+                   **_deciding_vote(url, a.voters, a.repeats)}
             msg["round_s"], msg["vote_server_cpu_s"] = _vote_round(url, a.voters, a.repeats)
         finally:
             _stop(proc)

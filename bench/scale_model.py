@@ -73,6 +73,7 @@ class Scenario:
     s3_conns_per_rank: int = 4  # the S3 backend's max_concurrency x 1 migration worker
     part_size: int = 16 * MiB  # the S3 backend's part size
     intervals_s: tuple[float, ...] = (10.0, 60.0)
+    primaries: int = 3
 
     @property
     def dp(self) -> int:
@@ -138,6 +139,10 @@ def model(inputs: dict[str, Any], sc: Scenario, pub: dict[str, float], asm: dict
         stall = written / hbm_copy
         host = max(written / pcie, written / host_put)
         records = n_obj * 2 * msg  # per object: the epoch check and the record script, in sequence
+        # ... and the primary runs every rank's records one after another: its CPU per object, the share of
+        # the put's 2 messages among the object's messages in a step (the rest come with its migration)
+        per_obj = ops["single"]["server_cpu_s"]["per_object"] * 2 / ops["single"]["calls"]["per_object"]
+        primary_records = sc.gpus * n_obj * per_obj
         commit = sc.gpus * pm["vote_server_cpu_s"] + deciding + msg
         commit_acked = sc.gpus * pm["vote_server_cpu_acked_s"] + deciding + msg + ack
         peer = written / peer_put
@@ -150,10 +155,12 @@ def model(inputs: dict[str, Any], sc: Scenario, pub: dict[str, float], asm: dict
             "written per GPU": written,
             "stall (device snapshot, HBM copy)": stall,
             "host tier (D2H over PCIe, seal on the host; pipelined)": host,
-            "index records (2 messages per object, in sequence)": records,
+            "index records, one rank (2 messages per object, in sequence)": records,
+            "index records, the primary's CPU for every rank's": primary_records,
             "commit (the primary runs every rank's vote in turn, then the deciding one)": commit,
-            "committed in memory (process-crash safe)": stall + host + records + commit,
-            "  with replica-acknowledged commit (cluster, WAIT 1)": stall + host + records + commit_acked,
+            "committed in memory (process-crash safe)": stall + max(host + records, primary_records) + commit,
+            "  with replica-acknowledged commit (cluster, WAIT 1)":
+                stall + max(host + records, primary_records) + commit_acked,
             "peer replica over IB (node-loss safe), after the host tier": stall + host + peer,
             "S3 bandwidth per rank": s3_bw,
             "S3 PUT request rate (whole job)": s3_req,
@@ -163,15 +170,20 @@ def model(inputs: dict[str, Any], sc: Scenario, pub: dict[str, float], asm: dict
 
     obj_full = full_gpu / n_obj
     get_reqs = sc.gpus * n_obj * math.ceil(obj_full / sc.part_size)
-    restore_index = n_obj * msg + msg  # resolve: the manifest and the rank's object records
+    # resolve: every rank reads the step's manifest (its size grows with the objects of the step) and its
+    # objects' records; the primary serves the manifest reads one after another
+    manifest_read = pm["manifest_read_cpu_s"] * (n_obj * sc.gpus) / pm["manifest_objects"]
+    restore_index = n_obj * msg + msg + sc.gpus * manifest_read
     out["restore"] = {
         "failed step / rollback: device tier (HBM copy)": full_gpu / hbm_copy,
+        "index: every rank reads the step's manifest from the primary": sc.gpus * manifest_read,
         "process crash: host tier on the node (verify, H2D; pipelined)":
             max(full_gpu / host_get, full_gpu / pcie) + restore_index,
         "node loss: the lost node's ranks read peer replicas over IB":
             max(full_gpu / peer_get, full_gpu / host_get, full_gpu / pcie) + restore_index,
         "cluster outage: every rank reads S3 (bandwidth)": full_gpu / s3_rank + restore_index,
-        "cluster outage: every rank reads S3 (GET request rate)": get_reqs / (pub["s3_get_rps"] * asm["s3_partitions"]),
+        "cluster outage: every rank reads S3 (GET request rate)":
+            get_reqs / (pub["s3_get_rps"] * asm["s3_partitions"]) + restore_index,
         "index primary lost: replica promoted (node timeout + election)":
             pub["node_timeout_s"] + inputs["failover"]["election_overhead_s"],
         "index lost, no replica: rebuild from the durable manifests (an existence check in S3 and a record "
@@ -184,14 +196,20 @@ def model(inputs: dict[str, Any], sc: Scenario, pub: dict[str, float], asm: dict
     def at_scale(f: dict[str, float]) -> float:  # a coefficient the fit put below zero is noise: 0
         return max(0.0, f["per_object"]) * objects + max(0.0, f["per_rank"]) * sc.gpus + max(0.0, f["per_step"])
 
-    for name, fit in (("one server, no acks", ops["single"]), ("replicated, WAIT 1", ops["replicated"])):
+    for name, fit, primaries in (("one server, no acks", ops["single"], 1),
+                                 ("primary + replica, WAIT 1", ops["replicated"], 1),
+                                 (f"cluster of {sc.primaries} primaries + replicas, WAIT 1", ops["replicated"],
+                                  sc.primaries)):
         calls, cpu = at_scale(fit["calls"]), at_scale(fit["server_cpu_s"])
         row = {"messages per step": calls, "server CPU per step (one core)": cpu,
-               "most checkpoints per second on one primary": 1 / cpu if cpu > 0 else math.inf}
+               "most checkpoints per second of this job": 1 / cpu if cpu > 0 else math.inf}
         for t in sc.intervals_s:
             row[f"every {t:g} s: messages/s"] = calls / t
-            row[f"every {t:g} s: primary busy"] = cpu / t
+            row[f"every {t:g} s: its primary busy"] = cpu / t
             row[f"every {t:g} s: headroom"] = t / cpu if cpu > 0 else math.inf
+            # a job's keys share one slot: a cluster adds room for more jobs (their models on other primaries),
+            # not for one job
+            row[f"every {t:g} s: jobs like this one it carries"] = primaries * math.floor(t / cpu) if cpu else 0
         load[name] = row
     out["load"] = load
     return out
@@ -223,13 +241,15 @@ def render(res: dict[str, Any], sc: Scenario, inputs: dict[str, Any], pub: dict[
                         [(k, _fmt_s(v)) for k, v in res["restore"].items()]))
     parts.append("")
     names = list(res["load"])
-    lines = ["| index load of the job (all its keys in one slot: one primary) | " + " | ".join(names) + " |",
+    lines = ["| index load of the job (its keys share one slot: one primary) | " + " | ".join(names) + " |",
              "| --- |" + " --- |" * len(names)]
     for k in res["load"][names[0]]:
         vals = []
         for n in names:
             v = res["load"][n][k]
-            if "busy" in k:
+            if "jobs" in k:
+                vals.append(f"{v:.0f}")
+            elif "busy" in k:
                 vals.append(f"{v * 100:.1f}%")
             elif "headroom" in k:
                 vals.append(f"{v:.1f}x")
@@ -251,7 +271,14 @@ def render(res: dict[str, Any], sc: Scenario, inputs: dict[str, Any], pub: dict[
            f"{inputs['per_message']['vote_cluster_acked_s'] * 1e6:.0f} µs), "
            f"the primary's CPU per vote {inputs['per_message']['vote_server_cpu_s'] * 1e6:.0f} µs "
            f"({inputs['per_message']['vote_server_cpu_acked_s'] * 1e6:.0f} µs acked), the deciding vote of "
-           f"{inputs['per_message']['deciding_voters']} {inputs['per_message']['deciding_vote_s'] * 1e3:.1f} ms; "
+           f"{inputs['per_message']['deciding_voters']} {inputs['per_message']['deciding_vote_s'] * 1e3:.1f} ms, "
+           f"its manifest {inputs['per_message']['manifest_bytes'] / 1e6:.2f} MB "
+           f"({inputs['per_message']['manifest_read_cpu_s'] * 1e3:.2f} ms of server CPU per read); "
+           f"index CPU per object {inputs['index_ops']['single']['server_cpu_s']['per_object'] * 1e6:.0f} µs "
+           f"({inputs['index_ops']['single']['calls']['per_object']:.1f} messages) and per rank "
+           f"{inputs['index_ops']['single']['server_cpu_s']['per_rank'] * 1e6:.0f} µs "
+           f"({inputs['index_ops']['single']['calls']['per_rank']:.1f} messages; "
+           f"{inputs['index_ops']['replicated']['calls']['per_rank']:.1f} acked); "
            f"a {inputs['per_message']['deciding_voters']}-vote round from 8 client threads "
            f"{inputs['per_message']['round_s'] * 1e3:.0f} ms (client-bound here); election "
            f"{inputs['failover']['election_overhead_s']:.2f} s after the node timeout; peer put/get "
@@ -263,20 +290,21 @@ def render(res: dict[str, Any], sc: Scenario, inputs: dict[str, Any], pub: dict[
     return "\n".join(parts)
 
 
+_FLAGS = ("params", "gpus", "gpus_per_node", "tp", "pp", "layers", "weight_bytes", "optim_bytes", "cores_per_rank",
+          "s3_conns_per_rank", "primaries")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inputs", default=str(Path(__file__).with_name("scale_inputs.json")))
     ap.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
     d = Scenario()
-    for f in ("params", "gpus", "gpus_per_node", "tp", "pp", "layers", "weight_bytes", "optim_bytes",
-              "cores_per_rank", "s3_conns_per_rank"):
+    for f in _FLAGS:
         ap.add_argument("--" + f.replace("_", "-"), type=type(getattr(d, f)), default=getattr(d, f))
     for k, (v, _u, _why) in {**PUBLISHED, **ASSUMED}.items():
         ap.add_argument("--" + k.replace("_", "-"), type=float, default=v, help=_why)
     a = ap.parse_args(argv)
-    sc = Scenario(**{f: getattr(a, f) for f in ("params", "gpus", "gpus_per_node", "tp", "pp", "layers",
-                                                "weight_bytes", "optim_bytes", "cores_per_rank",
-                                                "s3_conns_per_rank")})
+    sc = Scenario(**{f: getattr(a, f) for f in _FLAGS})
     if sc.gpus % (sc.tp * sc.pp) or sc.gpus % sc.gpus_per_node or sc.layers % sc.pp:
         ap.error("gpus must divide by tp x pp and by gpus-per-node; layers by pp")
     inputs = json.loads(Path(a.inputs).read_text())

@@ -25,8 +25,9 @@ def make_cluster(workdir: Path, **kw) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
-    """One 3+3 cluster for the session (tests that break its topology make their own)."""
-    yield from make_cluster(tmp_path_factory.mktemp("cluster"))
+    """One 3+3 cluster for the session (tests that break its topology make their own). Its node timeout is
+    long: nothing fails it over on purpose, and a loaded CI machine must not do so by accident."""
+    yield from make_cluster(tmp_path_factory.mktemp("cluster"), node_timeout_ms=10000)
 
 
 @pytest.fixture

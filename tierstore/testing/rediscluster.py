@@ -5,8 +5,9 @@ through redis-py: ``CLUSTER ADDSLOTSRANGE`` on each primary, ``CLUSTER MEET``
 to join the nodes, ``CLUSTER REPLICATE`` for the replicas, then wait until
 every node reports ``cluster_state:ok`` and every replica's link is up. Each
 node gets two free ports (client and cluster bus, ``--cluster-port``), so no
-fixed port range is assumed. ``cluster-node-timeout`` is short (1 s) so an
-automatic failover takes a couple of seconds.
+fixed port range is assumed. ``cluster-node-timeout`` is short (2 s by
+default) so an automatic failover takes a few seconds; a busy machine wants
+it longer, or nodes that answer late are failed over spuriously.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class LocalCluster:
     Usable as a context manager (start, then stop).
     """
 
-    def __init__(self, workdir: Path, primaries: int = 3, node_timeout_ms: int = 1000):
+    def __init__(self, workdir: Path, primaries: int = 3, node_timeout_ms: int = 2000):
         self.workdir = workdir
         self.primaries = primaries
         self.node_timeout_ms = node_timeout_ms
@@ -106,7 +107,10 @@ class LocalCluster:
         self.wait_ok()
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every live node says ``cluster_state:ok`` and every live replica's link to its primary is up."""
+        """Until every live node says ``cluster_state:ok``, every live replica's link to its primary is up,
+        and every live node sees every other live node online (``CLUSTER SHARDS`` health)."""
+        live = {n.port for n in self.nodes if n.alive()}
+
         def ok() -> bool:
             for n in self.nodes:
                 if not n.alive():
@@ -117,6 +121,10 @@ class LocalCluster:
                 repl = c.info("replication")
                 if repl["role"] == "slave" and repl.get("master_link_status") != "up":
                     return False
+                for shard in c.execute_command("CLUSTER", "SHARDS"):  # parsed into dicts by redis-py
+                    for node in shard["nodes"]:
+                        if int(node["port"]) in live and node["health"] != "online":
+                            return False
             return True
 
         self._until(ok, "the cluster to be ok", timeout)

@@ -129,6 +129,8 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
         if st == "preparing":
             steps.abort_if_stale(model, s)
     recorded = steps.steps(model)
+    if not dry_run:  # decide only on states the index's replicas have (a failover cannot take a kept step back)
+        index.sync(model, "collect garbage")
     state = dict(recorded)
     committed = [s for s, st in recorded if st in ("committed", "durable")]
     durable = [s for s, st in recorded if st == "durable"]

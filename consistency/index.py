@@ -18,8 +18,14 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:{m}:votes:<N>               HASH   rank -> JSON vote
     ts:{m}:manifest:<N>            STRING the committed manifest (JSON)
     ts:{m}:events                  pub/sub channel: "<step> <state>"
+    ts:{m}:sync                    STRING a counter written before each WAIT (see :mod:`consistency.cluster`)
     ts:node:<id>                   HASH   a node agent's registration (TTL), see :mod:`consistency.nodes`
     ts:nodes                       SET    registered node ids
+
+The index may be one server or a Redis Cluster (a seed URL of any node is
+detected; ``redis+cluster://`` forces it); when it is replicated, state
+changes are acknowledged by its replicas before they are reported. Both are
+:mod:`consistency.cluster`'s.
 
 Only ``consistency/`` knows these keys and holds the client (``Index._r``,
 package-private): every other module calls a named operation of
@@ -32,20 +38,25 @@ Errors from redis-py are translated here into :class:`TierUnavailableError`
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlparse
 
 import redis
+from redis.cluster import RedisCluster
 
+from consistency.cluster import CLUSTER_SCHEMES, acked, connect, replica_count
 from tierstore.errors import (
     AccessDeniedError,
     ConfigError,
     FencedError,
     StepCommittedError,
+    TierStoreError,
     TierUnavailableError,
 )
 from tierstore.keys import ShardKey, object_name, validate_name
@@ -152,6 +163,8 @@ def translate_redis_errors(what: str, url: str = "") -> Iterator[None]:
     """Translate redis-py errors into tierstore's tree, keeping the cause."""
     try:
         yield
+    except TierStoreError:
+        raise  # already translated (the client connects lazily, inside another operation's translation)
     except redis.exceptions.AuthenticationError as e:
         raise AccessDeniedError(f"{what}: the index server refused the credentials", url=redact_url(url)) from e
     except redis.exceptions.NoPermissionError as e:
@@ -166,7 +179,8 @@ def translate_redis_errors(what: str, url: str = "") -> Iterator[None]:
         if "NOAUTH" in msg or "WRONGPASS" in msg:
             raise AccessDeniedError(f"{what}: the index server needs valid credentials", url=redact_url(url)) from e
         raise TierUnavailableError(f"{what}: the index server answered an error: {e}", url=redact_url(url)) from e
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+            redis.exceptions.RedisClusterException) as e:
         raise TierUnavailableError(
             f"{what}: the index server at {redact_url(url)} cannot be reached ({e})", url=redact_url(url)
         ) from e
@@ -239,13 +253,25 @@ class Index:
     """A connection to the index server: models, epochs, object records and placement.
 
     Thread-safe (redis-py pools connections). The raw client is
-    package-private to ``consistency/``.
+    package-private to ``consistency/``; it connects on first use (a server
+    that is not up yet fails the first operation, typed, not the constructor).
 
     Args:
-        url: ``redis://[user:pass@]host:port/db``, ``rediss://...`` (TLS) or
-            ``unix:///path/to/socket``. A password may also come from ``password``.
+        url: ``redis://[user:pass@]host:port/db``, ``rediss://...`` (TLS),
+            ``unix:///path/to/socket``, or ``redis+cluster://host:port`` /
+            ``rediss+cluster://...`` to force a Redis Cluster client. A plain
+            ``redis://`` seed of a cluster node is detected as a cluster
+            (``INFO cluster``). A password may also come from ``password``.
         password: AUTH password (overrides the URL's).
-        client: an existing redis-py client to use instead (tests, clusters).
+        client: an existing redis-py client (``Redis`` or ``RedisCluster``) to use instead.
+        socket_timeout: seconds a command may take (raised past ``replica_timeout_s`` when acks are on).
+        ssl_ca_certs: CA bundle for ``rediss://``.
+        replicas: replicas that must acknowledge a state change before it is
+            reported (``WAIT``); ``None``: 1 if the index is replicated (every
+            slot-serving primary has a replica online, or a single server has
+            a connected replica) when first needed, else 0.
+        replica_timeout_s: how long a state change waits for its acknowledgements
+            before it fails with :class:`~tierstore.errors.ReplicaAckError`.
     """
 
     def __init__(
@@ -253,37 +279,131 @@ class Index:
         url: str | None = None,
         *,
         password: str | None = None,
-        client: redis.Redis | None = None,
+        client: redis.Redis | RedisCluster | None = None,
         socket_timeout: float = 10.0,
         ssl_ca_certs: str | None = None,
+        replicas: int | None = None,
+        replica_timeout_s: float = 2.0,
     ) -> None:
         self.url = url or ""
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0):
+            raise ConfigError(f"replicas must be a non-negative int or None, got {replicas!r}")
+        if not replica_timeout_s > 0:
+            raise ConfigError(f"replica_timeout_s must be positive, got {replica_timeout_s!r}")
+        self._replicas = replicas
+        self.replica_timeout_s = float(replica_timeout_s)
+        self._lock = threading.Lock()
+        self._listed: set[str] = set()  # models this instance added to ts:models
+        self._client = client
+        self._kwargs: dict[str, Any] = {}
         if client is None:
             if not url:
-                raise ConfigError("the index needs a URL (redis://, rediss:// or unix://) or a client")
+                raise ConfigError("the index needs a URL (redis://, rediss://, unix://) or a client")
             scheme = urlparse(url).scheme
-            if scheme not in ("redis", "rediss", "unix"):
+            if scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
                 raise ConfigError(f"unsupported index URL scheme {scheme!r} in {redact_url(url)}")
-            kwargs: dict[str, Any] = {"socket_timeout": socket_timeout, "health_check_interval": 30}
+            kwargs: dict[str, Any] = {"socket_timeout": max(socket_timeout, replica_timeout_s + 5.0),
+                                      "health_check_interval": 30}
             if password is not None:
                 kwargs["password"] = password
-            if scheme == "rediss" and ssl_ca_certs:
+            if scheme.startswith("rediss") and ssl_ca_certs:
                 kwargs["ssl_ca_certs"] = ssl_ca_certs
-            client = redis.Redis.from_url(url, **kwargs)
-        self._r = client
-        self._record = self._r.register_script(_RECORD)
-        self._raise_epoch = self._r.register_script(_RAISE_EPOCH)
-        self._tier = self._r.register_script(_TIER)
-        self._delete = self._r.register_script(_DELETE)
-        self._pin = self._r.register_script(_PIN)
-        self._annotate = self._r.register_script(_ANNOTATE)
+            self._kwargs = kwargs
+
+    @property
+    def _r(self) -> Any:
+        """The redis-py client (``Redis`` or ``RedisCluster``), connected on first use."""
+        c = self._client
+        if c is None:
+            with self._lock:
+                if self._client is None:
+                    with translate_redis_errors("connect to the index", self.url):
+                        self._client = connect(self.url, self._kwargs)
+                c = self._client
+        return c
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether the index is a Redis Cluster."""
+        return isinstance(self._r, RedisCluster)
+
+    @property
+    def replicas(self) -> int:
+        """Replica acknowledgements each state change waits for (auto-detected on first use if not given)."""
+        if self._replicas is None:
+            with translate_redis_errors("count the index's replicas", self.url):
+                self._replicas = min(1, replica_count(self._r))
+        return self._replicas
+
+    @cached_property
+    def _record(self) -> Any:
+        return self._r.register_script(_RECORD)
+
+    @cached_property
+    def _raise_epoch(self) -> Any:
+        return self._r.register_script(_RAISE_EPOCH)
+
+    @cached_property
+    def _tier(self) -> Any:
+        return self._r.register_script(_TIER)
+
+    @cached_property
+    def _delete(self) -> Any:
+        return self._r.register_script(_DELETE)
+
+    @cached_property
+    def _pin(self) -> Any:
+        return self._r.register_script(_PIN)
+
+    @cached_property
+    def _annotate(self) -> Any:
+        return self._r.register_script(_ANNOTATE)
 
     def close(self) -> None:
-        self._r.close()
+        if self._client is not None:
+            self._client.close()
 
     def wrapped(self, wrap: Callable[[Any], Any]) -> Index:
         """A new :class:`Index` over ``wrap(client)`` (fault injection wraps the client this way)."""
-        return Index(self.url, client=wrap(self._r))
+        return Index(self.url, client=wrap(self._r), replicas=self._replicas,
+                     replica_timeout_s=self.replica_timeout_s)
+
+    # -- replica-acknowledged writes (see consistency.cluster) ------------------------
+    def run_script(self, script: Any, keys: Sequence[str], args: Sequence[Any], *, ack: bool = True,
+                   what: str = "index write") -> Any:
+        """Run a registered Lua script over ``keys`` (all of one model); with ``ack``, on a replicated
+        index, return only once the replicas acknowledged it and everything it read.
+
+        Raises:
+            ReplicaAckError: too few replicas acknowledged in time (the primary has it; not acknowledged).
+            redis.exceptions.RedisError: as the script does (callers translate).
+        """
+        if not ack or self.replicas == 0:
+            return script(keys=list(keys), args=list(args))
+        out = acked(self._r, keys[0], self._sync_key(keys[0]),
+                    lambda p: p.evalsha(script.sha, len(keys), *keys, *args), replicas=self.replicas,
+                    timeout_s=self.replica_timeout_s, what=what, scripts=(script,))
+        if isinstance(out[0], Exception):
+            raise out[0]
+        return out[0]
+
+    def sync(self, model: str, what: str = "acknowledge") -> None:
+        """Return once the replicas have every write ``model``'s primary applied so far (no-op unreplicated).
+
+        Raises:
+            ReplicaAckError: too few replicas acknowledged within the timeout.
+            TierUnavailableError: the index cannot be reached.
+        """
+        if self.replicas == 0:
+            return
+        with translate_redis_errors(f"{what} ({model})", self.url):
+            acked(self._r, self._k(model, "sync"), self._k(model, "sync"), lambda p: None, replicas=self.replicas,
+                  timeout_s=self.replica_timeout_s, what=f"{what} ({model})")
+
+    @staticmethod
+    def _sync_key(key: str) -> str:
+        """The sync counter of the model whose key (``ts:{model}:...``) is given."""
+        return key[: key.index("}") + 1] + ":sync"
 
     # -- keys (package-private: the schema above) ------------------------------------
     @staticmethod
@@ -330,14 +450,22 @@ class Index:
         validate_name(model, "model")
         with translate_redis_errors("bump epoch", self.url):
             self._r.sadd(MODELS, model)
-            return int(self._r.incr(self._k(model, "epoch")))
+            key = self._k(model, "epoch")
+            if self.replicas == 0:
+                return int(self._r.incr(key))
+            out = acked(self._r, key, self._k(model, "sync"), lambda p: p.incr(key), replicas=self.replicas,
+                        timeout_s=self.replica_timeout_s, what=f"bump the epoch of {model}")
+            if isinstance(out[0], Exception):
+                raise out[0]
+            return int(out[0])
 
     def raise_epoch(self, model: str, at_least: int) -> int:
         """Raise ``model``'s epoch to at least ``at_least`` (never lowers it); return the epoch."""
         validate_name(model, "model")
         with translate_redis_errors(f"raise epoch of {model}", self.url):
             self._r.sadd(MODELS, model)
-            return int(self._raise_epoch(keys=[self._k(model, "epoch")], args=[int(at_least)]))
+            return int(self.run_script(self._raise_epoch, [self._k(model, "epoch")], [int(at_least)],
+                                       what=f"raise the epoch of {model}"))
 
     # -- objects -------------------------------------------------------------------
     def record_object(
@@ -368,7 +496,9 @@ class Index:
         m = key.model
         name = name or str(key)
         with translate_redis_errors(f"record {key}", self.url):
-            self._r.sadd(MODELS, m)
+            if m not in self._listed:  # ts:models lives outside the model's slot: one SADD per model and client
+                self._r.sadd(MODELS, m)
+                self._listed.add(m)
             old = _s(self._record(
                 keys=[self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
                       self._k(m, "step", key.step)],

@@ -194,10 +194,10 @@ class StepProtocol:
                                        or world_size < 1):
             raise CommitError(f"world_size must be a positive int, got {world_size!r}")
 
-    def _run(self, what: str, script, keys: list[str], args: list) -> Any:
+    def _run(self, what: str, script, keys: list[str], args: list, *, ack: bool = True) -> Any:
         try:
-            with translate_redis_errors(what, self.index.url):
-                return script(keys=keys, args=[*args, self._now()])
+            with translate_redis_errors(what, self.index.url):  # ack: the replicas have it (Index.run_script)
+                return self.index.run_script(script, keys, [*args, self._now()], ack=ack, what=what)
         except TierUnavailableError as e:
             msg = str(e.__cause__ or "")
             if "TSNOSTEP" in msg or "TSRANK" in msg:
@@ -383,13 +383,13 @@ class StepProtocol:
             return
         ks = self._keys(model, step)
         with translate_redis_errors(f"mark step {step} migrated", self.index.url):
-            self._migrated(keys=[ks["epoch"], ks["step"]], args=[-1 if epoch is None else epoch, rank])
+            self.index.run_script(self._migrated, [ks["epoch"], ks["step"]], [-1 if epoch is None else epoch, rank])
         self.maybe_durable(model, step, epoch=epoch)
 
     def mark_memory_only(self, model: str, step: int, reason: str) -> bool:
         """Record that ``step`` stays in memory only, and why (if it is recorded and not durable)."""
         with translate_redis_errors(f"mark step {step} of {model} memory-only", self.index.url):
-            return bool(self._memory_only(keys=[self._keys(model, step)["step"]], args=[reason[:1000]]))
+            return bool(self.index.run_script(self._memory_only, [self._keys(model, step)["step"]], [reason[:1000]]))
 
     def maybe_durable(self, model: str, step: int, *, epoch: int | None = None) -> bool:
         """If ``step`` is committed, every rank migrated, and every object it reaches is held by the
@@ -428,6 +428,7 @@ class StepProtocol:
         manifest["deps"] = sorted([*manifest.get("deps", []), *extra], key=lambda d: d["key"])
         data = json.dumps(manifest, sort_keys=True).encode()
         name = durable_manifest_name(model, step)
+        self.index.sync(model, f"acknowledge step {step} before its durable manifest")  # never durable unreplicated
         try:
             self.durable.put(name, data, if_absent=True)
         except KeyExistsError as e:  # another rank wrote the same one; a different one is a conflict
@@ -440,8 +441,8 @@ class StepProtocol:
                     pass
                 raise KeyExistsError(why, key=name, tier=self.durable.tier, model=model, step=step) from e
         with translate_redis_errors(f"mark step {step} durable", self.index.url):
-            marked = self._durable(keys=[ks["epoch"], ks["step"]],
-                                   args=[-1 if epoch is None else epoch, ks["events"], step, self._now()])
+            marked = self.index.run_script(self._durable, [ks["epoch"], ks["step"]],
+                                           [-1 if epoch is None else epoch, ks["events"], step, self._now()])
         if not marked and self.state(model, step) != "durable":
             # garbage collection dropped the step while its manifest was being written: an index rebuild
             # must not resurrect it
@@ -498,7 +499,8 @@ class StepProtocol:
         with translate_redis_errors(f"drop steps of {model}", self.index.url):
             pipe = self.index._r.pipeline(transaction=False)
             for s in steps:
-                pipe.delete(k(model, "manifest", s), k(model, "votes", s))
+                pipe.delete(k(model, "manifest", s))  # one key per DEL: a cluster pipeline refuses multi-key DEL
+                pipe.delete(k(model, "votes", s))
                 if states.get(s) != "aborted":
                     pipe.delete(k(model, "step", s))
                     pipe.zrem(k(model, "steps"), s)
@@ -550,7 +552,10 @@ class StepProtocol:
     def abort_if_stale(self, model: str, step: int) -> str:
         """Abort ``step`` if it is still preparing past its timeout; return its state ("" if unknown)."""
         key = self._keys(model, step)["step"]
-        return _s(self._run(f"expire step {step} of {model}", self._expire, [key], []))
+        state = _s(self._run(f"expire step {step} of {model}", self._expire, [key], [], ack=False))
+        if state in DECIDED:  # reported only once the replicas have it (a no-op on an unreplicated index)
+            self.index.sync(model, f"acknowledge step {step} {state}")
+        return state
 
     def require_committed(self, model: str, step: int, timeout: float | None = None) -> str:
         state = self.wait(model, step, timeout)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_cluster import cluster_url, redis_cluster  # noqa: F401
 from tests.redis_server import redis_proc, redis_url  # noqa: F401
 from tests.s3_server import *  # noqa: F401,F403
 

@@ -52,8 +52,11 @@ def _announce_and_hang(point: str) -> None:
 def _send_raw_vote(store, infos, step: int, rank: int, epoch: int, *, whole: bool) -> None:
     """Write the vote's EVALSHA on the wire, all of it or half of it, without reading the reply."""
     script, keys, args = store.steps.vote_call(M, step, rank, infos, epoch=epoch, extra={"rank": rank})
-    store.index._r.script_load(script.script)
-    conn = store.index._r.connection_pool.get_connection()
+    r = store.index._r
+    if hasattr(r, "get_node_from_key"):  # a Redis Cluster: the node serving the model's slot
+        r = r.get_redis_connection(r.get_node_from_key(keys[0]))
+    r.script_load(script.script)
+    conn = r.connection_pool.get_connection()
     data = b"".join(conn.pack_command("EVALSHA", script.sha, len(keys), *keys, *args, -1))
     conn._sock.sendall(data if whole else data[: len(data) // 2])
 

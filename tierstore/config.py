@@ -7,8 +7,10 @@ over defaults. The environment is read only in :meth:`StoreConfig.from_env`.
 variable                       field
 =============================  ===============================================
 ``TIERSTORE_HOME``             ``home`` (data directory; default ``./.tierstore``)
-``TIERSTORE_REDIS``            ``redis_url`` (``redis://``, ``rediss://``, ``unix://``)
+``TIERSTORE_REDIS``            ``redis_url`` (``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``)
 ``TIERSTORE_REDIS_PASSWORD``   ``redis_password``
+``TIERSTORE_INDEX_REPLICAS``   ``index_replicas`` (``auto`` or an integer)
+``TIERSTORE_ACK_TIMEOUT``      ``index_ack_timeout_s`` (seconds)
 ``TIERSTORE_DURABLE``          ``durable_url`` (``file://...``, ``s3://bucket/prefix``, ``none``)
 ``TIERSTORE_S3_ENDPOINT``      ``s3_endpoint_url``
 ``TIERSTORE_HOST_ROOT``        ``host_root`` (shared-memory directory of the host tier)
@@ -39,6 +41,8 @@ _ENV = {
     "home": "TIERSTORE_HOME",
     "redis_url": "TIERSTORE_REDIS",
     "redis_password": "TIERSTORE_REDIS_PASSWORD",
+    "index_replicas": "TIERSTORE_INDEX_REPLICAS",
+    "index_ack_timeout_s": "TIERSTORE_ACK_TIMEOUT",
     "durable_url": "TIERSTORE_DURABLE",
     "s3_endpoint_url": "TIERSTORE_S3_ENDPOINT",
     "host_root": "TIERSTORE_HOST_ROOT",
@@ -67,6 +71,14 @@ class StoreConfig:
         home: data directory of the embedded default (index server, durable dir).
         redis_url: the index; ``None`` starts the embedded server in ``home``.
         redis_password: AUTH password (never logged).
+        index_replicas: replicas of the index that must acknowledge (``WAIT``)
+            every state change of the commit protocol (begin, vote, durable,
+            new epoch) before it is reported; a shortfall raises
+            :class:`~tierstore.errors.ReplicaAckError` and the change is not
+            acknowledged. ``None`` (auto): 1 when the index is replicated (a
+            cluster whose every primary has a replica online, or a server with
+            a connected replica), else 0 (the embedded server, a single server).
+        index_ack_timeout_s: how long a state change waits for those acknowledgements.
         durable_url: ``file://dir`` or ``s3://bucket/prefix``; ``None`` means
             ``home/durable``; ``"none"`` disables the durable tier.
         s3_endpoint_url: for S3-compatible servers (moto, MinIO).
@@ -103,6 +115,8 @@ class StoreConfig:
     home: str = ".tierstore"
     redis_url: str | None = None
     redis_password: str | None = None
+    index_replicas: int | None = None
+    index_ack_timeout_s: float = 2.0
     durable_url: str | None = None
     s3_endpoint_url: str | None = None
     host_root: str | None = None
@@ -126,6 +140,10 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:
             raise ConfigError("host_capacity_bytes must be positive")
+        if self.index_replicas is not None and self.index_replicas < 0:
+            raise ConfigError("index_replicas must be >= 0 (or None: auto)", field="index_replicas")
+        if not self.index_ack_timeout_s > 0:
+            raise ConfigError("index_ack_timeout_s must be positive", field="index_ack_timeout_s")
         if self.migration_queue <= 0 or self.migration_workers <= 0:
             raise ConfigError("migration_queue and migration_workers must be positive")
         if self.migration_retries < 0 or self.migration_backoff_s < 0 or self.migration_backoff_max_s < 0:
@@ -148,7 +166,14 @@ class StoreConfig:
         for name, var in _ENV.items():
             if var in env and env[var] != "":
                 values[name] = env[var]
-        for name in ("host_capacity_bytes", "peer_replicas"):
+        if str(values.get("index_replicas", "")).lower() == "auto":
+            del values["index_replicas"]
+        if "index_ack_timeout_s" in values:
+            try:
+                values["index_ack_timeout_s"] = float(values["index_ack_timeout_s"])
+            except ValueError as e:
+                raise ConfigError(f"{_ENV['index_ack_timeout_s']} must be a number: {e}") from e
+        for name in ("host_capacity_bytes", "peer_replicas", "index_replicas"):
             if name in values:
                 try:
                     values[name] = int(values[name])

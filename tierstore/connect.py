@@ -45,7 +45,8 @@ def open(
 
     Args:
         home: data directory of the embedded default (``$TIERSTORE_HOME``, else ``./.tierstore``).
-        redis: index URL (``redis://``, ``rediss://``, ``unix://``); default: the embedded server.
+        redis: index URL (``redis://``, ``rediss://``, ``unix://``; a seed of any Redis Cluster node is
+            detected, ``redis+cluster://`` forces a cluster); default: the embedded server.
         durable: ``file://dir``, ``s3://bucket/prefix`` or ``"none"``; default ``home/durable``.
         config: a full :class:`StoreConfig` (explicit arguments still win).
         **options: other :class:`StoreConfig` fields (``host_capacity_bytes``, ``peer_replicas``, ...).
@@ -64,7 +65,8 @@ def open(
     url = cfg.redis_url
     if url is None:
         url = ensure_server(cfg.home)
-    index = Index(url, password=cfg.redis_password)
+    index = Index(url, password=cfg.redis_password, replicas=cfg.index_replicas,
+                  replica_timeout_s=cfg.index_ack_timeout_s)
     try:
         index.ping()
         if cfg.host_root is None:  # resolved() always derives one

@@ -28,6 +28,7 @@ __all__ = [
     "MissingDependencyError",
     "NoValidCopyError",
     "ProtocolError",
+    "ReplicaAckError",
     "RestoreMismatchError",
     "StepAbortedError",
     "StepCommittedError",
@@ -121,6 +122,18 @@ class IndexLostError(TierStoreError):
     Starting fresh would write over the durable history; run ``tierstore admin
     rebuild-index MODEL --yes`` (or open the store with ``rebuild_index_on_loss``).
     ``model`` names it; ``durable_steps`` lists the durable manifests found.
+    """
+
+
+class ReplicaAckError(CommitError):
+    """The index's primary applied a state change, but too few replicas acknowledged it in time.
+
+    Not acknowledged means not committed: the primary has the change, a
+    replica may not, and a failover to that replica may lose it. Fields:
+    ``wanted`` and ``acked`` (replica counts), ``timeout_s``, and ``state``:
+    what the primary answered (``"committed"`` for a deciding vote), which a
+    caller must not act on. Asking again (``wait``) once a replica is back
+    acknowledges it, or, after a failover, answers what survived.
     """
 
 

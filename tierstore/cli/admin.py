@@ -65,7 +65,7 @@ def _connection_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("connection")
     g.add_argument("--home", default=argparse.SUPPRESS, help="embedded store's data directory")
-    g.add_argument("--redis", default=argparse.SUPPRESS, help="index URL (redis://, rediss://, unix://)")
+    g.add_argument("--redis", default=argparse.SUPPRESS, help="index URL (redis://, rediss://, unix://; a Redis Cluster node, or redis+cluster://)")
     g.add_argument("--s3", "--durable", dest="durable", default=argparse.SUPPRESS,
                    help="durable tier: s3://bucket/prefix or file://dir")
     g.add_argument("--s3-endpoint", default=argparse.SUPPRESS, help="S3-compatible endpoint URL")

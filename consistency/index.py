@@ -15,6 +15,8 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:{m}:votes:<N>               HASH   rank -> JSON vote
     ts:{m}:manifest:<N>            STRING the committed manifest (JSON)
     ts:{m}:events                  pub/sub channel: "<step> <state>"
+    ts:{m}:incarnations            HASH   job incarnation token -> its epoch (StepProtocol.join_epoch)
+    ts:{m}:progress                HASH   rank -> "<epoch> <step>": the newest step it began saving
     ts:node:<id>                   HASH   a node agent's registration (TTL), see :mod:`consistency.nodes`
     ts:nodes                       SET    registered node ids
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from consistency.manifest import MANIFEST_VERSION
 
-__all__ = ["BEGIN", "DURABLE", "EXPIRE", "MIGRATED", "VOTE"]
+__all__ = ["BEGIN", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MIGRATED", "VOTE"]
 
 # Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
 # last ARGV, a negative value meaning "ask the server".
@@ -110,4 +110,23 @@ if redis.call('HGET', KEYS[2], 'state') == 'committed' then
   return 1
 end
 return 0
+"""
+
+# KEYS: epoch, incarnations; ARGV: token, base. An incarnation of a job (all ranks share its token) gets one
+# epoch: the first rank to join raises the epoch (unless another incarnation raised it since ``base``, the epoch
+# the incarnation saw when it started: then it is a zombie), the others get the same. A token whose epoch is
+# older than the current one is fenced.
+JOIN_EPOCH = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local known = redis.call('HGET', KEYS[2], ARGV[1])
+if known then
+  known = tonumber(known)
+  if known < cur then return redis.error_reply('TSFENCED ' .. cur) end
+  return known
+end
+local base = tonumber(ARGV[2])
+if base >= 0 and cur > base then return redis.error_reply('TSFENCED ' .. cur) end
+cur = redis.call('INCR', KEYS[1])
+redis.call('HSET', KEYS[2], ARGV[1], cur)
+return cur
 """

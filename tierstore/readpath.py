@@ -88,15 +88,20 @@ class _Reach:
 
 
 def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_staleness: int = 0, *,
-            max_chain: int = 64) -> Resolution:
+            max_chain: int = 64, step: int | None = None) -> Resolution:
     """Resolve ``model``'s resume step and the version of each layer; see the module docstring.
 
     Args:
         protocol: the commit protocol (manifests, object records).
         tiers: the live tiers, fastest first.
         max_chain: the longest delta/ref chain a read follows.
+        step: resolve this committed step as R (no fallback to an older one);
+            ``None``: the newest that can be rebuilt.
     """
     steps = [(s, st) for s, st in protocol.steps(model) if st in ("committed", "durable")]
+    if step is not None and step not in dict(steps):
+        why = f"step {step} of {model!r} is not committed"
+        raise NoValidCopyError(why, model=model, step=step, reason=why)
     if not steps:
         raise NoValidCopyError(f"model {model!r} has no committed step", model=model)
     reach = _Reach(protocol, tiers, max_chain)
@@ -109,7 +114,7 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
 
     committed = [s for s, _ in steps]
     first_failure: str | None = None
-    for r_step in reversed(committed):
+    for r_step in ([step] if step is not None else reversed(committed)):
         m_r = manifest(r_step)
         if m_r is None:
             continue

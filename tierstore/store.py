@@ -419,10 +419,10 @@ class TierStore:
     def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:
         return self.steps.wait(model, step, timeout=timeout)
 
-    def resolve(self, model: str, max_staleness: int = 0) -> Resolution:
-        """The freshest consistent layer set of ``model``; see :mod:`tierstore.readpath`."""
+    def resolve(self, model: str, max_staleness: int = 0, *, step: int | None = None) -> Resolution:
+        """The freshest consistent layer set of ``model`` (or of its committed ``step``); see :mod:`tierstore.readpath`."""
         return resolve(self.steps, self.tiers, model, max_staleness=max_staleness,
-                       max_chain=self.config.max_delta_chain)
+                       max_chain=self.config.max_delta_chain, step=step)
 
     def rebuild_index(self, model: str | None = None) -> RebuildReport:
         """Rebuild a lost index from the durable manifests; see :mod:`consistency.rebuild`."""

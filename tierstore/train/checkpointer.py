@@ -75,12 +75,12 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey, validate_name
 from tierstore.train.dedup import DedupPlanner, part_of
+from tierstore.train.gradlog import ReplayLog
 from tierstore.train.layers import PARAM
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
 from tierstore.train.stagger import balanced_slots, shifted
-from tierstore.train.gradlog import ReplayLog
-from tierstore.train.view import Collected, RestoreReport, Restored, StateView
+from tierstore.train.view import Collected, Restored, RestoreReport, StateView
 from tierstore.train.writing import SaveStats, Snapshot, nbytes, retain, write_layer
 
 __all__ = ["Checkpointer", "RestoreReport", "Restored", "SaveStats", "rank_from_env"]

@@ -144,7 +144,7 @@ def test_unstorable_value_fails_save_before_anything_is_written(store):
     assert ei.value.key == "extra.callback" and "extra.callback" in str(ei.value)
     assert store.list("bad", step=1) == [] and store.steps.state("bad", 1) is None  # never begun
     st["sched"].state_dict = lambda: {"lr_lambdas": [lambda e: 1.0]}
-    with pytest.raises(InvalidValueError, match="sched.lr_lambdas"):
+    with pytest.raises(InvalidValueError, match=r"sched\.lr_lambdas"):
         ck.save(1)
     assert store.steps.state("bad", 1) is None
     del st["sched"]

@@ -295,7 +295,8 @@ class Checkpointer:
             if snap.before_vote is not None:
                 snap.before_vote(snap.vote_extra)
             self._retained_below = retain(self.store, self.model, self.rank, self.keep_last,
-                                          self.policy.max_staleness or 0, self._retained_below)
+                                          self.policy.max_staleness or 0, self._retained_below,
+                                          self._replay.base_of if self._replay is not None else None)
             while snap.pendings:
                 infos.append(snap.pendings.pop(0)[1].finish())
             if snap.staged:

@@ -144,6 +144,7 @@ class ReplayLog:
         self._replaying = False
         self._last_saved: int | None = None
         self._last_base: int | None = None
+        self._bases: list[int] = []  # base steps of this run, oldest first (retention keeps a chain's base)
         self._params_free = threading.Event()
         self._params_free.set()
         self._hook = self.optimizer.register_step_pre_hook(self._pre_step)
@@ -192,8 +193,14 @@ class ReplayLog:
         self._last_saved = step
         if base:
             self._last_base = step
+            self._bases.append(step)
         self._steps_since_save = 0
         self._captured = None
+
+    def base_of(self, step: int) -> int:
+        """The base a restore of ``step`` starts from (retention keeps it); ``0`` if unknown: keep all."""
+        older = [b for b in self._bases if b <= step]
+        return older[-1] if older else 0
 
     def saved_base(self, step: int, snap: Snapshot) -> None:
         """The Checkpointer snapshotted a base of ``step``."""
@@ -240,6 +247,8 @@ class ReplayLog:
     def continue_from(self, step: int, base: int | None) -> None:
         """After a writer's restore of ``step`` (verified, committed): the next save may continue its chain."""
         self._last_saved, self._last_base, self._steps_since_save = step, base, 0
+        if base is not None and base not in self._bases:
+            self._bases.append(base)
 
     def close(self) -> None:
         self._hook.remove()

@@ -127,11 +127,13 @@ def write_layer(store: Any, model: str, rank: int, ln: str, step: int, tensors: 
     return info
 
 
-def retain(store: Any, model: str, rank: int, keep_last: int | None, max_staleness: int, below: int) -> int:
+def retain(store: Any, model: str, rank: int, keep_last: int | None, max_staleness: int, below: int,
+           floor: Callable[[int], int] | None = None) -> int:
     """Delete this rank's objects that the last ``keep_last`` committed steps no longer reach.
 
     ``below`` is the horizon of the previous pass (nothing to do if it did not move
-    and no aborted step waits); returns the new horizon.
+    and no aborted step waits); returns the new horizon. ``floor(oldest)`` widens
+    what is kept to the step a restore of ``oldest`` starts from (replay: its base).
     """
     if keep_last is None:
         return below
@@ -141,15 +143,25 @@ def retain(store: Any, model: str, rank: int, keep_last: int | None, max_stalene
         return below
     # a layer-wise resume at step R reads layers saved as far back as R - max_staleness
     oldest = committed[-keep_last] - max_staleness
+    if floor is not None:
+        oldest = min(oldest, floor(oldest))
     kept = [s for s in committed if s >= oldest]
     aborted = {s for s, st in steps if st == "aborted" and s < kept[-1]}
     horizon = kept[0]
     if horizon <= below and not aborted:
         return below
     keep = reachable(store.steps, model, kept)
-    for key in store.list(model):
-        if key.rank != rank or key in keep:
-            continue
-        if key.step < horizon or key.step in aborted:
-            store.delete(key)
-    return horizon
+    victims = [k for k in store.list(model)
+               if k.rank == rank and k not in keep and (k.step < horizon or k.step in aborted)]
+    deferred = False
+    durable = getattr(store, "durable", None)
+    if victims and durable is not None and store.config.migrate:
+        # an object still queued for migration is left for a later pass (the migrator would report it lost)
+        recs = store.index.get_objects(victims)
+        ready = [k for k, r in zip(victims, recs)
+                 if r is None or durable.tier in r.tiers or not store.placement.to_durable(r.kind, k.step)]
+        deferred = len(ready) < len(victims)
+        victims = ready
+    for key in victims:
+        store.delete(key)
+    return below if deferred else horizon

@@ -223,3 +223,34 @@ def test_epochs_writer_without_restore_is_fenced_reader_never_fences(store, redi
     assert w2.wait() == "committed"
     w1.close()
     w2.close()
+
+
+def test_two_modules_get_their_own_layers(store):
+    st = _state()
+    ema = T.make(seed=1)[0]
+    ck = Checkpointer(store, "two", state={**st, "ema": ema}, rank=0, world_size=1)
+    assert "model.blocks.0" in ck.layers and "ema.blocks.0" in ck.layers
+    T.train_step(st["model"], st["optim"], st["sched"], st["data"])
+    ck.save(0)
+    assert ck.wait() == "committed"
+    ck.close()
+    st2, ema2 = _state(seed=2), T.make(seed=3)[0]
+    ck2 = Checkpointer(store, "two", state={**st2, "ema": ema2}, rank=0, world_size=1)
+    assert ck2.restore().step == 0
+    assert _same_params(_params(st2["model"]), _params(st["model"])) and _same_params(_params(ema2), _params(ema))
+    ck2.close()
+
+
+def test_replay_takes_rank_from_the_launcher_without_a_process_group(store, monkeypatch):
+    """Issue 12: replay fell back to rank 0 under torchrun without a process group; now one discovery for all."""
+    from tierstore.train.replay import ReplayCheckpointer
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    model, opt, _, _ = T.make()
+    rc = ReplayCheckpointer(store, "envrank", model, opt, base_every=4)
+    assert (rc.rank, rc.world_size) == (1, 2)
+    assert rc.ranks.token == "job-7:3"  # every rank of this restart joins the same epoch
+    rc.close()

@@ -12,11 +12,8 @@ Protocol (every rank of the job, in the same order)::
     ckpt.wait()                        # "committed" / "aborted" of the last save
     ckpt.close()
 
-``Checkpointer(store, name, model, optimizer, policy)`` is the same as
-``state={"model": model, "optim": optimizer}``. Each value of ``state`` with
-``state_dict()``/``load_state_dict()`` is read through them (modules and
-optimizers layer by layer, see :mod:`tierstore.train.view`); other values
-are saved as they are.
+``Checkpointer(store, name, model, optimizer, policy)`` is ``state={"model":
+model, "optim": optimizer}``. How the state becomes layers and JSON: :mod:`tierstore.train.view`.
 
 ``save(step, extra=None)`` on the calling thread, in this order:
 
@@ -51,8 +48,7 @@ incarnation are fenced; a writer that never restores joins at its first save.
 Constructing a Checkpointer takes no epoch, and ``restore(read_only=True)``
 never does: an evaluator can read the newest or a named step while the
 trainer runs, without fencing it.
-
-Collectives and rank discovery: see :mod:`tierstore.train.ranks`.
+Collectives and rank discovery: :mod:`tierstore.train.ranks`.
 """
 
 from __future__ import annotations
@@ -470,26 +466,10 @@ class Checkpointer:
                 return Restored(None, None)
             raise
         doc = self.doc(res)
-        plan = self.view.prepare(self.read(res, self._layers_for(res, doc, only)), doc, only)
+        plan = self.view.prepare(self.read(res, self.view.layers_for(res.layers, doc, only)), doc, only)
         self.view.apply(plan)
         self.report.base_s = time.perf_counter() - t0
         return Restored(res.step, plan.get("user"))
-
-    def _layers_for(self, res: Any, doc: Mapping[str, Any], only: Iterable[str] | None) -> list[str]:
-        """The layers a restore of ``only`` reads (every layer without ``only``)."""
-        if only is None:
-            return list(res.layers)
-        keys = set(only)
-        entries = doc.get("entries") or {}
-        want: set[str] = set()
-        for k in keys:
-            e = entries.get(k) or {}
-            if e.get("kind") == "module":
-                want.update(e.get("layers") or [])
-            elif e.get("kind") in ("stateful", "value"):
-                want.add("_state")
-        want.add("_state")  # the user's extra
-        return [ln for ln in res.layers if ln in want]
 
     def close(self) -> None:
         """Wait for the background work, then stop its thread (the store stays open)."""
@@ -508,7 +488,9 @@ def load(store: Any, model_name: str, state: MutableMapping[str, Any], step: int
     For evaluation and inference: takes no epoch (a running trainer is not
     fenced) and writes nothing. ``state`` may be any subset of what was saved
     (``{"model": model}`` for the weights). Give the ``policy`` the job saved
-    with when it was ``layerwise`` (its staleness bound) or ``replay``.
+    with when it was ``layerwise`` (its staleness bound) or ``replay``. With
+    ``torch.distributed`` up and several ranks it is collective, as the
+    Checkpointer's constructor is (pass ``group=`` to choose the ranks).
     """
     ck = Checkpointer(store, model_name, state=state, policy=policy, preallocate=False, keep_last=None, **kwargs)
     try:

@@ -206,6 +206,19 @@ class StateView:
 
     # ---- restore side ---------------------------------------------------------------------
 
+    @staticmethod
+    def layers_for(layers: Iterable[str], doc: Mapping[str, Any], only: Iterable[str] | None) -> list[str]:
+        """Of a step's ``layers``, those a restore of the keys ``only`` reads (all without ``only``)."""
+        if only is None:
+            return list(layers)
+        entries = doc.get("entries") or {}
+        want = {STATE_LAYER}  # the non-tensor entries' tensors and the save's extra
+        for k in only:
+            e = entries.get(k) or {}
+            if e.get("kind") == "module":
+                want.update(e.get("layers") or [])
+        return [ln for ln in layers if ln in want]
+
     def prepare(
         self,
         shards: Mapping[str, tuple[Mapping[str, torch.Tensor], dict]],

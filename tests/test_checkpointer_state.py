@@ -254,3 +254,30 @@ def test_replay_takes_rank_from_the_launcher_without_a_process_group(store, monk
     assert (rc.rank, rc.world_size) == (1, 2)
     assert rc.ranks.token == "job-7:3"  # every rank of this restart joins the same epoch
     rc.close()
+
+
+class _WithExtra(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.meta = {"scale": torch.tensor([2.0, 3.0]), "calls": 0, "tag": b"fp8-v1"}
+
+    def get_extra_state(self):
+        return self.meta
+
+    def set_extra_state(self, state):
+        self.meta = state
+
+
+def test_module_extra_state_with_tensors_round_trips(store):
+    m = _WithExtra()
+    m.meta = {"scale": torch.tensor([5.0, 7.0]), "calls": 4, "tag": b"fp8-v1"}
+    ck = Checkpointer(store, "xs", m, rank=0, world_size=1)
+    ck.save(0)
+    assert ck.wait() == "committed"
+    ck.close()
+    m2 = _WithExtra()
+    assert Checkpointer(store, "xs", m2, rank=0, world_size=1).restore(read_only=True).step == 0
+    assert torch.equal(m2.meta["scale"], torch.tensor([5.0, 7.0])) and m2.meta["calls"] == 4
+    assert m2.meta["tag"] == b"fp8-v1"
+    assert torch.equal(m2.lin.weight, m.lin.weight)

@@ -289,7 +289,7 @@ class ReplayLog:
         if meta.get("type") not in (None, self.opt_name):
             raise RestoreMismatchError(f"base of step {b} was written by {meta.get('type')}, "
                                        f"the optimizer is {self.opt_name}", layer=None, tensor=None)
-        plan = ck.view.prepare(ck.read(res, [ln for ln in res.layers if ln != STATE_LAYER]), doc, keys, rest=False)
+        plan = ck.view.prepare(ck.read(res), doc, keys, rest=False)
         ck.view.apply(plan)
 
     def _replay_one(self, m: dict) -> None:

@@ -92,6 +92,16 @@ def default_layer_fn(name: str) -> str:
     return parts[0]
 
 
+def _plain(v: Any, where: str) -> Any:
+    """:func:`encode` for values that must not hold tensors (they would have nowhere to go)."""
+    table: dict[str, torch.Tensor] = {}
+    out = encode(v, table, "", where)
+    if table:
+        raise InvalidValueError(f"state {where!r} holds tensors inside a non-tensor value; store them as "
+                                "tensors of their own", key=where)
+    return out
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -212,7 +222,7 @@ class StateMap:
         for n in spec.params:
             vals = {k: v for k, v in self.opt_state.get(n, {}).items() if not isinstance(v, torch.Tensor)}
             if vals:
-                scalars[n] = encode(vals, {}, "", f"optim.state[{n}]")
+                scalars[n] = _plain(vals, f"optim.state[{n}]")
         for n in spec.params + spec.buffers:
             t = self.tensors[n]
             if isinstance(t, DTensor):
@@ -242,17 +252,21 @@ class StateMap:
                 if isinstance(v, torch.Tensor):  # e.g. a tensor lr: its value, filled back in place
                     hp[k] = {"__hp_tensor__": v.item() if v.numel() == 1 else v.tolist()}
                 else:
-                    hp[k] = encode(v, {}, "", f"optim.param_groups[{gi}].{k}")
+                    hp[k] = _plain(v, f"optim.param_groups[{gi}].{k}")
             groups.append({"params": [self.opt_params[i] for i in g["params"]], "hp": hp})
         return {"type": type(self.optimizer).__name__, "groups": groups}
 
-    def extra_state(self) -> dict[str, Any]:
+    def extra_state(self, tensors: dict[str, torch.Tensor] | None = None, prefix: str = "") -> dict[str, Any]:
         """Non-tensor entries of the module's state dict (``_extra_state``), encoded.
 
+        Tensors inside them go into ``tensors`` under ``prefix`` (refused without a table).
+
         Raises:
-            InvalidValueError: one that is neither JSON nor bytes.
+            InvalidValueError: one that cannot be stored.
         """
-        return {n: encode(v, {}, "", f"module.{n}") for n, v in self.extra.items()}
+        if tensors is None:
+            return {n: _plain(v, f"module.{n}") for n, v in self.extra.items()}
+        return {n: encode(v, tensors, prefix, f"module.{n}") for n, v in self.extra.items()}
 
     def signature(self, layer: str | None = None) -> str:
         """A digest of the layout (names, shapes, dtypes) of one layer or all."""
@@ -290,6 +304,7 @@ class StateMap:
         metas: Mapping[str, dict] | None = None,
         optimizer_meta: dict | None = None,
         extra_state: Mapping[str, Any] | None = None,
+        loose: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """Validate everything; return the plan for :meth:`apply`. Changes nothing.
 
@@ -299,6 +314,7 @@ class StateMap:
             optimizer_meta: as made by :meth:`optimizer_meta`; restores the param
                 groups' hyper-parameters when given.
             extra_state: as made by :meth:`extra_state`.
+            loose: the tensors :meth:`extra_state` put in its table.
 
         Optimizer tensors in ``tensors`` are ignored when this map has no optimizer
         (a weights-only restore).
@@ -369,7 +385,8 @@ class StateMap:
         groups = None
         if self.optimizer is not None:
             groups = self._plan_groups(optimizer_meta)
-        return {"model": model_sd, "extra": {n: decode(extra_state[n], {}) for n in want_extra} if extra_state else {},
+        return {"model": model_sd,
+                "extra": {n: decode(extra_state[n], loose or {}) for n in want_extra} if extra_state else {},
                 "optim": opt_plan, "groups": groups}
 
     def _plan_groups(self, optimizer_meta: dict | None) -> list[dict[str, Any]]:

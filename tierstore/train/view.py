@@ -171,6 +171,7 @@ class StateView:
         layers: dict[str, dict[str, torch.Tensor]] = {}
         metas: dict[str, dict] = {}
         entries: dict[str, Any] = {}
+        loose: dict[str, torch.Tensor] = {}
         for mk, m in maps.items():
             for ln in m.layers:
                 if ln in layers or ln == STATE_LAYER:
@@ -180,11 +181,10 @@ class StateView:
                     _check_tensor(mk, n, t)
                 metas[ln] = m.layer_meta(ln)
             entries[mk] = {"kind": "module", "prefix": "" if len(maps) == 1 else f"{mk}.",
-                           "layers": sorted(m.layers), "extra": m.extra_state()}
+                           "layers": sorted(m.layers), "extra": m.extra_state(loose, f"state/{mk}/")}
             if m.optimizer is not None:
                 ok = next(k for k, v in self.owner.items() if v == mk)
                 entries[ok] = {"kind": "optimizer", "module": mk, "meta": m.optimizer_meta()}
-        loose: dict[str, torch.Tensor] = {}
         for key, v in self.state.items():
             if key in entries:
                 continue
@@ -251,6 +251,7 @@ class StateView:
                 raise RestoreMismatchError(f"state entry {k!r} is not in the checkpoint (it holds "
                                            f"{sorted(entries)})", layer=None, tensor=k)
         plan: dict[str, Any] = {"maps": [], "rest": [], "groups": []}
+        loose = {n: t.clone() for n, t in (shards.get(STATE_LAYER) or ({}, {}))[0].items()}
         if modules:
             for mk, m in self.maps(keys).items():
                 stored = entries[mk]
@@ -270,7 +271,7 @@ class StateView:
                     raise RestoreMismatchError(f"layer {missing[0]!r} of {mk!r} was not read", layer=missing[0],
                                                tensor=None)
                 metas = {ln: shards[ln][1] for ln in tensors}
-                plan["maps"].append((m, m.prepare(tensors, metas, opt_meta, stored.get("extra"))))
+                plan["maps"].append((m, m.prepare(tensors, metas, opt_meta, stored.get("extra"), loose)))
         if rest and not modules:  # the hyper-parameters ride with the rest (a learning-rate schedule)
             for mk, m in self.maps(keys).items():
                 if m.optimizer is not None:
@@ -280,7 +281,6 @@ class StateView:
                         m._plan_groups(meta)  # validate now
                         plan["groups"].append((m, meta))
         if rest:
-            loose = {n: t.clone() for n, t in (shards.get(STATE_LAYER) or ({}, {}))[0].items()}
             for k in keys:
                 v = self.state[k]
                 if isinstance(v, nn.Module | torch.optim.Optimizer):

@@ -4,7 +4,7 @@ Part 1: one process trains one copy of the char-level GPT per policy in
 lock-step (same data), each saving every step into the same embedded store:
 ``exact``, ``differential`` (base every ``--base-every``), ``layerwise``
 (tau 0.02, staleness ``--base-every``) through the Checkpointer, and
-``replay`` (base every ``--base-every``) through the ReplayCheckpointer.
+``replay`` (base every ``--base-every``), all through the one Checkpointer.
 Reported: bytes written per step (median, mean) and the ratio to ``exact``.
 
 Part 2: restore time as a function of the chain length L: a job saves a base
@@ -23,8 +23,6 @@ import tempfile
 import time
 
 import tierstore
-from tierstore.train import policies as P
-from tierstore.train.checkpointer import Checkpointer
 from tierstore.testing.gpt import (
     GPTConfig,
     char_dataset,
@@ -33,7 +31,8 @@ from tierstore.testing.gpt import (
     setup_determinism,
     train_step,
 )
-from tierstore.train.replay import ReplayCheckpointer
+from tierstore.train import policies as P
+from tierstore.train.checkpointer import Checkpointer
 
 
 def bytes_per_step(store, cfg: GPTConfig, steps: int, base_every: int) -> None:
@@ -42,8 +41,7 @@ def bytes_per_step(store, cfg: GPTConfig, steps: int, base_every: int) -> None:
     for name, pol in (("exact", P.exact()), ("differential", P.differential(base_every=base_every)),
                       ("layerwise", P.layerwise(tau=0.02, max_staleness=base_every)), ("replay", None)):
         model, opt = make_model(cfg, seed=0)
-        ck = (ReplayCheckpointer(store, f"bench-{name}", model, opt, base_every=base_every) if pol is None
-              else Checkpointer(store, f"bench-{name}", model, opt, pol))
+        ck = Checkpointer(store, f"bench-{name}", model, opt, pol or P.replay(base_every=base_every))
         jobs[name] = (model, opt, ck)
     for step in range(steps):
         x, y = get_batch(data, step, 0, 8, cfg.block)
@@ -71,7 +69,7 @@ def restore_vs_chain(store, cfg: GPTConfig, chains: list[int]) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for n in chains:
         model, opt = make_model(cfg, seed=0)
-        rc = ReplayCheckpointer(store, f"chain-{n}", model, opt, base_every=10_000)
+        rc = Checkpointer(store, f"chain-{n}", model, opt, P.replay(base_every=10_000))
         t_step = []
         for step in range(n + 1):
             x, y = get_batch(data, step, 0, 8, cfg.block)
@@ -81,10 +79,12 @@ def restore_vs_chain(store, cfg: GPTConfig, chains: list[int]) -> None:
             rc.save(step)
         rc.wait()
         rc.close()
+        store.flush()  # the restore below takes a new epoch: let the old writer's migration finish first
         m2, o2 = make_model(cfg, seed=1)
-        rc2 = ReplayCheckpointer(store, f"chain-{n}", m2, o2, base_every=10_000)
+        rc2 = Checkpointer(store, f"chain-{n}", m2, o2, P.replay(base_every=10_000))
         t0 = time.perf_counter()
-        step, _, rep = rc2.restore()
+        step, _ = rc2.restore()
+        rep = rc2.report
         total = time.perf_counter() - t0
         rc2.close()
         assert step == n and len(rep.replayed) == n and not rep.fell_back

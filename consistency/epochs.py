@@ -62,7 +62,26 @@ class EpochLog:
         if self.durable is None:
             return self.index.bump_epoch(model)
         for _ in range(64):
+            want = self.reserve(model)
+            if self.index.raise_epoch(model, want) == want:
+                self.prune(model, want)
+                return want
+        raise CommitError(f"could not take a new epoch of {model}: it kept moving", model=model)
+
+    def reserve(self, model: str) -> int:
+        """Record a candidate epoch of ``model`` in the durable tier, create-once, and return it.
+
+        The candidate is one past both the index's epoch and the durable tier's
+        newest record (another incarnation that took it first makes this one
+        try the next). The caller raises the index to it (``open_epoch``, or
+        ``StepProtocol.join_epoch`` for a job's incarnation) and calls
+        :meth:`prune` once it holds. Without a durable tier, or one that cannot
+        be written, the candidate is the index's epoch + 1 (with a warning).
+        """
+        for _ in range(64):
             want = max(self.index.epoch(model), self.durable_epoch(model)) + 1
+            if self.durable is None:
+                return want
             body = json.dumps({"model": model, "epoch": want, "taken_at": time.time()}).encode()
             try:
                 self.durable.put(durable_epoch_name(model, want), body, if_absent=True)
@@ -71,13 +90,13 @@ class EpochLog:
             except TierStoreError as e:
                 log.warning("epoch %d of %s is not recorded in the durable tier (%s): after an index loss "
                             "now, it could be taken again", want, model, e)
-            if self.index.raise_epoch(model, want) == want:
-                self._prune(model, want)
-                return want
-        raise CommitError(f"could not take a new epoch of {model}: it kept moving", model=model)
+            return want
+        raise CommitError(f"could not reserve a new epoch of {model}: it kept moving", model=model)
 
-    def _prune(self, model: str, newest: int) -> None:
-        assert self.durable is not None
+    def prune(self, model: str, newest: int) -> None:
+        """Delete the durable epoch records of ``model`` older than the newest ``keep``."""
+        if self.durable is None:
+            return
         try:
             names = [(parse_durable_epoch_name(model, n), n) for n in self.durable.list(durable_epoch_prefix(model))]
             for e, n in sorted((e, n) for e, n in names if e is not None)[:-self.keep]:

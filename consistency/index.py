@@ -19,6 +19,8 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:{m}:manifest:<N>            STRING the committed manifest (JSON)
     ts:{m}:events                  pub/sub channel: "<step> <state>"
     ts:{m}:sync                    STRING a counter written before each WAIT (see :mod:`consistency.cluster`)
+    ts:{m}:incarnations            HASH   job incarnation token -> its epoch (StepProtocol.join_epoch)
+    ts:{m}:progress                HASH   rank -> "<epoch> <step>": the newest step it began saving
     ts:node:<id>                   HASH   a node agent's registration (TTL), see :mod:`consistency.nodes`
     ts:nodes                       SET    registered node ids
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from consistency.manifest import MANIFEST_VERSION
 
-__all__ = ["BEGIN", "DURABLE", "EXPIRE", "MEMORY_ONLY", "MIGRATED", "VOTE"]
+__all__ = ["BEGIN", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED", "VOTE"]
 
 # Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
 # last ARGV, a negative value meaning "ask the server".
@@ -280,4 +280,27 @@ local st = redis.call('HGET', KEYS[1], 'state')
 if st == false or st == 'durable' then return 0 end
 redis.call('HSET', KEYS[1], 'memory_only', ARGV[1])
 return 1
+"""
+
+# KEYS: epoch, incarnations; ARGV: token, base, want. An incarnation of a job (all ranks share its token) gets
+# one epoch: the first rank to join raises the epoch to ``want`` (a candidate already recorded in the durable
+# tier, see consistency.epochs) unless another incarnation raised it since ``base``, the epoch the incarnation
+# saw when it started (then it is a zombie); the others get the same. A token whose epoch is older than the
+# current one is fenced. Returns the epoch, or -1 when ``want`` is no longer newer than the current epoch (the
+# caller reserves another candidate).
+JOIN_EPOCH = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local known = redis.call('HGET', KEYS[2], ARGV[1])
+if known then
+  known = tonumber(known)
+  if known < cur then return redis.error_reply('TSFENCED ' .. cur) end
+  return known
+end
+local base = tonumber(ARGV[2])
+if base >= 0 and cur > base then return redis.error_reply('TSFENCED ' .. cur) end
+local want = tonumber(ARGV[3])
+if want <= cur then return -1 end
+redis.call('SET', KEYS[1], want)
+redis.call('HSET', KEYS[2], ARGV[1], want)
+return want
 """

@@ -52,7 +52,7 @@ from consistency.manifest import (
     manifest_objects,
     parse_manifest,
 )
-from consistency.scripts import BEGIN, DURABLE, EXPIRE, MEMORY_ONLY, MIGRATED, VOTE
+from consistency.scripts import BEGIN, DURABLE, EXPIRE, JOIN_EPOCH, MEMORY_ONLY, MIGRATED, VOTE
 from tierstore.errors import (
     CommitError,
     FencedError,
@@ -160,6 +160,7 @@ class StepProtocol:
         self._migrated = r.register_script(MIGRATED)
         self._durable = r.register_script(DURABLE)
         self._memory_only = r.register_script(MEMORY_ONLY)
+        self._join = r.register_script(JOIN_EPOCH)
 
     def _register(self, model: str) -> None:
         """Add ``model`` to the models list once per instance (it lives outside the model's slot)."""
@@ -556,6 +557,49 @@ class StepProtocol:
         if state in DECIDED:  # reported only once the replicas have it (a no-op on an unreplicated index)
             self.index.sync(model, f"acknowledge step {step} {state}")
         return state
+
+    # -- incarnations and rank progress (the Checkpointer's; see tierstore.train.ranks) -------------
+    def join_epoch(self, model: str, token: str, base: int) -> int:
+        """The epoch of the job incarnation ``token``: the first rank to join raises the model's epoch.
+
+        Args:
+            token: the incarnation's id (every rank of it passes the same).
+            base: the epoch the incarnation saw when it started (``-1``: unknown).
+
+        Raises:
+            FencedError: the incarnation's epoch is older than the current one, or
+                another incarnation raised the epoch after ``base`` before this one joined.
+        """
+        validate_name(model, "model")
+        self._register(model)
+        self.check_index(model)
+        k = self.index._k
+        for _ in range(64):
+            want = self.epochs.reserve(model)  # recorded durably before the index hands it out
+            with translate_redis_errors(f"join epoch of {model}", self.index.url):
+                got = int(self.index.run_script(self._join, [k(model, "epoch"), k(model, "incarnations")],
+                                                [token, int(base), want], what=f"join the epoch of {model}"))
+            if got > 0:
+                if got == want:
+                    self.epochs.prune(model, want)
+                return got
+        raise CommitError(f"could not join an epoch of {model}: it kept moving", model=model)
+
+    def note_progress(self, model: str, rank: int, step: int, epoch: int | None) -> None:
+        """Record that ``rank`` (of incarnation ``epoch``) has begun saving ``step``."""
+        with translate_redis_errors(f"progress of rank {rank} of {model}", self.index.url):
+            self.index._r.hset(self.index._k(model, "progress"), str(rank), f"{-1 if epoch is None else epoch} {step}")
+
+    def progress(self, model: str) -> dict[int, tuple[int, int]]:
+        """``rank -> (epoch, step)``: the newest step each rank began saving (see :meth:`note_progress`)."""
+        with translate_redis_errors(f"progress of {model}", self.index.url):
+            raw = self.index._r.hgetall(self.index._k(model, "progress"))
+        out = {}
+        for r, v in raw.items():
+            parts = _s(v).split()
+            if _s(r).isdigit() and len(parts) == 2:
+                out[int(_s(r))] = (int(parts[0]), int(parts[1]))
+        return out
 
     def require_committed(self, model: str, step: int, timeout: float | None = None) -> str:
         state = self.wait(model, step, timeout)

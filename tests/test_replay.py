@@ -78,7 +78,8 @@ def test_restore_replays_log_bitwise(store, optim):
     rc.close()
     assert rc.stats.objects["full"] > 0
     model, opt, rc2 = _fresh(store, f"rp-{optim}", optim)
-    step, extra, rep = rc2.restore()
+    step, extra = rc2.restore()
+    rep = rc2.report
     assert (step, extra) == (6, {"next": 7})
     assert rep.base_step == 4 and rep.replayed == [5, 6] and not rep.fell_back
     assert _equal(model, states[6])
@@ -122,7 +123,8 @@ def test_flipped_bytes_in_every_tier_fall_back(store):
         _flip(p)
     model, _, rc2 = _fresh(store, "rp-flip", "adamw")
     with pytest.warns(ReplayFallbackWarning):
-        step, extra, rep = rc2.restore()
+        step, extra = rc2.restore()
+    rep = rc2.report
     assert step == 4 and extra == {"next": 5} and rep.fell_back and rep.newest == 6
     assert "log step 5" in rep.reason
     assert _equal(model, states[4])
@@ -150,7 +152,8 @@ def test_substituted_gradient_is_detected_by_the_digest(store):
                               name=rec.name, restore=True)
     model, _, rc2 = _fresh(store, "rp-sub", "sgd")
     with pytest.warns(ReplayFallbackWarning):
-        step, _, rep = rc2.restore()
+        step, _ = rc2.restore()
+    rep = rc2.report
     assert step == 5 and rep.replayed == [5] and "replay of step 6" in rep.reason
     assert _equal(model, states[5])
     rc2.close()
@@ -181,7 +184,8 @@ def worker(rank: int, world: int, port: int, home: str, out: str, kill_at: int) 
         model, opt = make_model(CFG, seed=0)
         rc = ReplayCheckpointer(store, f"gpt-replay-{name}", model, opt, base_every=5)
         with __import__("warnings").catch_warnings(record=True):
-            step, extra, rep = rc.restore()
+            step, extra = rc.restore()
+        rep = rc.report
         start = 0 if step is None else step + 1
         jobs[name] = dict(model=model, opt=opt, rc=rc, start=start, losses={},
                           report={"step": step, "base": rep.base_step, "replayed": rep.replayed,

@@ -1,118 +1,101 @@
-"""The trainer-facing Checkpointer: save a module and optimizer per step, restore in place.
+"""The trainer-facing Checkpointer: save ``Stateful`` trainer state per step, restore it in place.
 
 Protocol (every rank of the job, in the same order)::
 
-    ckpt = Checkpointer(store, "gpt", model, opt, policy=compose(layerwise(), differential(), dedup()))
-    step, extra = ckpt.restore()       # (None, None) on a fresh job; bumps the job's epoch
+    ckpt = Checkpointer(store, "gpt", state={"model": model, "optim": opt, "sched": sched,
+                                             "data": loader, "rng": RNGState()},
+                        policy=compose(layerwise(), differential(), dedup()))
+    step, extra = ckpt.restore()       # (None, None) on a fresh job; takes the job's epoch
     for step in ...:
         train_step()
-        ckpt.save(step, extra={"data_pos": ...})   # returns after the snapshot
+        ckpt.save(step)                # returns after the snapshot
     ckpt.wait()                        # "committed" / "aborted" of the last save
     ckpt.close()
 
-``save(step)`` does, on the calling thread: wait for the previous save's
-background work (at most one save is in flight), pick the layers the policy
-wants (for ``layerwise``, agreed across ranks by an ``all_reduce(MAX)``), and
-copy them: straight into host-tier shared memory (``store.snapshot``) for
-plain full objects, or into reused staging buffers when the object depends on
-what the other ranks hold (dedup) or on the previous version (deltas). The
-rest runs on one background thread: ``begin_step``, redundancy detection,
-delta encoding, sealing and publishing, and the vote that carries the JSON
-``extra`` (the user's, the optimizer's param groups, the policy).
+``Checkpointer(store, name, model, optimizer, policy)`` is ``state={"model":
+model, "optim": optimizer}``. How the state becomes layers and JSON: :mod:`tierstore.train.view`.
 
-Collectives: with ``torch.distributed`` initialised and more than one rank, the
-Checkpointer uses its own gloo group (``group``, else one made by
-``dist.new_group`` in the constructor, which is itself a collective: every
-rank constructs its Checkpointer). The training loop's own collectives are
-never mixed with it.
+``save(step, extra=None)`` on the calling thread, in this order:
 
-Rank and world size come from the arguments, else ``torch.distributed`` when
-initialised, else the launcher's ``RANK``/``WORLD_SIZE`` environment
-(:func:`rank_from_env`, the one place that reads it), else 0 and 1. Without
-``torch.distributed`` there are no collectives: layerwise decisions are local
-(identical replicas decide alike), dedup is off, and restore does not bump the
-epoch when the world is larger than one (no rank could tell the others).
+1. *drain*: wait for the previous save's background work (at most one save
+   is in flight; its error, typed, is raised here);
+2. *collect*: re-read every entry's state (``state_dict()``: never a stale
+   reference) and encode what is not a tensor. A value that cannot be
+   stored raises :class:`~tierstore.errors.InvalidValueError` naming its key,
+   before anything is written;
+3. *open*: take the incarnation's epoch if this writer has none yet (the
+   first save of a writer that never restored), ``store.begin_step`` (errors
+   of the step itself surface here), record this rank's progress;
+4. *select*: the layers the policy writes (``layerwise``: agreed across
+   ranks by an ``all_reduce(MAX)``, after every rank began the step);
+5. *snapshot*: the only step that reads tensor memory: copy into host-tier
+   shared memory (``store.snapshot``) or staging copies. It takes only what
+   *collect* and *select* produced, so it can move to a background thread
+   behind an optimizer pre-hook (issue 15);
+6. the rest runs on one background thread: retention, publishing, dedup and
+   deltas, the vote with the JSON document. Any failure after *open* votes
+   negatively: a step is never left ``preparing`` by this rank.
+
+A rank that never calls ``save(step)``: every other rank raises
+:class:`~tierstore.errors.CommitError` with ``missing_ranks`` once
+``missing_rank_grace`` seconds passed since its own ``save(step)`` (in
+:meth:`wait`, in the next ``save``, or before a collective), and votes the
+step down.
+
+Epochs: a writer's :meth:`restore` joins the job incarnation's epoch (the
+first rank raises the model's epoch), so writes and votes of any older
+incarnation are fenced; a writer that never restores joins at its first save.
+Constructing a Checkpointer takes no epoch, and ``restore(read_only=True)``
+never does: an evaluator can read the newest or a named step while the
+trainer runs, without fencing it.
+Collectives and rank discovery: :mod:`tierstore.train.ranks`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
-from consistency.gc import reachable
 from tierstore import codec
-from tierstore.delta import xor_delta
 from tierstore.errors import (
     CommitError,
+    ConfigError,
     NoValidCopyError,
-    RestoreMismatchError,
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
 from tierstore.train.dedup import DedupPlanner, part_of
-from tierstore.train.layers import PARAM, StateMap
+from tierstore.train.gradlog import ReplayLog
+from tierstore.train.layers import PARAM
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
+from tierstore.train.ranks import Ranks, rank_from_env
 from tierstore.train.stagger import balanced_slots, shifted
+from tierstore.train.view import Collected, Restored, RestoreReport, StateView
+from tierstore.train.writing import SaveStats, Snapshot, nbytes, retain, write_layer
 
-__all__ = ["Checkpointer", "SaveStats", "rank_from_env"]
+__all__ = ["Checkpointer", "RestoreReport", "Restored", "SaveStats", "rank_from_env"]
 
 log = logging.getLogger(__name__)
 
 
-def rank_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """``(RANK, WORLD_SIZE)`` from ``env`` (default ``os.environ``), else ``(0, 1)``."""
-    env = os.environ if env is None else env
-    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-
-
-class SaveStats:
-    """Counters of what this rank wrote: bytes and objects per kind, and stall time."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.logical_bytes = 0
-        self.objects = {"full": 0, "delta": 0, "ref": 0}
-        self.saves = 0
-        self.layers_saved = 0
-        self.per_step: dict[int, int] = {}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "bytes": self.bytes,
-            "logical_bytes": self.logical_bytes,
-            "objects": dict(self.objects),
-            "saves": self.saves,
-            "layers_saved": self.layers_saved,
-        }
-
-
-def _nbytes(ts: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in ts.values())
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
 class Checkpointer:
-    """Saves ``module`` (and ``optimizer``) of this rank into ``store`` under ``model_name``.
+    """Saves the trainer ``state`` of this rank into ``store`` under ``model_name``; see the module docstring.
 
     Args:
         store: an open :class:`~tierstore.store.TierStore`.
         model_name: the key namespace of this job.
-        module: the model; its parameters and buffers are saved by layer.
-        optimizer: optional; per-parameter state and param groups are saved.
+        module, optimizer: the convenience form, ``state={"model": module, "optim": optimizer}``
+            (a mapping as ``module`` is taken as ``state``).
         policy: see :mod:`tierstore.train.policies` (default :func:`exact`).
-        rank, world_size: default from ``torch.distributed``, else 0 and 1.
-        layer_fn: ``param_name -> layer name`` (default: module prefix).
+        state: ``key -> Stateful or value`` (kept by reference, re-read at every save).
+        rank, world_size: see :mod:`tierstore.train.ranks`.
+        layer_fn: ``name -> layer name`` (default: the block, :func:`~tierstore.train.layers.default_layer_fn`).
         group: the gloo group for the Checkpointer's collectives.
         timeout: seconds :meth:`wait` waits for a commit decision.
         keep_last: retention: after each save, this rank's objects that no
@@ -120,8 +103,9 @@ class Checkpointer:
             delta bases and refs) are deleted from every tier, so shared-memory
             segments are recycled; ``None`` keeps everything.
         preallocate: reserve and pre-fault the host tier's shared memory for
-            two generations of this rank's full shards up front, so the first
-            saves copy at memory speed (fresh shared memory faults every page).
+            two generations of this rank's full shards up front.
+        missing_rank_grace: seconds after its own ``save(step)`` before a rank
+            reports the ranks that have not begun ``step``.
 
     Memory bound (host tier, this rank): at most ``keep_last + 1`` generations
     of the saved shards, plus the reuse pool.
@@ -131,10 +115,11 @@ class Checkpointer:
         self,
         store: Any,
         model_name: str,
-        module: torch.nn.Module,
+        module: nn.Module | MutableMapping[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         policy: Policy | None = None,
         *,
+        state: MutableMapping[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         layer_fn: Callable[[str], str] | None = None,
@@ -142,41 +127,61 @@ class Checkpointer:
         timeout: float = 120.0,
         keep_last: int | None = 3,
         preallocate: bool = True,
+        missing_rank_grace: float = 30.0,
     ) -> None:
-
+        if isinstance(module, Mapping):
+            if state is not None or optimizer is not None:
+                raise ConfigError("give either state= or (module, optimizer), not both", field="state")
+            state, module = module, None  # type: ignore[assignment]
+        if state is None:
+            if module is None:
+                raise ConfigError("a Checkpointer needs state={...} or a module", field="state")
+            state = {"model": module}
+            if optimizer is not None:
+                state["optim"] = optimizer
+        elif module is not None or optimizer is not None:
+            raise ConfigError("give either state= or (module, optimizer), not both", field="state")
         self.store = store
         self.model = validate_name(model_name, "model")
-        self.map = StateMap(module, optimizer, layer_fn)
+        self.state = state
+        self.view = StateView(state, layer_fn)
         self.policy = policy or exact()
-        dist_on = dist.is_available() and dist.is_initialized()
-        env_rank, env_world = rank_from_env() if not dist_on else (0, 1)
-        self.rank = rank if rank is not None else (dist.get_rank() if dist_on else env_rank)
-        self.world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else env_world)
-        self.group = None
-        if dist_on and dist.get_world_size() > 1:
-            self.group = group if group is not None else dist.new_group(backend="gloo")
         self.timeout = timeout
+        self.ranks = Ranks(store, self.model, rank, world_size, group, timeout=timeout, grace=missing_rank_grace)
+        self.rank, self.world_size, self.group = self.ranks.rank, self.ranks.world_size, self.ranks.group
         self.epoch: int | None = None
         self.stats = SaveStats()
-        self._lw = LayerwiseTracker(self.policy.tau, self.policy.max_staleness) if self.policy.tau is not None else None
-        self._diff = DiffTracker(self.policy.base_every, self.policy.chain_limit) if self.policy.base_every else None
+        self.report = RestoreReport()
+        pol = self.policy
+        self._lw = LayerwiseTracker(pol.tau, pol.max_staleness) if pol.tau is not None else None
+        self._diff = DiffTracker(pol.base_every, pol.chain_limit) if pol.base_every else None
         self._dedup = None
-        if self.policy.dedup and self.group is not None:
-            self._dedup = DedupPlanner(self.policy.dedup_group or self.group, self.policy.dedup_algo)
-        self._stagger()
+        if pol.dedup and self.group is not None:
+            self._dedup = DedupPlanner(pol.dedup_group or self.group, pol.dedup_algo)
+        self._replay: Any = None
+        if pol.replay_every is not None:
+            self._replay = ReplayLog(self, pol.replay_every, pol.replay_offset)
+        first = self.view.collect()  # validates the state up front and sizes the layers
+        self._stagger(first)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstore-ckpt-{self.rank}")
         self._future: Future | None = None
         self._last_step: int | None = None
+        self._last_t = 0.0
+        self._pending_step: int | None = None  # the last save's step while its vote said "preparing"
         self.keep_last = keep_last
         self._retained_below = 0
         if preallocate and self._diff is None and self._dedup is None and hasattr(store, "host"):
-            self._preallocate()
+            self._preallocate(first)
 
-    def _stagger(self) -> None:
+    @property
+    def layers(self) -> list[str]:
+        """The layers of the state as of now."""
+        return sorted(self.view.collect().layers)
+
+    def _stagger(self, col: Collected) -> None:
         """Give each layer a slot so forced saves and bases spread over steps (LayerCheck's smoothed I/O)."""
-
-        layers = sorted(self.map.layers)
-        sizes = [_nbytes(self.map.layer_tensors(ln)) for ln in layers]
+        layers = sorted(col.layers)
+        sizes = [nbytes(col.layers[ln]) for ln in layers]
         if self._lw is not None and self._lw.max_staleness >= 1:
             self._lw.slots = dict(zip(layers, balanced_slots(sizes, self._lw.max_staleness)))
         if self._diff is not None and self._diff.base_every >= 1:
@@ -184,84 +189,131 @@ class Checkpointer:
             self._diff.slots = {ln: shifted(s, self.rank, self._diff.base_every, self.world_size)
                                 for ln, s in zip(layers, slots)}
 
-    def _preallocate(self) -> None:
-        sizes = [codec.plan(self.map.layer_tensors(ln), {**self.map.layer_meta(ln), "_ts": {}}).nbytes
-                 for ln in sorted(self.map.layers)]
+    def _preallocate(self, col: Collected) -> None:
+        sizes = [codec.plan(col.layers[ln], {**col.metas[ln], "_ts": {}}).nbytes for ln in sorted(col.layers)]
         try:
             self.store.host.preallocate(sizes * 2)
         except TierStoreError as e:  # a small host budget: saves will fault pages in as they go
             log.info("host tier pre-allocation skipped: %s", e)
 
-    def _retain(self) -> None:
-        """Delete this rank's objects that the last ``keep_last`` committed steps no longer reach."""
-        if self.keep_last is None:
-            return
-        steps = self.store.steps.steps(self.model)
-        committed = [s for s, st in steps if st in ("committed", "durable")]
-        if len(committed) < self.keep_last:
-            return
-        # a layer-wise resume at step R reads layers saved as far back as R - max_staleness
-        oldest = committed[-self.keep_last] - (self.policy.max_staleness or 0)
-        kept = [s for s in committed if s >= oldest]
-        aborted = {s for s, st in steps if st == "aborted" and s < kept[-1]}
-        horizon = kept[0]
-        if horizon <= self._retained_below and not aborted:
-            return
-        keep = reachable(self.store.steps, self.model, kept)
-        for key in self.store.list(self.model):
-            if key.rank != self.rank or key in keep:
-                continue
-            if key.step < horizon or key.step in aborted:
-                self.store.delete(key)
-        self._retained_below = horizon
-
     # ---- saving ----------------------------------------------------------------
 
-    def _select(self, step: int) -> list[str]:
-        layers = sorted(self.map.layers)
-        if self._lw is None:
-            return layers
-        want = torch.tensor(
-            [int(self._lw.want(step, ln, self.map.param_tensors(ln))) for ln in layers], dtype=torch.int32
-        )
-        if self.group is not None:
-            dist.all_reduce(want, op=dist.ReduceOp.MAX, group=self.group)
-        return [ln for ln, w in zip(layers, want.tolist()) if w]
-
-    def save(self, step: int, extra: dict | None = None) -> None:
+    def save(self, step: int, extra: Any = None) -> None:
         """Snapshot the state after ``step`` and return; the rest runs in the background.
 
         Raises:
-            TierStoreError: the previous save failed in the background (its
-                error, typed), or the snapshot itself failed.
+            InvalidValueError: a value of the state or ``extra`` cannot be stored (nothing written).
+            CommitError: ranks did not save the previous step (``missing_ranks``), or the step failed.
+            FencedError: a newer incarnation of the job took over.
+            TierStoreError: the previous save failed in the background (its error, typed).
         """
         self._drain()
-        selected = self._select(step)
+        self._check_pending()
+        col = self.view.collect(extra)
+        base = self._replay.due_base(step) if self._replay is not None else True
+        layout: dict[str, Any] = {"layers": sorted(col.layers)}
+        if self._replay is not None:
+            layout = self._replay.layout(col, base)
+        t0 = time.monotonic()
+        if self.epoch is None:
+            self.epoch = self.ranks.join()
+        self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
+        try:
+            self.ranks.note(step, self.epoch)
+            if self._lw is not None:
+                self.ranks.await_ranks(step, self.epoch, t0)
+            selected = self._select(step, col) if base else layout["layers"]
+            snap = self._snapshot(step, col, selected, base)
+        except BaseException as e:
+            self._vote_down(step, e)
+            raise self._typed(step, e) from e
+        snap.vote_extra = {"state": col.doc, "policy": self.policy.name, **snap.vote_extra}
+        self._last_step, self._last_t = step, t0
+        self.stats.saves += 1
+        self._future = self._pool.submit(self._finish, snap)
+
+    def _select(self, step: int, col: Collected) -> list[str]:
+        layers = sorted(col.layers)
+        if self._lw is None:
+            return layers
+        want = torch.tensor(
+            [1 if ln in col.always else int(self._lw.want(step, ln, col.param_tensors(ln))) for ln in layers],
+            dtype=torch.int32,
+        )
+        self.ranks.all_max_(want)
+        return [ln for ln, w in zip(layers, want.tolist()) if w]
+
+    def _snapshot(self, step: int, col: Collected, selected: list[str], base: bool) -> Snapshot:
+        """Copy what the save writes (the part training waits for): host-tier objects or staging copies."""
+        if not base:
+            return self._replay.snapshot(step, col)
+        snap = Snapshot(step, selected, collective=self._dedup is not None)
         direct = self._diff is None and self._dedup is None
-        pendings = []
-        staged: dict[str, dict[str, torch.Tensor]] = {}
-        metas: dict[str, dict] = {}
         try:
             for ln in selected:
-                live = self.map.layer_tensors(ln)
-                metas[ln] = self.map.layer_meta(ln)
+                live = col.layers[ln]
                 if direct:
                     key = ShardKey(self.model, ln, step, self.rank)
-                    pendings.append((ln, self.store.snapshot(key, live, metas[ln], epoch=self.epoch)))
-                    if self._lw is not None:
-                        staged[ln] = {n: t.clone() for n, t in live.items() if n.startswith(PARAM)}
+                    snap.pendings.append((ln, self.store.snapshot(key, live, col.metas[ln], epoch=self.epoch)))
                 else:
-                    staged[ln] = {n: t.clone() for n, t in live.items()}
-                self.stats.logical_bytes += _nbytes(live)
+                    snap.staged[ln] = {n: t.clone() for n, t in live.items()}
+                    snap.metas[ln] = col.metas[ln]
+                if self._lw is not None:
+                    src = snap.staged.get(ln, live)
+                    snap.lw_params[ln] = {n: (t if ln in snap.staged else t.clone())
+                                          for n, t in src.items() if n.startswith(PARAM)}
+                self.stats.logical_bytes += nbytes(live)
         except BaseException:
-            for _, p in pendings:
-                p.abort()
+            snap.abort()
             raise
-        opt_meta = self.map.optimizer_meta()
-        vote_extra = {"user": extra, "optimizer": opt_meta, "policy": self.policy.name}
-        self._last_step = step
-        self.stats.saves += 1
-        self._future = self._pool.submit(self._finish, step, selected, pendings, staged, metas, vote_extra)
+        if self._replay is not None:
+            self._replay.saved_base(step, snap)
+        return snap
+
+    def _typed(self, step: int, e: BaseException) -> BaseException:
+        if isinstance(e, TierStoreError) or not isinstance(e, Exception):
+            return e
+        return CommitError(f"save of step {step} failed on rank {self.rank}: {e!r}", step=step, rank=self.rank)
+
+    def _vote_down(self, step: int, e: BaseException) -> None:
+        """The one failure path of a save: a negative vote, so the step is not left preparing."""
+        self._reset_trackers()
+        try:
+            self.store.vote(self.model, step, self.rank, [], extra={"error": repr(e)[:500]}, ok=False,
+                            epoch=self.epoch)
+        except Exception as ve:  # noqa: BLE001 - the original error is what matters
+            log.debug("negative vote for step %s failed: %r", step, ve)
+
+    def _finish(self, snap: Snapshot) -> str:
+        infos = []
+        step = snap.step
+        try:
+            if snap.before_vote is not None:
+                snap.before_vote(snap.vote_extra)
+            self._retained_below = retain(self.store, self.model, self.rank, self.keep_last,
+                                          self.policy.max_staleness or 0, self._retained_below,
+                                          self._replay.base_of if self._replay is not None else None)
+            while snap.pendings:
+                infos.append(snap.pendings.pop(0)[1].finish())
+            if snap.staged:
+                owners: dict[str, dict[str, int]] = {}
+                if self._dedup is not None:
+                    self.ranks.await_ranks(step, self.epoch, self._last_t)
+                    owners = self._dedup.plan(snap.staged)
+                for ln in snap.selected:
+                    infos.append(write_layer(self.store, self.model, self.rank, ln, step, snap.staged[ln],
+                                             snap.metas[ln], owners.get(ln), self._diff, self.epoch))
+        except BaseException as e:
+            snap.abort()
+            self._vote_down(step, e)
+            raise self._typed(step, e) from e
+        self.stats.record(step, infos)
+        self.stats.layers_saved += len(snap.selected)
+        state = self.store.vote(self.model, step, self.rank, infos, extra=snap.vote_extra, epoch=self.epoch)
+        if self._lw is not None:
+            for ln, params in snap.lw_params.items():
+                self._lw.saved(ln, step, params)
+        return state
 
     def _drain(self) -> str | None:
         fut, self._future = self._future, None
@@ -270,177 +322,181 @@ class Checkpointer:
         try:
             state = fut.result()
         except BaseException:
+            self._pending_step = None
             self._reset_trackers()
             raise
+        self._pending_step = self._last_step if state == "preparing" else None
         if state == "aborted":  # this rank's vote decided it: the next save starts from full objects
             self._reset_trackers()
         return state
+
+    def _check_pending(self) -> None:
+        """Raise for the previous step when it is still preparing past the grace because ranks never saved it."""
+        step = self._pending_step
+        if step is None or time.monotonic() - self._last_t < self.ranks.grace:
+            return
+        self._pending_step = None
+        if self.store.steps.state(self.model, step) != "preparing":
+            return
+        missing = self.ranks.missing(step, self.epoch)
+        if missing:
+            err = self.ranks.missing_error(step, missing, time.monotonic() - self._last_t)
+            self._vote_down(step, err)
+            raise err
 
     def _reset_trackers(self) -> None:
         if self._lw is not None:
             self._lw.reset()
         if self._diff is not None:
             self._diff.forget()
-
-    def _finish(
-        self,
-        step: int,
-        selected: list[str],
-        pendings: list,
-        staged: dict[str, dict[str, torch.Tensor]],
-        metas: dict[str, dict],
-        vote_extra: dict,
-    ) -> str:
-        infos = []
-        try:
-            self._retain()
-            self.store.begin_step(
-                self.model, step, self.world_size, layout={"layers": sorted(self.map.layers)}, epoch=self.epoch
-            )
-            for ln, p in pendings:
-                infos.append(p.finish())
-            pendings = []
-            owners = self._dedup.plan(staged) if self._dedup is not None else {}
-            if self._diff is not None or self._dedup is not None:
-                for ln in selected:
-                    infos.append(self._write_layer(ln, step, staged[ln], metas[ln], owners.get(ln)))
-        except BaseException as e:
-            for _, p in pendings:
-                p.abort()
-            try:
-                self.store.vote(self.model, step, self.rank, infos, extra=vote_extra, ok=False, epoch=self.epoch)
-            except Exception as ve:  # noqa: BLE001 - the original error is what matters
-                log.debug("negative vote for step %s failed: %r", step, ve)
-            if isinstance(e, TierStoreError):
-                raise
-            raise CommitError(f"save of step {step} failed on rank {self.rank}: {e!r}", step=step, rank=self.rank) from e
-        for info in infos:
-            self.stats.bytes += info.size
-            self.stats.objects[info.kind] = self.stats.objects.get(info.kind, 0) + 1
-            self.stats.per_step[step] = self.stats.per_step.get(step, 0) + info.size
-        self.stats.layers_saved += len(selected)
-        state = self.store.vote(self.model, step, self.rank, infos, extra=vote_extra, epoch=self.epoch)
-        if self._lw is not None:
-            for ln in selected:
-                self._lw.saved(ln, step, {n: t for n, t in staged[ln].items() if n.startswith(PARAM)})
-        return state
-
-    def _write_layer(
-        self, ln: str, step: int, tensors: dict[str, torch.Tensor], meta: dict, owners: dict[str, int] | None
-    ) -> Any:
-        key = ShardKey(self.model, ln, step, self.rank)
-        refs = {p: o for p, o in (owners or {}).items() if o != self.rank}
-        present = {part_of(n) for n in tensors}
-        refs = {p: o for p, o in refs.items() if p in present}
-        if refs and set(refs) == present and len(set(refs.values())) == 1:
-            if self._diff is not None:
-                self._diff.forget(ln)
-            target = ShardKey(self.model, ln, step, next(iter(refs.values())))
-            return self.store.put(key, {}, None, kind="ref", target=target, epoch=self.epoch)
-        mine = {n: t for n, t in tensors.items() if part_of(n) not in refs}
-        meta = dict(meta)
-        if refs:
-            meta["_refs"] = refs
-        if self._diff is None:
-            return self.store.put(key, mine, meta, epoch=self.epoch)
-        kind, base_step = self._diff.kind(ln, step, mine)
-        if kind == "delta" and base_step is not None:
-            base = self._diff.base_tensors(ln)
-            deltas = {n: xor_delta(t, base[n]) for n, t in mine.items() if not _bits_equal(t, base[n])}
-            meta["_delta"] = {
-                n: {"dtype": str(mine[n].dtype).removeprefix("torch."), "shape": list(mine[n].shape)} for n in deltas
-            }
-            base_key = ShardKey(self.model, ln, base_step, self.rank)
-            info = self.store.put(key, deltas, meta, kind="delta", base=base_key, epoch=self.epoch)
-        else:
-            info = self.store.put(key, mine, meta, epoch=self.epoch)
-        self._diff.saved(ln, step, mine, kind)
-        return info
+        if self._replay is not None:
+            self._replay.forget()
 
     def wait(self, timeout: float | None = None) -> str | None:
         """Wait for the last save: ``"committed"`` or ``"aborted"`` (``None`` if none).
 
         Raises:
             TierStoreError: the background part of the save failed (typed).
+            CommitError: undecided after ``timeout``; or ranks never began the
+                step (``missing_ranks``) within ``missing_rank_grace``: the step is aborted.
         """
         step = self._last_step
         self._drain()
         if step is None:
             return None
-        state = self.store.wait_step(self.model, step, timeout=self.timeout if timeout is None else timeout)
+        self._pending_step = None
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        if self.world_size > 1 and self._last_t + self.ranks.grace < deadline:
+            try:  # first until the grace: then ranks that never began the step are named
+                state = self.store.wait_step(self.model, step,
+                                             timeout=max(0.0, self._last_t + self.ranks.grace - time.monotonic()))
+            except CommitError as e:
+                if "state" not in e.fields:
+                    raise
+                missing = self.ranks.missing(step, self.epoch)
+                if missing:
+                    err = self.ranks.missing_error(step, missing, time.monotonic() - self._last_t)
+                    self._vote_down(step, err)
+                    raise err from None
+                state = self.store.wait_step(self.model, step, timeout=max(0.0, deadline - time.monotonic()))
+        else:
+            state = self.store.wait_step(self.model, step, timeout=timeout)
         if state == "aborted":
             self._reset_trackers()
         return "committed" if state in ("committed", "durable") else state
 
     # ---- restoring ---------------------------------------------------------------
 
-    def _new_epoch(self) -> int | None:
-        if self.group is None:
-            return self.store.open_epoch(self.model) if self.world_size == 1 else None
+    def _src(self, world: int) -> int:
+        return self.rank if self.rank < world else self.rank % world
 
-        t = torch.zeros(1, dtype=torch.int64)
-        if self.rank == 0:
-            t[0] = self.store.open_epoch(self.model)
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        return int(t[0])
-
-    def restore(self) -> tuple[int | None, dict | None]:
-        """Load the newest consistent state in place; ``(step, user extra)``.
-
-        Bumps the job's epoch first (every rank agrees on it), so writes of a
-        previous incarnation are fenced. Returns ``(None, None)`` when no
-        step of this model is committed.
-
-        Raises:
-            RestoreMismatchError: the stored state does not fit the module or
-                optimizer (missing layer/tensor, shape, dtype); nothing changed.
-            NoValidCopyError: a needed object has no valid copy in any tier.
-        """
-        self._drain()
-        self.epoch = self._new_epoch()
-        try:
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness)
-        except NoValidCopyError as e:
-            if "reason" not in e.fields:  # nothing committed yet: a fresh job
-                return None, None
-            raise
-        if res is None:
-            return None, None
-        src_rank = self.rank if self.rank < res.world_size else self.rank % res.world_size
-        tensors: dict[str, dict[str, torch.Tensor]] = {}
-        metas: dict[str, dict] = {}
-        for ln in sorted(self.map.layers):
-            info = res.objects.get((ln, src_rank))
+    def read(self, res: Any, layers: Iterable[str] | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
+        """This rank's shards of a resolution (``layer -> (tensors, metadata)``), refs of parts resolved."""
+        src = self._src(res.world_size)
+        out: dict[str, tuple[dict[str, torch.Tensor], dict]] = {}
+        for ln in sorted(res.layers if layers is None else layers):
+            info = res.objects.get((ln, src))
             if info is None:
-                continue  # load() names the missing layer
+                continue  # the view names the missing layer
             shard = self.store.get(info.key)
             if shard is None:
-                raise RestoreMismatchError(f"layer {ln!r}: object {info.key} is gone", layer=ln, tensor=None)
+                raise NoValidCopyError(f"layer {ln!r}: object {info.key} is gone", key=str(info.key), layer=ln)
             ts = dict(shard.tensors)
             meta = dict(shard.metadata)
             for part, owner in (meta.pop("_refs", None) or {}).items():
                 other = self.store.get(ShardKey(self.model, ln, info.key.step, int(owner)))
                 if other is None:
-                    raise RestoreMismatchError(
-                        f"layer {ln!r}: {part} of rank {src_rank} refers to rank {owner}, whose object is gone",
-                        layer=ln,
-                        tensor=part,
-                    )
+                    raise NoValidCopyError(
+                        f"layer {ln!r}: {part} of rank {src} refers to rank {owner}, whose object is gone",
+                        key=str(info.key), layer=ln)
                 ts.update({n: t for n, t in other.tensors.items() if part_of(n) == part})
-            tensors[ln] = ts
-            metas[ln] = meta
-        for ln in res.layers:
-            if ln not in self.map.layers:
-                raise RestoreMismatchError(f"stored layer {ln!r} has no counterpart in the module", layer=ln, tensor=None)
-        extra = res.extra.get(src_rank) or res.extra.get(str(src_rank)) or {}
-        self.map.load(tensors, metas, extra.get("optimizer"))
-        self._reset_trackers()
-        return res.step, extra.get("user")
+            out[ln] = (ts, meta)
+        return out
+
+    def doc(self, res: Any) -> dict[str, Any]:
+        """This rank's JSON document of a resolution's step."""
+        src = self._src(res.world_size)
+        extra = res.extra.get(src) or res.extra.get(str(src)) or {}
+        return extra.get("state") or {}
+
+    def restore(self, step: int | None = None, *, read_only: bool = False,
+                only: Iterable[str] | None = None) -> Restored:
+        """Load the newest consistent state (or committed ``step``) in place: ``(step, extra)``.
+
+        A writer's restore (the default) first joins the job incarnation's
+        epoch, so writes of a previous incarnation are fenced, and the next
+        save continues from it; every rank calls it. ``read_only=True`` takes
+        no epoch and writes nothing: an evaluator can read while the trainer
+        runs. ``only`` loads a subset of the state's keys (``["model"]``:
+        weights only); entries of the checkpoint not loaded are skipped.
+        Returns ``(None, None)`` when nothing of this model is committed
+        (and ``step`` is not given). ``ckpt.report`` tells more.
+
+        Raises:
+            RestoreMismatchError: the stored state does not fit (missing entry,
+                layer or tensor, shape, dtype, placement); modules and
+                optimizers are unchanged.
+            NoValidCopyError: ``step`` is not committed, or a needed object
+                has no valid copy in any tier.
+        """
+        self._drain()
+        if not read_only:
+            self.epoch = self.ranks.join()
+        committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
+        self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
+        if self._replay is not None:
+            got = Restored(*self._replay.restore(step, read_only=read_only, only=only))
+        else:
+            got = self._restore(step, only)
+        if not read_only:
+            self._reset_trackers()
+            if self._replay is not None and got.step is not None:
+                self._replay.continue_from(got.step, self.report.base_step)
+        self.report.step, self.report.epoch = got.step, self.epoch
+        self.report.fell_back = got.step != self.report.newest if got.step is not None else False
+        return got
+
+    def _restore(self, step: int | None, only: Iterable[str] | None) -> Restored:
+        t0 = time.perf_counter()
+        try:
+            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
+        except NoValidCopyError as e:
+            if step is None and "reason" not in e.fields:  # nothing committed yet: a fresh job
+                return Restored(None, None)
+            raise
+        doc = self.doc(res)
+        plan = self.view.prepare(self.read(res, self.view.layers_for(res.layers, doc, only)), doc, only)
+        self.view.apply(plan)
+        self.report.base_s = time.perf_counter() - t0
+        return Restored(res.step, plan.get("user"))
 
     def close(self) -> None:
         """Wait for the background work, then stop its thread (the store stays open)."""
         try:
             self._drain()
         finally:
+            if self._replay is not None:
+                self._replay.close()
             self._pool.shutdown(wait=True)
 
+
+def load(store: Any, model_name: str, state: MutableMapping[str, Any], step: int | None = None, *,
+         only: Iterable[str] | None = None, policy: Policy | None = None, **kwargs: Any) -> Restored:
+    """Read the newest (or committed ``step``) state of ``model_name`` into ``state``, read-only.
+
+    For evaluation and inference: takes no epoch (a running trainer is not
+    fenced) and writes nothing. ``state`` may be any subset of what was saved
+    (``{"model": model}`` for the weights). Give the ``policy`` the job saved
+    with when it was ``layerwise`` (its staleness bound) or ``replay``. With
+    ``torch.distributed`` up and several ranks it is collective, as the
+    Checkpointer's constructor is (pass ``group=`` to choose the ranks).
+    """
+    ck = Checkpointer(store, model_name, state=state, policy=policy, preallocate=False, keep_last=None, **kwargs)
+    try:
+        return ck.restore(step, read_only=True, only=only)
+    finally:
+        ck.close()
+
+
+__all__ += ["load"]

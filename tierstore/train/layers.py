@@ -1,42 +1,53 @@
 """Map a module's and an optimizer's state into layers of named tensors, and back.
 
-A *layer* is the unit of a checkpoint shard: by default the module prefix of a
-parameter (``blocks.3.attn.qkv.weight`` -> ``blocks.3``, ``embed.weight`` ->
-``embed``), or whatever ``layer_fn(param_name)`` returns, made a valid key name.
-A layer's shard holds, under these tensor names:
+A :class:`StateMap` is a view of one module (and the optimizer of its
+parameters) built from their ``state_dict()`` *at the moment it is made*: the
+Checkpointer makes a new one at every save, so a buffer reassigned each step,
+a replaced ``nn.Parameter`` or buffers converted by ``.double()`` are always
+seen as they are (no stale references). Names are the module's fully
+qualified names with wrapper components removed (:func:`~tierstore.train.state.unwrap`,
+:func:`~tierstore.train.state.normalise_fqn`), so a DDP-wrapped or compiled
+model and the bare one map to the same layers.
 
-* ``param/<name>``: the parameter,
-* ``buffer/<name>``: a buffer of the module,
+A *layer* is the unit of a checkpoint shard: by default a block of the module
+(:func:`default_layer_fn`), or whatever ``layer_fn(name)`` returns, made a
+valid key name. A layer's shard holds, under these tensor names:
+
+* ``param/<name>``: a parameter (its local shard for a DTensor),
+* ``buffer/<name>``: any other tensor of the module's state dict,
 * ``optim/<name>/<key>``: tensor-valued optimizer state of the parameter
-  (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``; SGD's ``momentum_buffer``; any
-  other tensor),
+  (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``; SGD's ``momentum_buffer``; ...),
 
-and JSON metadata ``{"optim_scalars": {name: {key: value}}}`` for non-tensor
-per-parameter state. The optimizer's param groups (hyper-parameters and the
-names of their parameters) are described by :meth:`StateMap.optimizer_meta`,
-which goes into the step's JSON ``extra``.
+and JSON metadata ``{"optim_scalars": {name: {key: value}}, "dist": {tensor:
+placement}}``: non-tensor per-parameter optimizer state, and for each DTensor
+its mesh, placements and global shape. The optimizer's param groups
+(hyper-parameters and the names of their parameters) are described by
+:meth:`StateMap.optimizer_meta`; non-tensor entries of the module's state
+dict (``_extra_state``) by :meth:`StateMap.extra_state`.
 
-Restore protocol: :meth:`StateMap.load` validates every layer, tensor, shape and
-dtype (and the param groups) *before* it changes anything; any mismatch raises
-:class:`~tierstore.errors.RestoreMismatchError` naming the layer and tensor, and
-leaves module and optimizer untouched. Only then it copies in place
-(``param.copy_``), and creates optimizer state that does not exist yet (an
-optimizer that has not stepped).
+Restore protocol: :meth:`StateMap.prepare` validates every layer, tensor,
+shape, dtype and placement (and the param groups) *before* anything changes;
+a mismatch raises :class:`~tierstore.errors.RestoreMismatchError` naming the
+layer and tensor. :meth:`StateMap.apply` then loads through the objects' own
+``load_state_dict`` (in place for the module). :meth:`StateMap.load` does both.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tierstore.errors import InvalidValueError, RestoreMismatchError
 from tierstore.keys import validate_name
+from tierstore.train.state import decode, encode, normalise_fqn, unwrap
 
 __all__ = [
     "BUFFER",
@@ -65,30 +76,44 @@ def sanitize_layer_name(name: str) -> str:
 
 
 def default_layer_fn(name: str) -> str:
-    """The module prefix of a parameter or buffer name.
+    """The block a parameter or buffer belongs to.
 
-    ``blocks.3.attn.w`` -> ``blocks.3`` (a container index joins its parent),
-    ``embed.weight`` -> ``embed``, a top-level ``pos`` -> ``pos``.
+    The name up to its first container index (a numeric component that is not
+    the first or the last): ``blocks.3.attn.w`` -> ``blocks.3``,
+    ``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``,
+    ``model.layers.12.mlp.up.weight`` -> ``model.layers.12``; without one, the
+    first component: ``embed.weight`` -> ``embed``, ``transformer.wte.weight``
+    -> ``transformer``, a top-level ``pos`` -> ``pos``.
     """
     parts = name.split(".")
-    if len(parts) == 1:
-        return parts[0]
-    if len(parts) >= 3 and parts[1].isdigit():
-        return parts[0] + "." + parts[1]
+    for i in range(1, len(parts) - 1):
+        if parts[i].isdigit():
+            return ".".join(parts[: i + 1])
     return parts[0]
 
 
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v)
-        return True
-    except (TypeError, ValueError):
-        return False
+def _plain(v: Any, where: str) -> Any:
+    """:func:`encode` for values that must not hold tensors (they would have nowhere to go)."""
+    table: dict[str, torch.Tensor] = {}
+    out = encode(v, table, "", where)
+    if table:
+        raise InvalidValueError(f"state {where!r} holds tensors inside a non-tensor value; store them as "
+                                "tensors of their own", key=where)
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _placement(t: DTensor) -> dict[str, Any]:
+    return {"mesh": list(t.device_mesh.shape), "placements": [str(p) for p in t.placements],
+            "shape": list(t.shape), "stride": list(t.stride())}
 
 
 @dataclass
 class LayerSpec:
-    """The parameters and buffers of one layer (names as in the module)."""
+    """The parameters and buffers of one layer (normalised names)."""
 
     name: str
     params: list[str] = field(default_factory=list)
@@ -96,12 +121,13 @@ class LayerSpec:
 
 
 class StateMap:
-    """The layer view of ``module`` (and ``optimizer``) state.
+    """The layer view of ``module`` (and ``optimizer``) state, as of construction.
 
     Args:
-        module: the model; parameters are taken once each (tied weights once).
+        module: the model (DDP / compile wrappers are looked through).
         optimizer: optional; every parameter it holds must belong to ``module``.
-        layer_fn: ``param_name -> layer name``; the result is sanitised.
+        layer_fn: ``name -> layer name``; the result is sanitised.
+        prefix: prepended to every layer name (several modules in one state).
 
     Raises:
         InvalidValueError: the optimizer holds a parameter not in the module.
@@ -109,88 +135,138 @@ class StateMap:
 
     def __init__(
         self,
-        module: torch.nn.Module,
+        module: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         layer_fn: Callable[[str], str] | None = None,
+        *,
+        prefix: str = "",
     ) -> None:
         self.module = module
+        self.inner = unwrap(module)
         self.optimizer = optimizer
         fn = layer_fn or default_layer_fn
-        self.params: dict[str, torch.nn.Parameter] = dict(module.named_parameters())
-        self.buffers: dict[str, torch.Tensor] = {
-            n: b for n, b in module.named_buffers() if b is not None
-        }
+        self._sd = self.inner.state_dict()
+        self._key: dict[str, str] = {}  # normalised name -> key of inner.state_dict()
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.extra: dict[str, Any] = {}
+        self._name_of: dict[int, str] = {}
+        param_names: set[str] = set()
+        for n, p in self.inner.named_parameters(remove_duplicate=False):
+            fq = normalise_fqn(n)
+            param_names.add(fq)
+            self._name_of.setdefault(id(p), fq)
         self.layers: dict[str, LayerSpec] = {}
         self.layer_of: dict[str, str] = {}
-        for kind, names in (("p", self.params), ("b", self.buffers)):
-            for n in names:
-                layer = sanitize_layer_name(fn(n))
-                spec = self.layers.setdefault(layer, LayerSpec(layer))
-                (spec.params if kind == "p" else spec.buffers).append(n)
-                self.layer_of[n] = layer
-        self._name_of: dict[int, str] = {id(p): n for n, p in self.params.items()}
+        for k, v in self._sd.items():
+            fq = normalise_fqn(k)
+            self._key[fq] = k
+            if not isinstance(v, torch.Tensor):
+                self.extra[fq] = v
+                continue
+            self.tensors[fq] = v
+            layer = sanitize_layer_name(prefix + fn(fq))
+            spec = self.layers.setdefault(layer, LayerSpec(layer))
+            (spec.params if fq in param_names else spec.buffers).append(fq)
+            self.layer_of[fq] = layer
+        self.params: dict[str, torch.Tensor] = {n: self.tensors[n] for s in self.layers.values() for n in s.params}
+        self.opt_params: list[str] = []
+        self.opt_state: dict[str, dict[str, Any]] = {}
+        self.opt_groups: list[dict[str, Any]] = []
         if optimizer is not None:
             for gi, group in enumerate(optimizer.param_groups):
                 for p in group["params"]:
-                    if id(p) not in self._name_of:
+                    name = self._name_of.get(id(p))
+                    if name is None or name not in self.layer_of:
                         raise InvalidValueError(
-                            f"optimizer param group {gi} holds a parameter that is not in the module",
-                            group=gi,
+                            f"optimizer param group {gi} holds a parameter that is not in the module's state dict",
+                            group=gi, key=f"param_groups[{gi}]",
                         )
+                    self.opt_params.append(name)
+            osd = optimizer.state_dict()
+            self.opt_state = {self.opt_params[i]: st for i, st in osd["state"].items()}
+            self.opt_groups = osd["param_groups"]
 
     # ---- save side -------------------------------------------------------------
 
+    def name_of(self, param: torch.Tensor) -> str | None:
+        """The normalised name of a parameter of the module (``None`` if it is not one)."""
+        return self._name_of.get(id(param))
+
     def layer_tensors(self, layer: str) -> dict[str, torch.Tensor]:
-        """The live tensors of ``layer`` (references, not copies), by shard name."""
+        """The live tensors of ``layer`` (references, not copies; local shards of DTensors), by shard name."""
         spec = self.layers[layer]
         out: dict[str, torch.Tensor] = {}
         for n in spec.params:
-            out[PARAM + n] = self.params[n].detach()
+            out[PARAM + n] = _local(self.tensors[n])
         for n in spec.buffers:
-            out[BUFFER + n] = self.buffers[n].detach()
-        if self.optimizer is not None:
-            for n in spec.params:
-                for k, v in self.optimizer.state.get(self.params[n], {}).items():
-                    if isinstance(v, torch.Tensor):
-                        out[f"{OPTIM}{n}/{k}"] = v.detach()
+            out[BUFFER + n] = _local(self.tensors[n])
+        for n in spec.params:
+            for k, v in self.opt_state.get(n, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out[f"{OPTIM}{n}/{k}"] = _local(v)
         return out
 
     def param_tensors(self, layer: str) -> dict[str, torch.Tensor]:
         """Only the parameters of ``layer`` (live references)."""
-        return {PARAM + n: self.params[n].detach() for n in self.layers[layer].params}
+        return {PARAM + n: _local(self.tensors[n]) for n in self.layers[layer].params}
 
     def layer_meta(self, layer: str) -> dict:
-        """JSON metadata of ``layer``: non-tensor optimizer state per parameter."""
+        """JSON metadata of ``layer``: non-tensor optimizer state per parameter, DTensor placements.
+
+        Raises:
+            InvalidValueError: a non-tensor optimizer state value that cannot be stored.
+        """
+        spec = self.layers[layer]
         scalars: dict[str, dict[str, Any]] = {}
-        if self.optimizer is not None:
-            for n in self.layers[layer].params:
-                st = self.optimizer.state.get(self.params[n], {})
-                vals = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
-                for k, v in vals.items():
-                    if not _jsonable(v):
-                        raise InvalidValueError(
-                            f"optimizer state {k!r} of {n!r} is neither a tensor nor JSON", tensor=n
-                        )
-                if vals:
-                    scalars[n] = vals
-        return {"optim_scalars": scalars}
+        dist_meta: dict[str, Any] = {}
+        for n in spec.params:
+            vals = {k: v for k, v in self.opt_state.get(n, {}).items() if not isinstance(v, torch.Tensor)}
+            if vals:
+                scalars[n] = _plain(vals, f"optim.state[{n}]")
+        for n in spec.params + spec.buffers:
+            t = self.tensors[n]
+            if isinstance(t, DTensor):
+                dist_meta[(PARAM if n in spec.params else BUFFER) + n] = _placement(t)
+            for k, v in self.opt_state.get(n, {}).items():
+                if isinstance(v, DTensor):
+                    dist_meta[f"{OPTIM}{n}/{k}"] = _placement(v)
+        meta: dict[str, Any] = {"optim_scalars": scalars}
+        if dist_meta:
+            meta["dist"] = dist_meta
+        return meta
 
     def optimizer_meta(self) -> dict | None:
-        """The param groups: hyper-parameters (JSON) and parameter names."""
+        """The param groups: hyper-parameters (encoded JSON) and the names of their parameters.
+
+        Raises:
+            InvalidValueError: a hyper-parameter that cannot be stored.
+        """
         if self.optimizer is None:
             return None
         groups = []
-        for g in self.optimizer.param_groups:
+        for gi, g in enumerate(self.opt_groups):
             hp = {}
             for k, v in g.items():
                 if k == "params":
                     continue
-                if isinstance(v, torch.Tensor):
-                    v = v.item() if v.numel() == 1 else v.tolist()
-                if _jsonable(v):
-                    hp[k] = list(v) if isinstance(v, tuple) else v
-            groups.append({"params": [self._name_of[id(p)] for p in g["params"]], "hp": hp})
+                if isinstance(v, torch.Tensor):  # e.g. a tensor lr: its value, filled back in place
+                    hp[k] = {"__hp_tensor__": v.item() if v.numel() == 1 else v.tolist()}
+                else:
+                    hp[k] = _plain(v, f"optim.param_groups[{gi}].{k}")
+            groups.append({"params": [self.opt_params[i] for i in g["params"]], "hp": hp})
         return {"type": type(self.optimizer).__name__, "groups": groups}
+
+    def extra_state(self, tensors: dict[str, torch.Tensor] | None = None, prefix: str = "") -> dict[str, Any]:
+        """Non-tensor entries of the module's state dict (``_extra_state``), encoded.
+
+        Tensors inside them go into ``tensors`` under ``prefix`` (refused without a table).
+
+        Raises:
+            InvalidValueError: one that cannot be stored.
+        """
+        if tensors is None:
+            return {n: _plain(v, f"module.{n}") for n, v in self.extra.items()}
+        return {n: encode(v, tensors, prefix, f"module.{n}") for n, v in self.extra.items()}
 
     def signature(self, layer: str | None = None) -> str:
         """A digest of the layout (names, shapes, dtypes) of one layer or all."""
@@ -202,35 +278,50 @@ class StateMap:
 
     # ---- restore side ----------------------------------------------------------
 
-    def _check(self, layer: str, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    @staticmethod
+    def _check(layer: str, name: str, got: Any, want: torch.Tensor, meta: dict | None = None) -> None:
         if not isinstance(got, torch.Tensor):
             raise RestoreMismatchError(f"layer {layer!r} tensor {name!r}: not a tensor", layer=layer, tensor=name)
-        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        local = _local(want)
+        if tuple(got.shape) != tuple(local.shape) or got.dtype != local.dtype:
             raise RestoreMismatchError(
                 f"layer {layer!r} tensor {name!r}: stored {got.dtype} {tuple(got.shape)}, "
-                f"target {want.dtype} {tuple(want.shape)}",
-                layer=layer,
-                tensor=name,
+                f"target {local.dtype} {tuple(local.shape)}",
+                layer=layer, tensor=name,
+            )
+        stored = ((meta or {}).get("dist") or {}).get(name)
+        mine = _placement(want) if isinstance(want, DTensor) else None
+        if stored != mine and not (stored and mine and {**stored, "stride": None} == {**mine, "stride": None}):
+            raise RestoreMismatchError(
+                f"layer {layer!r} tensor {name!r}: stored placement {stored}, target {mine}"
+                " (restore with the same sharding, or reshard through the DCP adapter)",
+                layer=layer, tensor=name,
             )
 
-    def load(
+    def prepare(
         self,
         tensors: Mapping[str, Mapping[str, torch.Tensor]],
         metas: Mapping[str, dict] | None = None,
         optimizer_meta: dict | None = None,
-    ) -> None:
-        """Validate everything, then load in place.
+        extra_state: Mapping[str, Any] | None = None,
+        loose: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, Any]:
+        """Validate everything; return the plan for :meth:`apply`. Changes nothing.
 
         Args:
             tensors: layer -> shard tensors (as made by :meth:`layer_tensors`).
             metas: layer -> shard metadata (as made by :meth:`layer_meta`).
-            optimizer_meta: as made by :meth:`optimizer_meta`; restores the
-                param groups' hyper-parameters when given.
+            optimizer_meta: as made by :meth:`optimizer_meta`; restores the param
+                groups' hyper-parameters when given.
+            extra_state: as made by :meth:`extra_state`.
+            loose: the tensors :meth:`extra_state` put in its table.
+
+        Optimizer tensors in ``tensors`` are ignored when this map has no optimizer
+        (a weights-only restore).
 
         Raises:
             RestoreMismatchError: a missing or unexpected layer or tensor, a
-                shape or dtype mismatch, or different param groups; nothing
-                was changed.
+                shape, dtype or placement mismatch, or different param groups.
         """
         metas = metas or {}
         extra = sorted(set(tensors) - set(self.layers))
@@ -238,103 +329,158 @@ class StateMap:
             raise RestoreMismatchError(
                 f"stored layer {extra[0]!r} has no counterpart in the module", layer=extra[0], tensor=None
             )
+        model_sd: dict[str, Any] = {}
         opt_plan: dict[str, dict[str, Any]] = {}
         for layer, spec in self.layers.items():
             if layer not in tensors:
                 raise RestoreMismatchError(f"layer {layer!r} is missing from the checkpoint", layer=layer, tensor=None)
-            stored = tensors[layer]
-            expected: dict[str, torch.Tensor] = {PARAM + n: self.params[n] for n in spec.params}
-            expected.update({BUFFER + n: self.buffers[n] for n in spec.buffers})
-            for name, want in expected.items():
+            stored, meta = tensors[layer], metas.get(layer) or {}
+            expected: dict[str, str] = {PARAM + n: n for n in spec.params}
+            expected.update({BUFFER + n: n for n in spec.buffers})
+            for name, n in expected.items():
                 if name not in stored:
                     raise RestoreMismatchError(
                         f"layer {layer!r} tensor {name!r} is missing from the checkpoint", layer=layer, tensor=name
                     )
-                self._check(layer, name, stored[name], want)
-            scalars = (metas.get(layer) or {}).get("optim_scalars", {})
+                self._check(layer, name, stored[name], self.tensors[n], meta)
+                model_sd[n] = stored[name]
             for name, t in stored.items():
                 if name in expected:
                     continue
-                if not name.startswith(OPTIM) or self.optimizer is None:
+                if not name.startswith(OPTIM):
                     raise RestoreMismatchError(
                         f"layer {layer!r} tensor {name!r} has no counterpart in the target", layer=layer, tensor=name
                     )
+                if self.optimizer is None:
+                    continue
                 pname, _, key = name[len(OPTIM):].rpartition("/")
                 if pname not in spec.params:
                     raise RestoreMismatchError(
                         f"layer {layer!r} tensor {name!r}: no parameter {pname!r} in this layer",
-                        layer=layer,
-                        tensor=name,
+                        layer=layer, tensor=name,
                     )
-                cur = self.optimizer.state.get(self.params[pname], {}).get(key)
+                cur = self.opt_state.get(pname, {}).get(key)
                 if isinstance(cur, torch.Tensor):
-                    self._check(layer, name, t, cur)
-                elif t.dim() > 0 and tuple(t.shape) != tuple(self.params[pname].shape):
+                    self._check(layer, name, t, cur, meta)
+                elif t.dim() > 0 and tuple(t.shape) != tuple(_local(self.tensors[pname]).shape):
                     raise RestoreMismatchError(
                         f"layer {layer!r} tensor {name!r}: stored {tuple(t.shape)} does not fit parameter "
-                        f"{tuple(self.params[pname].shape)}",
-                        layer=layer,
-                        tensor=name,
+                        f"{tuple(_local(self.tensors[pname]).shape)}",
+                        layer=layer, tensor=name,
                     )
                 opt_plan.setdefault(pname, {})[key] = t
-            for pname, vals in scalars.items():
-                if pname not in spec.params:
-                    raise RestoreMismatchError(
-                        f"layer {layer!r}: optimizer state of unknown parameter {pname!r}", layer=layer, tensor=pname
-                    )
-                opt_plan.setdefault(pname, {}).update(vals)
             if self.optimizer is not None:
-                for n in spec.params:
-                    opt_plan.setdefault(n, {})
-        if optimizer_meta is not None and self.optimizer is not None:
-            groups = optimizer_meta.get("groups", [])
-            if len(groups) != len(self.optimizer.param_groups):
+                for pname, vals in (meta.get("optim_scalars") or {}).items():
+                    if pname not in spec.params:
+                        raise RestoreMismatchError(
+                            f"layer {layer!r}: optimizer state of unknown parameter {pname!r}",
+                            layer=layer, tensor=pname,
+                        )
+                    opt_plan.setdefault(pname, {}).update(decode(vals, {}))
+        want_extra = set(self.extra)
+        got_extra = set(extra_state or {})
+        if want_extra - got_extra:
+            n = sorted(want_extra - got_extra)[0]
+            raise RestoreMismatchError(f"module state {n!r} is missing from the checkpoint", layer=None, tensor=n)
+        groups = None
+        if self.optimizer is not None:
+            groups = self._plan_groups(optimizer_meta)
+        return {"model": model_sd,
+                "extra": {n: decode(extra_state[n], loose or {}) for n in want_extra} if extra_state else {},
+                "optim": opt_plan, "groups": groups}
+
+    def _plan_groups(self, optimizer_meta: dict | None) -> list[dict[str, Any]]:
+        assert self.optimizer is not None
+        current = [{k: v for k, v in g.items() if k != "params"} for g in self.opt_groups]
+        if optimizer_meta is None:
+            return current
+        groups = optimizer_meta.get("groups", [])
+        if len(groups) != len(self.opt_groups):
+            raise RestoreMismatchError(
+                f"optimizer has {len(self.opt_groups)} param groups, checkpoint {len(groups)}",
+                layer=None, tensor=None,
+            )
+        out = []
+        for gi, (g, sg) in enumerate(zip(self.opt_groups, groups)):
+            names = [self.opt_params[i] for i in g["params"]]
+            if names != sg.get("params"):
                 raise RestoreMismatchError(
-                    f"optimizer has {len(self.optimizer.param_groups)} param groups, checkpoint {len(groups)}",
-                    layer=None,
-                    tensor=None,
+                    f"optimizer param group {gi} holds different parameters than the checkpoint",
+                    layer=None, tensor=f"param_groups[{gi}]",
                 )
-            for gi, (g, sg) in enumerate(zip(self.optimizer.param_groups, groups)):
-                names = [self._name_of[id(p)] for p in g["params"]]
-                if names != sg.get("params"):
-                    raise RestoreMismatchError(
-                        f"optimizer param group {gi} holds different parameters than the checkpoint",
-                        layer=None,
-                        tensor=f"param_groups[{gi}]",
-                    )
-        # ---- nothing has been changed up to here; apply ----
-        with torch.no_grad():
-            for layer, spec in self.layers.items():
-                stored = tensors[layer]
-                for n in spec.params:
-                    self.params[n].copy_(stored[PARAM + n])
-                for n in spec.buffers:
-                    self.buffers[n].copy_(stored[BUFFER + n])
-            if self.optimizer is not None:
-                for pname, vals in opt_plan.items():
-                    p = self.params[pname]
-                    old = self.optimizer.state.get(p, {})
-                    new: dict[str, Any] = {}
-                    for k, v in vals.items():
-                        cur = old.get(k)
-                        if isinstance(v, torch.Tensor):
-                            if isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype:
-                                new[k] = cur.copy_(v)
-                            else:
-                                dev = p.device if v.dim() > 0 else torch.device("cpu")
-                                new[k] = v.detach().to(dev, copy=True)
-                        else:
-                            new[k] = v
-                    if new:
-                        self.optimizer.state[p] = new
-                    elif p in self.optimizer.state:
-                        del self.optimizer.state[p]
-                if optimizer_meta is not None:
-                    for g, sg in zip(self.optimizer.param_groups, optimizer_meta.get("groups", [])):
-                        for k, v in sg.get("hp", {}).items():
-                            if isinstance(g.get(k), tuple) and isinstance(v, list):
-                                v = tuple(v)
-                            if isinstance(g.get(k), torch.Tensor):
-                                g[k].fill_(v)
-                            else:
-                                g[k] = v
+            hp = dict(current[gi])
+            for k, v in (sg.get("hp") or {}).items():
+                if isinstance(v, dict) and set(v) == {"__hp_tensor__"}:
+                    cur = hp.get(k)
+                    if isinstance(cur, torch.Tensor):
+                        v = cur.detach().clone().fill_(v["__hp_tensor__"]) if cur.numel() == 1 else torch.tensor(
+                            v["__hp_tensor__"], dtype=cur.dtype, device=cur.device)
+                    else:
+                        v = v["__hp_tensor__"]
+                else:
+                    v = decode(v, {})
+                    if isinstance(hp.get(k), tuple) and isinstance(v, list):
+                        v = tuple(v)
+                hp[k] = v
+            out.append(hp)
+        return out
+
+    def apply(self, plan: dict[str, Any]) -> None:
+        """Load a plan made by :meth:`prepare`: the module in place, the optimizer through ``load_state_dict``."""
+        sd: OrderedDict[str, Any] = OrderedDict()
+        for n, t in plan["model"].items():
+            cur = self.tensors[n]
+            sd[self._key[n]] = (DTensor.from_local(t, cur.device_mesh, cur.placements, run_check=False,
+                                                   shape=cur.shape, stride=cur.stride())
+                                if isinstance(cur, DTensor) else t)
+        for n, v in plan["extra"].items():
+            sd[self._key[n]] = v
+        sd._metadata = getattr(self._sd, "_metadata", OrderedDict())  # type: ignore[attr-defined]
+        self.inner.load_state_dict(sd, strict=True)
+        if self.optimizer is None:
+            return
+        index = {n: i for i, n in enumerate(self.opt_params)}
+        state: dict[int, dict[str, Any]] = {}
+        for pname, vals in plan["optim"].items():
+            p = self.tensors[pname]
+            entry: dict[str, Any] = {}
+            for k, v in vals.items():
+                if isinstance(v, torch.Tensor):
+                    dev = _local(p).device if v.dim() > 0 else torch.device("cpu")
+                    v = v.detach().to(dev, copy=True)
+                    if isinstance(p, DTensor) and v.dim() > 0:  # state shaped like its parameter: sharded alike
+                        v = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+                entry[k] = v
+            if entry and pname in index:
+                state[index[pname]] = entry
+        groups = []
+        for g, hp in zip(self.opt_groups, plan["groups"]):
+            groups.append({**hp, "params": list(g["params"])})
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def apply_groups(self, optimizer_meta: dict) -> None:
+        """Set the param groups' hyper-parameters from ``optimizer_meta`` (validated first), state untouched.
+
+        Raises:
+            RestoreMismatchError: different param groups.
+        """
+        if self.optimizer is None:
+            return
+        for g, hp in zip(self.optimizer.param_groups, self._plan_groups(optimizer_meta)):
+            for k, v in hp.items():
+                cur = g.get(k)
+                if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
+                    cur.copy_(v)
+                else:
+                    g[k] = v
+
+    def load(
+        self,
+        tensors: Mapping[str, Mapping[str, torch.Tensor]],
+        metas: Mapping[str, dict] | None = None,
+        optimizer_meta: dict | None = None,
+        extra_state: Mapping[str, Any] | None = None,
+    ) -> None:
+        """:meth:`prepare` (validate everything), then :meth:`apply`."""
+        self.apply(self.prepare(tensors, metas, optimizer_meta, extra_state))

@@ -16,6 +16,10 @@ and :func:`compose` merges them (later arguments win on a field they set)::
   version, at most ``max_chain`` in a row.
 * :func:`dedup` (AdaCheck): shards bitwise identical across the ranks of the
   data-parallel group are written once (see :mod:`tierstore.train.dedup`).
+* :func:`replay` (AdaCheck's online checkpoints): a full base every
+  ``base_every`` steps and, in between, only the gradients the optimizer
+  consumed; restore replays them (see :mod:`tierstore.train.replay`). It
+  stands alone: it does not compose with the others.
 
 The trackers here hold the per-layer state these decisions need; the
 :class:`~tierstore.train.checkpointer.Checkpointer` drives them. They are pure
@@ -44,6 +48,7 @@ __all__ = [
     "exact",
     "layerwise",
     "relative_change",
+    "replay",
 ]
 
 
@@ -62,6 +67,9 @@ class Policy:
         dedup: write shards identical across the group once (AdaCheck).
         dedup_algo: digest algorithm for dedup (``xxh3`` or ``blake2s``).
         dedup_group: the data-parallel process group (``None``: the whole world).
+        replay_every: gradient-log replay: the most steps between full bases
+            (``None``: no replay).
+        replay_offset: bases fall on steps ``s`` with ``(s - replay_offset) % replay_every == 0``.
         names: the parts composed, for reports.
     """
 
@@ -72,6 +80,8 @@ class Policy:
     dedup: bool = False
     dedup_algo: str = "xxh3"
     dedup_group: Any = field(default=None, compare=False, repr=False)
+    replay_every: int | None = None
+    replay_offset: int = 0
     names: tuple[str, ...] = ("exact",)
 
     def __post_init__(self) -> None:
@@ -87,6 +97,11 @@ class Policy:
             raise ConfigError(f"max_chain must be >= 0, got {self.max_chain}", field="max_chain")
         if self.dedup_algo not in ("xxh3", "blake2s"):
             raise ConfigError(f"unknown digest {self.dedup_algo!r}", field="dedup_algo")
+        if self.replay_every is not None:
+            if isinstance(self.replay_every, bool) or not isinstance(self.replay_every, int) or self.replay_every < 1:
+                raise ConfigError(f"base_every must be an int >= 1, got {self.replay_every!r}", field="base_every")
+            if self.tau is not None or self.base_every is not None or self.dedup:
+                raise ConfigError("replay does not compose with layerwise, differential or dedup", field="replay")
 
     @property
     def name(self) -> str:
@@ -118,6 +133,11 @@ def differential(base_every: int = 10, max_chain: int | None = None) -> Policy:
 def dedup(group: Any = None, algo: str = "xxh3") -> Policy:
     """AdaCheck: shards identical across ``group`` (default: the world) are written once."""
     return Policy(dedup=True, dedup_algo=algo, dedup_group=group, names=("dedup",))
+
+
+def replay(base_every: int = 20, base_offset: int = 0) -> Policy:
+    """AdaCheck: a full base every ``base_every`` steps, the optimizer's gradients between; restore replays."""
+    return Policy(replay_every=base_every, replay_offset=base_offset, names=("replay",))
 
 
 _DEFAULTS = Policy()

@@ -1,0 +1,167 @@
+"""The Checkpointer's write side after the snapshot: what one save carries, objects by kind, retention.
+
+A :class:`Snapshot` is what :meth:`Checkpointer.save` hands to its background
+thread: host-tier objects already copied (``pendings``, sealed and published
+there) and staged copies for the objects whose kind depends on the other
+ranks (dedup) or on the previous version (deltas), written by
+:func:`write_layer`. :func:`retain` deletes what the last ``keep_last``
+committed steps no longer reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from consistency.gc import reachable
+from tierstore.delta import xor_delta
+from tierstore.keys import ShardKey
+from tierstore.train.dedup import part_of
+from tierstore.train.policies import DiffTracker
+
+__all__ = ["SaveStats", "Snapshot", "bits_equal", "nbytes", "retain", "write_layer"]
+
+
+class SaveStats:
+    """Counters of what this rank wrote: bytes and objects per kind."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.logical_bytes = 0
+        self.objects = {"full": 0, "delta": 0, "ref": 0}
+        self.saves = 0
+        self.layers_saved = 0
+        self.per_step: dict[int, int] = {}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bytes": self.bytes,
+            "logical_bytes": self.logical_bytes,
+            "objects": dict(self.objects),
+            "saves": self.saves,
+            "layers_saved": self.layers_saved,
+        }
+
+    def record(self, step: int, infos: list) -> None:
+        for info in infos:
+            self.bytes += info.size
+            self.objects[info.kind] = self.objects.get(info.kind, 0) + 1
+            self.per_step[step] = self.per_step.get(step, 0) + info.size
+
+
+@dataclass
+class Snapshot:
+    """One save, copied: what the background thread publishes, writes and votes.
+
+    Attributes:
+        step: the step.
+        selected: the layers written at this step.
+        pendings: ``(layer, PendingObject)`` already copied into the host tier.
+        staged: ``layer -> tensors`` copied for :func:`write_layer` (dedup, deltas).
+        metas: ``layer -> metadata`` of the staged layers.
+        vote_extra: the JSON the vote carries.
+        lw_params: ``layer -> parameter copies`` for the layerwise tracker.
+        before_vote: run first on the background thread (replay's digest).
+        collective: the background write runs a collective (dedup).
+    """
+
+    step: int
+    selected: list[str]
+    pendings: list[tuple[str, Any]] = field(default_factory=list)
+    staged: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    metas: dict[str, dict] = field(default_factory=dict)
+    vote_extra: dict[str, Any] = field(default_factory=dict)
+    lw_params: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    before_vote: Callable[[dict], None] | None = None
+    collective: bool = False
+
+    def abort(self) -> None:
+        for _, p in self.pendings:
+            p.abort()
+        self.pendings = []
+
+
+def nbytes(ts: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts.values())
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def write_layer(store: Any, model: str, rank: int, ln: str, step: int, tensors: dict[str, torch.Tensor],
+                meta: dict, owners: dict[str, int] | None, diff: DiffTracker | None, epoch: int | None) -> Any:
+    """Write one staged layer: a ref (dedup, another rank owns it all), a delta, or a full object."""
+    key = ShardKey(model, ln, step, rank)
+    refs = {p: o for p, o in (owners or {}).items() if o != rank}
+    present = {part_of(n) for n in tensors}
+    refs = {p: o for p, o in refs.items() if p in present}
+    if refs and set(refs) == present and len(set(refs.values())) == 1:
+        if diff is not None:
+            diff.forget(ln)
+        target = ShardKey(model, ln, step, next(iter(refs.values())))
+        return store.put(key, {}, None, kind="ref", target=target, epoch=epoch)
+    mine = {n: t for n, t in tensors.items() if part_of(n) not in refs}
+    meta = dict(meta)
+    if refs:
+        meta["_refs"] = refs
+    if diff is None:
+        return store.put(key, mine, meta, epoch=epoch)
+    kind, base_step = diff.kind(ln, step, mine)
+    if kind == "delta" and base_step is not None:
+        base = diff.base_tensors(ln)
+        deltas = {n: xor_delta(t, base[n]) for n, t in mine.items() if not bits_equal(t, base[n])}
+        meta["_delta"] = {
+            n: {"dtype": str(mine[n].dtype).removeprefix("torch."), "shape": list(mine[n].shape)} for n in deltas
+        }
+        base_key = ShardKey(model, ln, base_step, rank)
+        info = store.put(key, deltas, meta, kind="delta", base=base_key, epoch=epoch)
+    else:
+        info = store.put(key, mine, meta, epoch=epoch)
+    diff.saved(ln, step, mine, kind)
+    return info
+
+
+def retain(store: Any, model: str, rank: int, keep_last: int | None, max_staleness: int, below: int,
+           floor: Callable[[int], int] | None = None) -> int:
+    """Delete this rank's objects that the last ``keep_last`` committed steps no longer reach.
+
+    ``below`` is the horizon of the previous pass (nothing to do if it did not move
+    and no aborted step waits); returns the new horizon. ``floor(oldest)`` widens
+    what is kept to the step a restore of ``oldest`` starts from (replay: its base).
+    """
+    if keep_last is None:
+        return below
+    steps = store.steps.steps(model)
+    committed = [s for s, st in steps if st in ("committed", "durable")]
+    if len(committed) < keep_last:
+        return below
+    # a layer-wise resume at step R reads layers saved as far back as R - max_staleness
+    oldest = committed[-keep_last] - max_staleness
+    if floor is not None:
+        oldest = min(oldest, floor(oldest))
+    kept = [s for s in committed if s >= oldest]
+    aborted = {s for s, st in steps if st == "aborted" and s < kept[-1]}
+    horizon = kept[0]
+    if horizon <= below and not aborted:
+        return below
+    keep = reachable(store.steps, model, kept)
+    victims = [k for k in store.list(model)
+               if k.rank == rank and k not in keep and (k.step < horizon or k.step in aborted)]
+    deferred = False
+    durable = getattr(store, "durable", None)
+    if victims and durable is not None and store.config.migrate:
+        # an object still queued for migration is left for a later pass (the migrator would report it lost)
+        recs = store.index.get_objects(victims)
+        ready = [k for k, r in zip(victims, recs)
+                 if r is None or durable.tier in r.tiers or not store.placement.to_durable(r.kind, k.step)]
+        deferred = len(ready) < len(victims)
+        victims = ready
+    for key in victims:
+        store.delete(key)
+    return below if deferred else horizon

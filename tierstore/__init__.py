@@ -6,7 +6,9 @@ Quick start::
     store = tierstore.open()                      # embedded default, no set-up
     key = tierstore.ShardKey("gpt", "block0", step=10, rank=0)
     store.put(key, {"w": torch.randn(4, 4)})
-    shard = store.get(key)
+    shard = store.get(key)                        # a read-only mapping: shard["w"], shard.metadata
+    store.get(missing)                            # None, as dict.get
+    store[missing]                                # raises ObjectNotFoundError (a KeyError)
 
 Heavy modules (torch, redis, boto3) are imported lazily on first use of a name
 that needs them, so ``import tierstore`` stays cheap for the command line and
@@ -37,6 +39,7 @@ from tierstore.errors import (
     MigrationError,
     MissingDependencyError,
     NoValidCopyError,
+    ObjectNotFoundError,
     ProtocolError,
     RestoreMismatchError,
     StepAbortedError,
@@ -73,6 +76,7 @@ __all__ = [
     "MigrationError",
     "MissingDependencyError",
     "NoValidCopyError",
+    "ObjectNotFoundError",
     "ObjectRecord",
     "ProtocolError",
     "RestoreMismatchError",

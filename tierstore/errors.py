@@ -26,6 +26,7 @@ __all__ = [
     "MigrationError",
     "MissingDependencyError",
     "NoValidCopyError",
+    "ObjectNotFoundError",
     "ProtocolError",
     "RestoreMismatchError",
     "StepAbortedError",
@@ -124,3 +125,10 @@ class MigrationError(TierUnavailableError):
 
 class UnknownError(TierStoreError, LookupError):
     """The model, step or key asked about is not in the index (``what`` names it)."""
+
+
+class ObjectNotFoundError(UnknownError, KeyError):
+    """``store[key]`` found no object under ``key`` (``key`` names it); ``store.get(key)`` returns ``None`` instead."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted, as a repr
+        return str(self.args[0]) if self.args else ""

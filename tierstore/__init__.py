@@ -28,6 +28,7 @@ from typing import Any
 from tierstore.errors import (
     AccessDeniedError,
     AuthenticationError,
+    CheckpointFailedError,
     CommitError,
     ConfigError,
     CorruptObjectError,
@@ -64,6 +65,7 @@ _LAZY = {
 __all__ = [
     "AccessDeniedError",
     "AuthenticationError",
+    "CheckpointFailedError",
     "Checkpointer",
     "CommitError",
     "ConfigError",

@@ -15,6 +15,7 @@ from typing import Any
 __all__ = [
     "AccessDeniedError",
     "AuthenticationError",
+    "CheckpointFailedError",
     "CommitError",
     "ConfigError",
     "CorruptObjectError",
@@ -132,3 +133,11 @@ class ObjectNotFoundError(UnknownError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message quoted, as a repr
         return str(self.args[0]) if self.args else ""
+
+
+class CheckpointFailedError(TierStoreError):
+    """A ``torch.distributed.checkpoint`` save or load failed on some rank for a reason outside tierstore.
+
+    Raised by :mod:`tierstore.train.dcp`'s ``save``/``async_save``/``load`` in place of DCP's
+    ``CheckpointException`` (a ``BaseException``); ``failures`` maps each failed rank to its error.
+    """

@@ -320,6 +320,9 @@ def test_saving_a_committed_step_again_is_refused_and_leaves_it_intact(store):
     dcp.save({"w": torch.ones(3)}, storage_writer=TierStoreWriter(store, "twice", 5), no_dist=True)
     with pytest.raises(KeyExistsError, match="already saved"):
         tsdcp.save({"w": torch.zeros(3)}, TierStoreWriter(store, "twice", 5), no_dist=True)
+    fut = tsdcp.async_save({"w": torch.zeros(3)}, TierStoreWriter(store, "twice", 5), no_dist=True)
+    with pytest.raises(KeyExistsError):  # through the future, typed too
+        fut.result(timeout=120)
     target = {"w": torch.full((3,), 9.0)}
     tsdcp.load(target, TierStoreReader(store, "twice", 5), no_dist=True)
     assert torch.equal(target["w"], torch.ones(3))

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -297,7 +298,7 @@ class TierStoreWriter(StorageWriter):
                 planner_data=metadata.planner_data,
                 storage_data={r.index: r.storage_data for rs in results for r in rs},
                 storage_meta=self.storage_meta(),
-                version=metadata.version,
+                version=metadata.version or CURRENT_DCP_VERSION,  # as FileSystemWriter records it
             )
             doc = json.dumps(metadata_to_json(md), separators=(",", ":")).encode()
             key = ShardKey(slot.model, META_LAYER, self.step, slot.world)

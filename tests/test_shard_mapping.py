@@ -96,7 +96,7 @@ def test_getitem_malformed_key_is_not_a_miss(store):
 
 def test_deleted_object_is_a_miss_again(store):
     store.put(K, _tensors())
-    store.flush()  # a delete racing the put's background migration can be undone by it (a known gap, see report)
+    store.flush()  # store.delete does not wait for a migration in flight, which can copy the object back
     assert store.delete(K)
     assert store.get(K) is None
     with pytest.raises(ObjectNotFoundError):

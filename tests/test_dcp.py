@@ -1,4 +1,7 @@
-"""torch.distributed.checkpoint on tierstore: 2 real gloo ranks, real store; resharding to 1; async_save."""
+"""torch.distributed.checkpoint on tierstore: 2 real gloo ranks, resharding to 1, async_save; non-tensor values;
+early typed refusals; picklable writer/reader; named-step loads only of committed steps.
+
+PyTorch's e2e DCP cases (DDP, FSDP2 resharding, async thread/process, partial load) are in test_dcp_dist.py."""
 
 from __future__ import annotations
 
@@ -6,12 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -19,13 +24,22 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from tierstore.errors import (
+    CheckpointFailedError,
+    CommitError,
+    InvalidValueError,
+    KeyExistsError,
+    ManifestError,
+    StepAbortedError,
+    UnknownError,
+)
+from tierstore.train import dcp as tsdcp
 from tierstore.train.dcp import (
     TierStoreReader,
     TierStoreWriter,
     metadata_from_json,
     metadata_to_json,
 )
-from tierstore.errors import ManifestError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,33 +132,326 @@ def test_metadata_json_round_trip():
                 TensorProperties(dtype=torch.float16), torch.Size([4, 2]),
                 [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 2])),
                  ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 2]))],
-            )
+            ),
+            "opt.param_groups": BytesStorageMetadata(),
         },
         planner_data={"a": ("a",), "n.x": ("n", 0)},
-        storage_data={MetadataIndex("a", [0, 0]): {"key": "m/dcp/1/0", "name": "a@0,0"}},
+        storage_data={MetadataIndex("a", [0, 0]): {"key": "m/dcp/1/0", "name": "a@0,0", "type": "tensor"},
+                      MetadataIndex("opt.param_groups"): {"key": "m/dcp/1/1", "name": "g@bytes", "type": "bytes"}},
         version="1.0.0",
     )
     doc = json.loads(json.dumps(metadata_to_json(md)))
     back = metadata_from_json(doc)
     assert back.state_dict_metadata == md.state_dict_metadata
     assert back.planner_data == md.planner_data and back.storage_data == md.storage_data
+    # a schema-1 document (tensors only, no "type") still reads
+    v1 = dict(doc, schema=1, storage_data=[{k: v for k, v in e.items() if k != "type"} for e in doc["storage_data"]])
+    assert metadata_from_json(v1).storage_data[MetadataIndex("a", [0, 0])]["type"] == "tensor"
     with pytest.raises(ManifestError):
         metadata_from_json({"schema": 99})
     with pytest.raises(ManifestError):
-        metadata_from_json({"schema": 1, "state_dict_metadata": {"a": {"type": "tensor"}}})
-
-
-def test_non_tensor_values_refused(store):
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with pytest.raises(CheckpointException, match="non-tensor values are not supported"):
-        dcp.save({"x": torch.ones(2), "meta": {"a": 1}}, storage_writer=TierStoreWriter(store, "nt", 0), no_dist=True)
+        metadata_from_json({"schema": 2, "state_dict_metadata": {"a": {"type": "tensor"}}})
+    with pytest.raises(ManifestError):
+        metadata_from_json(dict(doc, storage_data=[dict(doc["storage_data"][0], type="pickle")]))
 
 
 def test_checkpoint_id():
     assert TierStoreWriter.validate_checkpoint_id("tierstore://m/3")
     assert not TierStoreReader.validate_checkpoint_id("/tmp/x")
 
+
+# ------------------------------------------------------------------------------ non-tensor values
+
+
+def _model_and_optim(lr: float):
+    from tests import dcp_cases as cases
+
+    model = cases.Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    return model, opt
+
+
+def test_init_state_dict_optimizer_param_groups_round_trip(store):
+    """DCP's test_init_state_dict: a non-tensor (the learning rate) comes back through set_state_dict."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_state_dict,
+    )
+
+    model, opt = _model_and_optim(0.1)
+    model(torch.rand(2, 8)).sum().backward()
+    opt.step()
+    model.extra.version = 7
+    sd = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.save(sd, storage_writer=TierStoreWriter(store, "init", 0), no_dist=True)
+
+    model2, opt2 = _model_and_optim(0.2)
+    msd, osd = get_model_state_dict(model2), get_optimizer_state_dict(model2, opt2)
+    target = {"model": msd, "optimizer": osd}
+    dcp.load(target, storage_reader=TierStoreReader(store, "init", 0), no_dist=True)
+    assert target["model"] is msd and target["optimizer"] is osd  # in place, as DCP promises
+    set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    assert opt2.param_groups[0]["lr"] == 0.1 and opt2.param_groups[0]["betas"] == (0.9, 0.999)
+    assert model2.extra.version == 7  # the module's _extra_state
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(opt2.state_dict()["state"][0][k], v), k
+
+
+def test_scheduler_dataloader_bytes_and_bytesio_round_trip(store):
+    import io
+    import pickle
+
+    from tests import dcp_cases as cases
+
+    model, opt = _model_and_optim(0.1)
+    sched = cases.scheduler(opt)
+    loader, ts = cases.Loader(0, 1), cases.TrainState()
+    cases.train(model, opt, sched, loader, ts, steps=3)
+    raw = {"blob": pickle.dumps({"any": [1, 2]}), "empty": b"", "io": io.BytesIO(b"\x00\x01"), "none": None,
+           "nested": {"s": "text", "f": 1.5, "i": -3, "t": (1, "a"), "set": {1, 2}}}
+    sd = {"sched": sched, "data": loader, "train": ts, "raw": raw}
+    dcp.save(sd, storage_writer=TierStoreWriter(store, "misc", 1), no_dist=True)
+
+    sched2 = cases.scheduler(_model_and_optim(0.1)[1])
+    loader2, ts2 = cases.Loader(0, 1), cases.TrainState()
+    raw2 = {"blob": b"", "empty": b"x", "io": io.BytesIO(), "none": 0,
+            "nested": {"s": "", "f": 0.0, "i": 0, "t": (), "set": set()}}
+    dcp.load({"sched": sched2, "data": loader2, "train": ts2, "raw": raw2},
+             storage_reader=TierStoreReader(store, "misc"), no_dist=True)
+    assert sched2.state_dict() == sched.state_dict() and sched2.last_epoch == 3
+    assert (loader2.position, loader2.epoch) == (loader.position, loader.epoch) and ts2 == ts
+    # a non-stateful entry is replaced by what was loaded (DCP's semantics)
+    got = dcp_load_plain(store, "misc", 1, raw2)
+    assert got["blob"] == raw["blob"] and got["empty"] == b"" and got["io"].getvalue() == b"\x00\x01"
+    assert got["none"] is None and got["nested"] == raw["nested"]
+
+
+def dcp_load_plain(store, model: str, step: int, like: dict) -> dict:
+    target = {"raw": like}
+    dcp.load(target, storage_reader=TierStoreReader(store, model, step), no_dist=True)
+    return target["raw"]
+
+
+def test_stateful_and_non_stateful_loads(store):
+    """DCP's test_stateful_and_non_stateful_loads: Stateful values load in place, plain ones are replaced."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    class StateDict(dict):
+        def __init__(self):
+            self.set_sd_item_called = False
+
+        def __setitem__(self, item, value):
+            self.set_sd_item_called = True
+            super().__setitem__(item, value)
+
+    class Foo(Stateful):
+        def __init__(self):
+            self.load_state_dict_called = False
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state_dict):
+            self.load_state_dict_called = True
+
+    foo = Foo()
+    sd = StateDict()
+    sd["foo"] = foo
+    sd.set_sd_item_called = False
+    dcp.save(sd, storage_writer=TierStoreWriter(store, "stateful", 0), no_dist=True)
+    dcp.load(sd, storage_reader=TierStoreReader(store, "stateful", 0), no_dist=True)
+    assert foo.load_state_dict_called and not sd.set_sd_item_called
+
+    sd = StateDict()
+    sd["foo"] = {"replicated": torch.rand(10, 10), "bytes": [1, 2, 3, 4]}
+    sd.set_sd_item_called = False
+    dcp.save(sd, storage_writer=TierStoreWriter(store, "stateful", 1), no_dist=True)
+    dcp.load(sd, storage_reader=TierStoreReader(store, "stateful", 1), no_dist=True)
+    assert sd.set_sd_item_called and sd["foo"]["bytes"] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------ early, typed refusals
+
+
+class _Evil:
+    """Pickles to a call that would create a marker file: proof of arbitrary code execution."""
+
+    marker = ""
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_unsafe_value_refused_before_anything_is_written(store, tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    evil = _Evil()
+    evil.marker = str(tmp_path / "pwned")
+    sd = {"w": torch.ones(2), "obj": evil}
+    # the typed front door checks the whole state dict first: nothing is planned, no step exists
+    with pytest.raises(InvalidValueError, match=r"obj: .*weights_only=True") as ei:
+        tsdcp.save(sd, TierStoreWriter(store, "unsafe", 1), no_dist=True)
+    assert ei.value.tensor == "obj" and any(g.startswith("pathlib.") for g in ei.value.unsafe_globals)
+    assert store.steps.state("unsafe", 1) is None and store.list("unsafe") == []
+    # plain dcp.save: DCP wraps the typed error in its CheckpointException; the step is aborted at once
+    with pytest.raises(CheckpointException) as ci:
+        dcp.save(sd, storage_writer=TierStoreWriter(store, "unsafe", 2), no_dist=True)
+    (exc, _tb), = ci.value.failures.values()
+    assert isinstance(exc, InvalidValueError) and exc.tensor == "obj"
+    assert store.steps.state("unsafe", 2) == "aborted" and store.list("unsafe", step=2) == []
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_unsupported_dtype_refused_at_planning(store):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    sd = {"ok": torch.ones(2), "z": torch.ones(2, dtype=torch.complex128)}
+    with pytest.raises(CheckpointException) as ci:
+        dcp.save(sd, storage_writer=TierStoreWriter(store, "dtype", 1), no_dist=True)
+    (exc, _tb), = ci.value.failures.values()
+    assert isinstance(exc, InvalidValueError) and exc.tensor == "z" and "complex128" in str(exc)
+    assert store.steps.state("dtype", 1) is None and store.list("dtype") == []  # nothing written, no step
+    with pytest.raises(InvalidValueError, match="complex128"):
+        tsdcp.save(sd, TierStoreWriter(store, "dtype", 1), no_dist=True)
+
+
+def test_saving_a_committed_step_again_is_refused_and_leaves_it_intact(store):
+    dcp.save({"w": torch.ones(3)}, storage_writer=TierStoreWriter(store, "twice", 5), no_dist=True)
+    with pytest.raises(KeyExistsError, match="already saved"):
+        tsdcp.save({"w": torch.zeros(3)}, TierStoreWriter(store, "twice", 5), no_dist=True)
+    fut = tsdcp.async_save({"w": torch.zeros(3)}, TierStoreWriter(store, "twice", 5), no_dist=True)
+    with pytest.raises(KeyExistsError):  # through the future, typed too
+        fut.result(timeout=120)
+    target = {"w": torch.full((3,), 9.0)}
+    tsdcp.load(target, TierStoreReader(store, "twice", 5), no_dist=True)
+    assert torch.equal(target["w"], torch.ones(3))
+
+
+def test_aborted_step_refused_for_save_and_load(store, tmp_path):
+    evil = _Evil()
+    evil.marker = str(tmp_path / "pwned")
+    with pytest.raises(InvalidValueError):
+        tsdcp.save({"w": torch.ones(1), "x": evil}, TierStoreWriter(store, "ab", 3), no_dist=True)  # up front
+    assert store.steps.state("ab", 3) is None
+    dcp_save_quiet({"w": torch.ones(1), "x": evil}, TierStoreWriter(store, "ab", 3))
+    assert store.steps.state("ab", 3) == "aborted"
+    with pytest.raises(StepAbortedError):
+        tsdcp.save({"w": torch.ones(1)}, TierStoreWriter(store, "ab", 3), no_dist=True)
+    with pytest.raises(StepAbortedError):
+        tsdcp.load({"w": torch.zeros(1)}, TierStoreReader(store, "ab", 3), no_dist=True)
+    with pytest.raises(UnknownError):
+        tsdcp.load({"w": torch.zeros(1)}, TierStoreReader(store, "ab", 4), no_dist=True)
+
+
+def dcp_save_quiet(sd: dict, writer: TierStoreWriter) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException):
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+
+
+def test_preparing_step_of_another_world_is_refused(store):
+    store.begin_step("busy", 7, 4)  # a save of 3 ranks (+ the metadata voter) is in flight
+    with pytest.raises(CommitError, match="world of 3"):
+        tsdcp.save({"w": torch.ones(1)}, TierStoreWriter(store, "busy", 7), no_dist=True)
+    assert store.steps.state("busy", 7) == "preparing"
+
+
+def test_typed_front_door_never_raises_a_base_exception(store):
+    dcp.save({"w": torch.ones(2)}, storage_writer=TierStoreWriter(store, "front", 0), no_dist=True)
+    with pytest.raises(CheckpointFailedError, match="nope") as ei:  # a key the checkpoint lacks: DCP's own error
+        tsdcp.load({"nope": torch.zeros(1)}, TierStoreReader(store, "front", 0), no_dist=True)
+    assert isinstance(ei.value, Exception) and 0 in ei.value.failures
+
+
+# ------------------------------------------------------------------------------ picklable writer and reader
+
+
+def test_writer_and_reader_pickle_as_configuration(store):
+    import pickle
+
+    from tierstore.config import StoreConfig
+
+    w = TierStoreWriter(store, "pk", 1)
+    blob = pickle.dumps(w)
+    assert b"TierStore\x94" not in blob and b"RLock" not in blob
+    w2 = pickle.loads(blob)
+    assert w2._store.live is None and w2._store.spec == store.config
+    dcp.save({"w": torch.arange(4)}, storage_writer=w2, no_dist=True)  # reopens the store from its config
+    r = pickle.loads(pickle.dumps(TierStoreReader(store, "pk")))
+    target = {"w": torch.zeros(4, dtype=torch.int64)}
+    dcp.load(target, storage_reader=r, no_dist=True)
+    assert torch.equal(target["w"], torch.arange(4)) and r.store is not store
+    cfg = dict(home=store.config.home, redis=store.config.redis_url, durable=store.config.durable_url,
+               host_root=store.config.host_root, node_id=store.config.node_id)
+    for spec in (cfg, StoreConfig(**{f: getattr(store.config, f) for f in store.config.__dataclass_fields__})):
+        target = {"w": torch.zeros(4, dtype=torch.int64)}
+        dcp.load(target, storage_reader=pickle.loads(pickle.dumps(TierStoreReader(spec, "pk", 1))), no_dist=True)
+        assert torch.equal(target["w"], torch.arange(4))
+    with pytest.raises(InvalidValueError):
+        TierStoreWriter(object(), "pk", 2)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ named-step loads
+
+
+def test_named_step_load_refuses_a_step_whose_coordinator_died_before_its_vote(store, tmp_path):
+    """The coordinator writes the metadata object and dies before its vote: the step must not load."""
+    import dataclasses
+
+    dcp.save({"w": torch.ones(3)}, storage_writer=TierStoreWriter(store, "crash", 1), no_dist=True)
+    cfg = json.dumps(dataclasses.asdict(store.config))
+    code = textwrap.dedent(f"""
+        import json, os, torch, torch.distributed.checkpoint as dcp
+        import tierstore
+        from tierstore.config import StoreConfig
+        from tierstore.store import TierStore
+        from tierstore.train.dcp import META_LAYER, TierStoreWriter
+        put = TierStore.put
+        def dying_put(self, key, *a, **k):
+            rec = put(self, key, *a, **k)
+            if key.layer == META_LAYER:
+                os._exit(7)  # after the metadata is written, before its vote
+            return rec
+        TierStore.put = dying_put
+        store = tierstore.open(config=StoreConfig(**json.loads({cfg!r})))
+        dcp.save({{"w": torch.full((3,), 2.0)}}, storage_writer=TierStoreWriter(store, "crash", 2), no_dist=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 7, p.stderr[-2000:]
+    assert store.steps.state("crash", 2) == "preparing" and store.list("crash", "dcp-metadata", 2)
+    with pytest.raises(CommitError, match="not committed"):
+        tsdcp.load({"w": torch.zeros(3)}, TierStoreReader(store, "crash", 2), no_dist=True)
+    target = {"w": torch.zeros(3)}
+    tsdcp.load(target, TierStoreReader(store, "crash"), no_dist=True)  # newest committed: step 1
+    assert torch.equal(target["w"], torch.ones(3))
+    # the same job restarting saves step 2 again (same world): it commits and then loads
+    tsdcp.save({"w": torch.full((3,), 3.0)}, TierStoreWriter(store, "crash", 2), no_dist=True)
+    tsdcp.load(target, TierStoreReader(store, "crash", 2), no_dist=True)
+    assert torch.equal(target["w"], torch.full((3,), 3.0))
+
+
+def test_tampered_value_never_reaches_a_general_unpickler(store, tmp_path):
+    """Replace a stored non-tensor value by a malicious pickle (valid checksum): the load refuses it, typed."""
+    import io
+
+    dcp.save({"w": torch.ones(2), "obj": {"a": 1}}, storage_writer=TierStoreWriter(store, "tamper", 1),
+             no_dist=True)
+    (key,) = store.list("tamper", "dcp", 1)
+    shard = store.get(key)
+    (name,) = [n for n in shard if n.startswith("obj")]
+    evil = _Evil()
+    evil.marker = str(tmp_path / "pwned")
+    buf = io.BytesIO()
+    torch.save({"a": evil}, buf)
+    forged = dict(shard.tensors)
+    forged[name] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    store.put(key, forged, {k: v for k, v in shard.metadata.items()})
+    with pytest.raises(InvalidValueError, match="weights_only"):
+        tsdcp.load({"w": torch.zeros(2), "obj": {"a": 0}}, TierStoreReader(store, "tamper", 1), no_dist=True)
+    assert not (tmp_path / "pwned").exists()
 
 if __name__ == "__main__":
     a = sys.argv[1:]

@@ -6,7 +6,9 @@ Quick start::
     store = tierstore.open()                      # embedded default, no set-up
     key = tierstore.ShardKey("gpt", "block0", step=10, rank=0)
     store.put(key, {"w": torch.randn(4, 4)})
-    shard = store.get(key)
+    shard = store.get(key)                        # a read-only mapping: shard["w"], shard.metadata
+    store.get(missing)                            # None, as dict.get
+    store[missing]                                # raises ObjectNotFoundError (a KeyError)
 
 Heavy modules (torch, redis, boto3) are imported lazily on first use of a name
 that needs them, so ``import tierstore`` stays cheap for the command line and
@@ -26,6 +28,7 @@ from typing import Any
 from tierstore.errors import (
     AccessDeniedError,
     AuthenticationError,
+    CheckpointFailedError,
     CommitError,
     ConfigError,
     CorruptObjectError,
@@ -38,6 +41,7 @@ from tierstore.errors import (
     MigrationError,
     MissingDependencyError,
     NoValidCopyError,
+    ObjectNotFoundError,
     ProtocolError,
     RestoreMismatchError,
     StepAbortedError,
@@ -63,6 +67,7 @@ _LAZY = {
 __all__ = [
     "AccessDeniedError",
     "AuthenticationError",
+    "CheckpointFailedError",
     "Checkpointer",
     "CommitError",
     "ConfigError",
@@ -76,6 +81,7 @@ __all__ = [
     "MigrationError",
     "MissingDependencyError",
     "NoValidCopyError",
+    "ObjectNotFoundError",
     "ObjectRecord",
     "ProtocolError",
     "RestoreMismatchError",

@@ -34,7 +34,7 @@ import ctypes
 import json
 import math
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,12 +101,51 @@ DTYPES: dict[str, torch.dtype] = _build_dtypes()
 """Supported dtype names and their torch dtypes (those this torch build has)."""
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
-@dataclass
-class Shard:
-    """A decoded object: named tensors plus the JSON metadata stored beside them."""
+class Shard(Mapping[str, torch.Tensor]):
+    """A decoded object: a read-only mapping of names to tensors, plus its JSON metadata.
 
-    tensors: dict[str, torch.Tensor]
-    metadata: dict
+    ``shard["weight"]``, ``"weight" in shard``, ``len(shard)``, iteration and
+    ``keys()/items()/values()/get()`` work as on a dict; there is no way to
+    add, replace or remove a name through the shard. The tensors themselves
+    are ordinary (writable) tensors owned by the caller.
+
+    Attributes:
+        tensors: the underlying ``dict`` of names to tensors (kept for callers
+            that predate the mapping interface; prefer indexing the shard).
+        metadata: the JSON metadata stored beside the tensors.
+
+    The repr lists names, dtypes and shapes (and metadata keys), never values.
+    """
+
+    __slots__ = ("metadata", "tensors")
+    _REPR_NAMES = 16
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+        self.tensors = tensors
+        self.metadata = {} if metadata is None else metadata
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __repr__(self) -> str:
+        parts = []
+        for name, t in list(self.tensors.items())[: self._REPR_NAMES]:
+            dtype = _DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch."))
+            where = "" if t.device.type == "cpu" else f" @{t.device}"
+            parts.append(f"{name!r}: {dtype}{list(t.shape)}{where}")
+        more = len(self.tensors) - self._REPR_NAMES
+        if more > 0:
+            parts.append(f"... {more} more")
+        return f"Shard({{{', '.join(parts)}}}, metadata keys={sorted(self.metadata)!r})"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 __all__ = [
     "AccessDeniedError",
     "AuthenticationError",
+    "CheckpointFailedError",
     "CommitError",
     "ConfigError",
     "CorruptObjectError",
@@ -27,6 +28,7 @@ __all__ = [
     "MigrationError",
     "MissingDependencyError",
     "NoValidCopyError",
+    "ObjectNotFoundError",
     "ProtocolError",
     "ReplicaAckError",
     "RestoreMismatchError",
@@ -155,3 +157,18 @@ class MigrationError(TierUnavailableError):
 
 class UnknownError(TierStoreError, LookupError):
     """The model, step or key asked about is not in the index (``what`` names it)."""
+
+
+class ObjectNotFoundError(UnknownError, KeyError):
+    """``store[key]`` found no object under ``key`` (``key`` names it); ``store.get(key)`` returns ``None`` instead."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted, as a repr
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointFailedError(TierStoreError):
+    """A ``torch.distributed.checkpoint`` save or load failed on some rank for a reason outside tierstore.
+
+    Raised by :mod:`tierstore.train.dcp`'s ``save``/``async_save``/``load`` in place of DCP's
+    ``CheckpointException`` (a ``BaseException``); ``failures`` maps each failed rank to its error.
+    """

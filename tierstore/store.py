@@ -48,6 +48,7 @@ from tierstore.errors import (
     InvalidValueError,
     KeyExistsError,
     NoValidCopyError,
+    ObjectNotFoundError,
     RestoreMismatchError,
     TierFullError,
     TierStoreError,
@@ -332,6 +333,14 @@ class TierStore:
     ) -> codec.Shard | None:
         """Read a shard from the fastest tier holding a valid copy; ``None`` if it is unknown.
 
+        Returns:
+            A :class:`~tierstore.codec.Shard` (exported as ``tierstore.Shard``): a
+            read-only mapping of names to tensors (``shard["w"]``, ``"w" in
+            shard``, iteration) with the stored JSON in ``shard.metadata``; or
+            ``None`` when no object is stored under ``key``, as ``dict.get``
+            does. ``store[key]`` raises :class:`ObjectNotFoundError` (a
+            ``KeyError``) instead.
+
         Args:
             out: preallocated tensors to read into in place (shape and dtype must match).
             raw: return delta/ref objects as stored instead of resolving them.
@@ -343,6 +352,22 @@ class TierStore:
         key = _check_key(key)
         self._check_open()
         return self._get(key, out, raw, depth=0)
+
+    def __getitem__(self, key: ShardKey | str) -> codec.Shard:
+        """``store[key]``: :meth:`get`, but a missing object raises instead of returning ``None``.
+
+        Raises:
+            ObjectNotFoundError: no object is stored under ``key`` (a ``KeyError``).
+            NoValidCopyError: the object is known but no tier has a valid copy.
+        """
+        shard = self.get(key)
+        if shard is None:
+            raise ObjectNotFoundError(f"no object stored under {key}", key=str(key))
+        return shard
+
+    def __contains__(self, key: object) -> bool:
+        """``key in store``: :meth:`exists` (a malformed key is an error, not ``False``)."""
+        return self.exists(key)  # type: ignore[arg-type]  # _check_key names what is wrong
 
     def _read_blob(self, key: ShardKey, rec: ObjectRecord | None):
         """The first valid copy of ``key`` as (blob, tier); ``None`` if no tier has any copy."""

@@ -1,321 +1,202 @@
-"""``torch.distributed.checkpoint`` storage on tierstore: ``dcp.save`` / ``dcp.load`` / ``dcp.async_save``.
+"""``torch.distributed.checkpoint`` storage on tierstore: ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``.
 
 Usage (every rank)::
 
-    dcp.save(state_dict, storage_writer=TierStoreWriter(store, "gpt-dcp", step=100))
-    dcp.load(state_dict, storage_reader=TierStoreReader(store, "gpt-dcp"))   # newest committed step
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "sched": scheduler, "data": loader, "train": train_state}
+    dcp.save(state, storage_writer=TierStoreWriter(store, "gpt", step=100))
+    dcp.load(state, storage_reader=TierStoreReader(store, "gpt"))            # the newest committed step
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-Write protocol (DCP's calls, who makes them, what tierstore does):
+``store`` is a live :class:`~tierstore.store.TierStore`, a
+:class:`~tierstore.config.StoreConfig`, or a dict of :func:`tierstore.open`
+arguments. Writer and reader pickle as that configuration (never the live
+store) and reopen the store lazily where they run, so
+``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``
+works: the checkpoint process opens the same store (same index, same host
+tier) once and keeps it for its next saves.
 
-1. all ranks, ``set_up_storage_writer``: ``store.begin_step(model, step,
-   world + 1)``; the extra voter (rank ``world``) is the coordinator's
-   metadata record, so the step commits only once the metadata is in.
-2. all ranks ``prepare_local_plan``; coordinator ``prepare_global_plan``:
-   unchanged plans.
-3. all ranks, ``write_data``: every tensor item (its projection, contiguous,
-   on CPU) goes into ONE object per rank, ``ShardKey(model, "dcp", step,
-   rank)``, tensor name ``<fqn>@<offsets>``; then the rank votes that object.
-4. coordinator, ``finish``: DCP's :class:`Metadata` is serialised to JSON
-   (never pickled: fqn -> properties, size and chunks; planner mappings;
-   where each chunk lives), stored as ``ShardKey(model, "dcp-metadata", step,
-   world)`` and voted by rank ``world``: the last vote, the commit point.
+The protocol DCP runs against the writer and reader, call by call, and which
+rank does what, is in :mod:`tierstore.train.dcp_storage`; what is stored, in
+:mod:`tierstore.train.dcp_format`.
 
-Read protocol: ``read_metadata`` finds the step (given, else the newest
-committed one through ``store.resolve``), reads the metadata object and
-rebuilds the dataclasses; ``read_data`` reads each rank object once, narrows
-each chunk to the request and copies it into the planner's tensor. Any world
-size may read (DCP reshards by chunk offsets).
+Where unpickling happens, and that it is restricted: a non-tensor value is
+unpickled once by tierstore, in :func:`tierstore.train.dcp_format.restricted_load`
+(``torch.load(weights_only=True)``, allowing ``io.BytesIO``, ``bytes`` and what
+the caller allowed). The object it returns is re-serialised with ``torch.save`` and
+handed to ``planner.load_bytes``: DCP's default planner unpickles that with
+``weights_only=False``, but the bytes are tierstore's own re-serialisation of
+an object the restricted loader built, so they name only globals it admitted;
+stored bytes never reach a general unpickler.
 
-Non-tensor items (DCP's ``BYTE_IO``: ``torch.save`` of arbitrary objects) are
-refused on both sides: DCP's planner reads them back with
-``torch.load`` with weights-only loading switched off, which is pickle on a read path.
+DCP wraps every error a storage layer raises during a save or load into its
+``CheckpointException``, a ``BaseException``. :func:`save`,
+:func:`async_save` and :func:`load` here call DCP and raise the typed
+:class:`~tierstore.errors.TierStoreError` instead; :func:`save` and
+:func:`async_save` also check the whole state dict first
+(:func:`validate_state_dict`), before DCP plans anything.
 """
 
 from __future__ import annotations
 
-import os
+import io
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future as ConcurrentFuture
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from tierstore.errors import CheckpointFailedError, InvalidValueError, TierStoreError
+from tierstore.train.dcp_format import check_restricted, metadata_from_json, metadata_to_json
+from tierstore.train.dcp_storage import (
+    DATA_LAYER,
+    META_LAYER,
+    TierStoreReader,
+    TierStoreWriter,
+    check_tensor_props,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    SavePlan,
-    SavePlanner,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.storage import (
-    StorageReader,
-    StorageWriter,
-    WriteResult,
-)
-from torch.futures import Future
 
-from tierstore.codec import DTYPES
-from tierstore.errors import (
-    CommitError,
-    InvalidValueError,
-    ManifestError,
-    NoValidCopyError,
-)
-from tierstore.keys import ShardKey, validate_name
-
-__all__ = ["TierStoreReader", "TierStoreWriter", "metadata_from_json", "metadata_to_json"]
-
-DATA_LAYER = "dcp"
-META_LAYER = "dcp-metadata"
-SCHEMA = 1
-_DTYPE_NAME = {v: k for k, v in DTYPES.items()}
+__all__ = [
+    "DATA_LAYER",
+    "META_LAYER",
+    "TierStoreReader",
+    "TierStoreWriter",
+    "async_save",
+    "load",
+    "metadata_from_json",
+    "metadata_to_json",
+    "save",
+    "validate_state_dict",
+]
 
 
-def _item_name(fqn: str, offset: Any) -> str:
-    return f"{fqn}@{','.join(str(int(o)) for o in offset) if offset is not None else ''}"
+# ------------------------------------------------------------------------------ typed front door
 
 
-def metadata_to_json(md: Metadata) -> dict:
-    """DCP :class:`Metadata` as plain JSON (tensor and planner data only)."""
-    sdm: dict[str, Any] = {}
-    for fqn, m in md.state_dict_metadata.items():
-        if isinstance(m, BytesStorageMetadata):
-            sdm[fqn] = {"type": "bytes"}
-            continue
-        p = m.properties
-        if p.layout != torch.strided or p.memory_format != torch.contiguous_format:
-            raise InvalidValueError(f"{fqn}: only strided contiguous tensors are supported", tensor=fqn)
-        sdm[fqn] = {
-            "type": "tensor",
-            "dtype": _DTYPE_NAME[p.dtype],
-            "requires_grad": bool(p.requires_grad),
-            "size": list(m.size),
-            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks],
-        }
-    planner = None
-    if isinstance(md.planner_data, dict):
-        planner = {k: list(v) for k, v in md.planner_data.items()}
-    storage = [
-        {"fqn": idx.fqn, "offset": list(idx.offset) if idx.offset is not None else None, **loc}
-        for idx, loc in (md.storage_data or {}).items()
-    ]
-    sm = md.storage_meta
-    return {
-        "schema": SCHEMA,
-        "version": md.version,
-        "state_dict_metadata": sdm,
-        "planner_data": planner,
-        "storage_data": storage,
-        "storage_meta": None
-        if sm is None
-        else {"checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id), "save_id": sm.save_id,
-              "load_id": sm.load_id, "modules": list(sm.modules)},
-    }
+def _to_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
-def metadata_from_json(doc: Any) -> Metadata:
-    """Rebuild DCP :class:`Metadata` from :func:`metadata_to_json` output.
+def validate_state_dict(state_dict: Mapping[str, Any], *, safe_globals: Iterable[Any] = ()) -> None:
+    """Refuse, before anything is planned or written, what a tierstore DCP save could not round-trip.
+
+    Tensors (plain, DTensor, ShardedTensor) need a dtype the codec stores and a
+    dense layout; every other value must come back from ``torch.save`` through
+    ``torch.load(weights_only=True)``.
 
     Raises:
-        ManifestError: unknown schema or a malformed document.
+        InvalidValueError: naming the key (``tensor`` field) and, for values, the unsafe globals.
     """
-    try:
-        if doc.get("schema") != SCHEMA:
-            raise ManifestError(f"unknown DCP metadata schema {doc.get('schema')!r}")
-        sdm: dict[str, Any] = {}
-        for fqn, m in doc["state_dict_metadata"].items():
-            if m["type"] == "bytes":
-                sdm[fqn] = BytesStorageMetadata()
-                continue
-            sdm[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=DTYPES[m["dtype"]], requires_grad=bool(m["requires_grad"])),
-                size=torch.Size(m["size"]),
-                chunks=[ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in m["chunks"]],
-            )
-        planner = doc.get("planner_data")
-        if planner is not None:
-            planner = {k: tuple(v) for k, v in planner.items()}
-        storage = {
-            MetadataIndex(s["fqn"], s["offset"]): {"key": s["key"], "name": s["name"]} for s in doc["storage_data"]
-        }
-        sm = doc.get("storage_meta")
-        return Metadata(
-            state_dict_metadata=sdm,
-            planner_data=planner,
-            storage_data=storage,
-            storage_meta=None if sm is None else StorageMeta(sm["checkpoint_id"], sm["save_id"], sm["load_id"], sm["modules"]),
-            version=doc.get("version"),
-        )
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-        if isinstance(e, ManifestError):
-            raise
-        raise ManifestError(f"malformed DCP metadata: {e!r}") from e
+    allowed = tuple(safe_globals)
 
-
-def _parse_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
-    s = str(checkpoint_id)
-    if not s.startswith("tierstore://"):
-        raise InvalidValueError(f"not a tierstore checkpoint id: {s!r} (want tierstore://model[/step])")
-    parts = s[len("tierstore://"):].strip("/").split("/")
-    return validate_name(parts[0], "model"), (int(parts[1]) if len(parts) > 1 and parts[1] else None)
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class TierStoreWriter(StorageWriter):
-    """A DCP ``StorageWriter`` that saves step ``step`` of ``model`` into ``store``.
-
-    A checkpoint id ``tierstore://model/step`` passed to ``dcp.save`` wins
-    over the constructor's.
-    """
-
-    def __init__(self, store: Any, model: str, step: int, *, timeout: float = 120.0) -> None:
-        super().__init__()
-        self.store = store
-        self.model = validate_name(model, "model")
-        self.step = step
-        self.timeout = timeout
-        self.rank, self.world = _world()
-        self.is_coordinator = False
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            model, step = _parse_id(checkpoint_id)
-            self.model = model
-            if step is not None:
-                self.step = step
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return str(checkpoint_id).startswith("tierstore://")
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=f"tierstore://{self.model}/{self.step}")
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.rank, self.world = _world()
-        self.store.begin_step(self.model, self.step, self.world + 1, layout={"layers": [DATA_LAYER, META_LAYER]})
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        key = ShardKey(self.model, DATA_LAYER, self.step, self.rank)
-        tensors: dict[str, torch.Tensor] = {}
-        results = []
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                raise InvalidValueError(
-                    f"{item.index.fqn}: non-tensor values are not supported (DCP would read them back with pickle)",
-                    tensor=item.index.fqn,
-                )
-            data = planner.resolve_data(item)
-            if not isinstance(data, torch.Tensor):
-                raise InvalidValueError(f"{item.index.fqn}: expected a tensor", tensor=item.index.fqn)
-            t = data.detach().to("cpu").contiguous()
-            name = _item_name(item.index.fqn, item.index.offset)
-            tensors[name] = t
-            results.append(WriteResult(item.index, t.numel() * t.element_size(), {"key": str(key), "name": name}))
-        info = self.store.put(key, tensors, {"dcp": {"rank": self.rank, "world": self.world}})
-        self.store.vote(self.model, self.step, self.rank, [info])
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage = {r.index: r.storage_data for rs in results for r in rs}
-        md = Metadata(
-            state_dict_metadata=metadata.state_dict_metadata,
-            planner_data=metadata.planner_data,
-            storage_data=storage,
-            storage_meta=metadata.storage_meta,
-            version=metadata.version,
-        )
-        key = ShardKey(self.model, META_LAYER, self.step, self.world)
-        info = self.store.put(key, {}, {"dcp": metadata_to_json(md)})
-        state = self.store.vote(self.model, self.step, self.world, [info])
-        if state == "preparing":
-            state = self.store.wait_step(self.model, self.step, timeout=self.timeout)
-        if state not in ("committed", "durable"):
-            raise CommitError(f"DCP save of step {self.step} of {self.model} is {state}", step=self.step)
-
-
-class TierStoreReader(StorageReader):
-    """A DCP ``StorageReader`` for step ``step`` of ``model`` (default: the newest committed)."""
-
-    def __init__(self, store: Any, model: str, step: int | None = None) -> None:
-        super().__init__()
-        self.store = store
-        self.model = validate_name(model, "model")
-        self.step = step
-        self.storage_data: dict[MetadataIndex, dict] = {}
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.model, self.step = _parse_id(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return str(checkpoint_id).startswith("tierstore://")
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self.step is None:
-            res = self.store.resolve(self.model)
-            key = next(info.key for (layer, _r), info in res.objects.items() if layer == META_LAYER)
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, DTensor):
+            check_tensor_props(prefix, v.dtype, v.to_local().layout)
+        elif isinstance(v, ShardedTensor):
+            for s in v.local_shards():
+                check_tensor_props(prefix, s.tensor.dtype, s.tensor.layout)
+        elif isinstance(v, torch.Tensor):
+            check_tensor_props(prefix, v.dtype, v.layout)
+        elif isinstance(v, Mapping):
+            for k, x in v.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), x)
+        elif isinstance(v, (list, tuple)) and any(isinstance(x, (torch.Tensor, Mapping, list, tuple)) for x in v):
+            for i, x in enumerate(v):
+                walk(f"{prefix}.{i}", x)
         else:
-            keys = [k for k in self.store.list(self.model, META_LAYER, self.step)]
-            if not keys:
-                raise NoValidCopyError(f"no DCP metadata for step {self.step} of {self.model}", model=self.model)
-            key = keys[0]
-        shard = self.store.get(key)
-        if shard is None:
-            raise NoValidCopyError(f"{key}: DCP metadata is gone", key=str(key))
-        self.step = key.step
-        return metadata_from_json(shard.metadata.get("dcp") or {})
+            buf = resave_value(prefix, v)
+            check_restricted(buf, fqn=prefix, safe_globals=allowed)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
+    walk("", _to_state_dict(state_dict))  # DCP turns top-level Stateful values into state dicts, and only those
 
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
 
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+def resave_value(fqn: str, value: Any) -> bytes:
+    """``torch.save(value)`` as bytes, as DCP's planner will make them; a value that cannot be pickled is refused."""
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception as e:
+        raise InvalidValueError(f"{fqn}: a {type(value).__name__} cannot be saved: {e}", tensor=fqn) from e
+    return buf.getvalue()
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        cache: dict[str, Any] = {}
-        for req in plan.items:
-            if req.type == LoadItemType.BYTE_IO:
-                raise InvalidValueError(f"{req.storage_index.fqn}: non-tensor values are not supported")
-            loc = self.storage_data[req.storage_index]
-            if loc["key"] not in cache:
-                shard = self.store.get(ShardKey.parse(loc["key"]))
-                if shard is None:
-                    raise NoValidCopyError(f"{loc['key']}: DCP data is gone", key=loc["key"])
-                cache[loc["key"]] = shard.tensors
-            t = narrow(cache[loc["key"]][loc["name"]], req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != t.size():
-                raise InvalidValueError(f"{req.storage_index.fqn}: size {tuple(t.size())} != target {tuple(target.size())}")
-            target.copy_(t)
-            planner.commit_tensor(req, target)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+
+def _typed(e: CheckpointException, what: str) -> TierStoreError:
+    """The first rank's typed error, or a :class:`CheckpointFailedError`, for DCP's BaseException."""
+    failures = {rank: exc for rank, (exc, _tb) in sorted(e.failures.items())}
+    for exc in failures.values():
+        if isinstance(exc, TierStoreError):
+            exc.fields["failed_ranks"] = sorted(failures)
+            exc.failed_ranks = sorted(failures)  # type: ignore[attr-defined]
+            return exc
+    first = next(iter(failures.values()), None)
+    return CheckpointFailedError(f"DCP {what} failed on ranks {sorted(failures)}: {first!r}",
+                                 failures=failures, failed_ranks=sorted(failures))
+
+
+def _call(what: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except CheckpointException as e:
+        raise _typed(e, what) from e
+
+
+def save(state_dict: dict[str, Any], writer: TierStoreWriter, **kwargs: Any) -> Metadata:
+    """``dcp.save`` with the state dict checked first and typed errors (never DCP's BaseException).
+
+    Args:
+        state_dict: as for ``dcp.save`` (Stateful values are turned into their state dicts once).
+        writer: the :class:`TierStoreWriter`.
+        **kwargs: ``process_group``, ``no_dist``, ``planner``, ``use_collectives``, ... for ``dcp.save``.
+
+    Raises:
+        TierStoreError: what a rank raised (``failed_ranks`` lists them), or :class:`CheckpointFailedError`.
+    """
+    sd = _to_state_dict(state_dict)
+    validate_state_dict(sd, safe_globals=writer.safe_globals)
+    return _call("save", lambda: dcp.save(sd, storage_writer=writer, **kwargs))
+
+
+def async_save(state_dict: dict[str, Any], writer: TierStoreWriter, **kwargs: Any) -> ConcurrentFuture:
+    """``dcp.async_save`` with the state dict checked first; the returned future raises typed errors.
+
+    Returns the upload future (``AsyncSaveResponse.upload_completion`` when DCP returns a response).
+    """
+    sd = _to_state_dict(state_dict)
+    validate_state_dict(sd, safe_globals=writer.safe_globals)
+    res = _call("async_save", lambda: dcp.async_save(sd, storage_writer=writer, **kwargs))
+    inner = getattr(res, "upload_completion", res)
+    out: ConcurrentFuture = ConcurrentFuture()
+
+    def done(f: ConcurrentFuture) -> None:
+        try:
+            out.set_result(f.result())
+        except CheckpointException as e:
+            out.set_exception(_typed(e, "async_save"))
+        except BaseException as e:  # noqa: BLE001  # handed to the caller through the future
+            out.set_exception(e)
+
+    inner.add_done_callback(done)
+    return out
+
+
+def load(state_dict: dict[str, Any], reader: TierStoreReader, **kwargs: Any) -> None:
+    """``dcp.load`` with typed errors (never DCP's BaseException); loads in place as ``dcp.load`` does.
+
+    Raises:
+        TierStoreError: e.g. :class:`UnknownError`, :class:`CommitError` (the step is not committed),
+            :class:`StepAbortedError`, :class:`NoValidCopyError`; else :class:`CheckpointFailedError`.
+    """
+    reader.metadata_error = None
+    try:
+        dcp.load(state_dict, storage_reader=reader, **kwargs)
+    except CheckpointException as e:
+        typed = _typed(e, "load")
+        if isinstance(typed, CheckpointFailedError) and reader.metadata_error is not None:
+            typed = reader.metadata_error  # DCP turned it into "metadata is None" after its rank-local fallback
+        raise typed from e

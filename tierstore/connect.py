@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from backends import open_backend
-from backends.base import Backend, Buffer
+from backends.base import Backend, Buffer, Reservation
 from backends.host import HostBackend
 from backends.peer import PeerBackend
 from consistency.index import Index
@@ -68,9 +68,15 @@ class _MissingTier(Backend):
     def __init__(self, root: str) -> None:
         self.root = Path(root)
 
+    def _refuse(self) -> TierUnavailableError:
+        return TierUnavailableError(f"the {self.tier} tier {self.root} does not exist (opened read-only)",
+                                    tier=self.tier)
+
     def put(self, name: str, data: Buffer | Sequence[Buffer], *, if_absent: bool = False) -> None:
-        raise TierUnavailableError(f"the {self.tier} tier {self.root} does not exist (opened read-only)",
-                                   tier=self.tier)
+        raise self._refuse()
+
+    def reserve(self, name: str, nbytes: int) -> Reservation:
+        raise self._refuse()
 
     def get(self, name: str) -> bytes | None:
         return None

@@ -44,7 +44,23 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of ``tierstore``; returns the exit code. A closed stdout ends it quietly (exit 0)."""
+    try:
+        rc = _dispatch(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        quiet_closed_stdout()
+        return 0
+    except SystemExit:  # a subcommand's argparse (--help, a usage error) exits from inside
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            quiet_closed_stdout()
+        raise
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -59,12 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tierstore {cmd}: needs {e.name or 'a module'} ({e}): {install_hint(e.name)}", file=sys.stderr)
         return 1
     try:
-        rc = int(fn(rest) or 0)
-        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
-        return rc
-    except BrokenPipeError:
-        quiet_closed_stdout()
-        return 0
+        return int(fn(rest) or 0)
     except TierStoreError as e:  # MissingDependencyError included: its message names the extra
         print(f"tierstore {cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

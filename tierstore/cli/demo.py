@@ -62,7 +62,7 @@ from tierstore.testing import gpt
 from tierstore.train import policies as P
 from tierstore.train.checkpointer import Checkpointer
 
-__all__ = ["build_parser", "main", "make_policy"]
+__all__ = ["build_parser", "draw", "main", "make_policy"]
 
 _PHASE_TIMEOUT_S = 600.0
 
@@ -350,6 +350,17 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def draw(summary: dict[str, Any], path: Path) -> str:
+    """Draw the demo's plot to ``path``; return the path, or why it was not drawn and how to get it."""
+    try:
+        _plot(summary, path)
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        return "not drawn: matplotlib is not installed (pip install 'tierstore[plot]')"
+    return str(path)
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.1f} ms"
@@ -443,10 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return 1
                 progress.update(task, completed=a.steps)
         summary = _collect(store, base["model"], events, a.ranks, a.policy, kill_at, out)
-        try:
-            _plot(summary, out / "demo.png")
-        except ImportError:
-            summary["plot"] = "not drawn: matplotlib is not installed (pip install 'tierstore[plot]')"
+        summary["plot"] = draw(summary, out / "demo.png")
         if not a.keep_all:
             summary["gc"] = store.gc(base["model"], Retention(keep_last=2), dry_run=False).to_json()
             summary["gc"].pop("deleted")

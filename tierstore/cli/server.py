@@ -72,12 +72,18 @@ def _status(home: Path) -> int:
     sock = socket_path(home)
     state = describe(home)
     running = ping(sock)
-    if running:
+    orphans = [s for s in state.servers if not s.home_exists]
+    if orphans:  # its index directory was deleted under it: what it serves is gone
+        pids = ", ".join(str(s.pid) for s in orphans)
+        print(f"an orphaned server runs (pid {pids}): its home {home} was deleted under it; "
+              f"stop it with `tierstore server stop --home {home}`")
+        running = False
+    elif running:
         pids = ", ".join(str(s.pid) for s in state.servers) or "?"
         print(f"running on unix://{sock} (pid {pids}, {client_count(sock) or 0} other connection(s))")
     elif state.servers:
         pids = ", ".join(str(s.pid) for s in state.servers)
-        print(f"not answering on unix://{sock}, but its server runs (pid {pids}; its home was deleted?): "
+        print(f"not answering on unix://{sock}, but its server runs (pid {pids}): "
               f"stop it with `tierstore server stop --home {home}`")
     else:
         print(f"not running (its socket would be unix://{sock})")

@@ -386,7 +386,10 @@ def _print_summary(s: dict[str, Any]) -> None:
         t.add_row(f"step {step}", f"aborted: {reason or '-'}")
     tiers = ", ".join(f"{_plural(n, 'object')} from {tier}" for tier, n in sorted(r["tiers"].items())) or "-"
     t.add_row(f"restore ({_plural(s['world'], 'rank')})", f"step {r['step']} in {ms(r['seconds'])}: {tiers}")
-    t.add_row("loss before failure / after restore / final",
+    curve = s["loss_curve"]
+    at = [curve["phase0"][-1][0] if curve["phase0"] else "-", curve["phase1"][0][0] if curve["phase1"] else "-",
+          curve["phase1"][-1][0] if curve["phase1"] else "-"]
+    t.add_row(f"loss before failure / after restore / final (steps {at[0]} / {at[1]} / {at[2]})",
               " / ".join("-" if x is None else f"{x:.4f}" for x in (s["loss_before"], s["loss_after"], s["loss_final"])))
     t.add_row("replayed steps reproduce the lost run bitwise (every rank)",
               f"{'yes' if s['replay_bitwise'] else 'no'} ({_plural(len(s['replayed_steps']), 'step')})")
@@ -461,10 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         _print_summary(summary)
         print(f"inspect it: tierstore admin --home {home} steps {base['model']}")
-        if a.redis is None:
-            host = Path(store.config.host_root).parent if a.host_root is None else Path(store.config.host_root)
-            print(f"its state: the index and durable tier in {base['home']}, the host tier in {host}; "
-                  f"remove it all with: tierstore server stop --purge --home {home}")
+        if a.redis is None and a.host_root is None:
+            print(f"its state: the index and durable tier in {base['home']}, the host tier in "
+                  f"{Path(store.config.host_root).parent}; remove it all with: tierstore server stop --purge --home {home}")
+        elif a.redis is None:
+            print(f"its state: the index and durable tier in {base['home']} (remove them with: tierstore server stop "
+                  f"--purge --home {home}); the host tier in {a.host_root}, which --host-root named, is yours to remove")
     finally:
         store.close()
     return 0

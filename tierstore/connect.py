@@ -7,9 +7,10 @@ earlier processes (nobody maps them); the last store to close it frees the
 pool too. So a finished job leaves its objects in shared memory, not the
 free segments it kept for reuse.
 
-``open(..., create=False)`` is the read-only open of the admin commands: it
-creates nothing. A home without an index is an error, and a missing host
-tier or local durable directory reads as an empty tier.
+``open(..., create=False)`` is the open of the admin commands: it creates
+nothing. A home without an index is an error, a missing host tier or local
+durable directory reads as an empty tier, and an existing host tier is
+neither held nor has its pool freed (the trainers using it decide that).
 """
 
 from __future__ import annotations
@@ -152,10 +153,12 @@ def open(
         index.ping()
         if cfg.host_root is None:  # resolved() always derives one
             raise ConfigError("no host tier directory", field="host_root")
-        if create or Path(cfg.host_root).is_dir():
+        if create:
             host = _HeldHost(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes)
+        elif Path(cfg.host_root).is_dir():  # a read-only tool neither holds the tier nor frees its pool
+            host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes)
         else:
-            host = cast(HostBackend, _MissingHost(cfg.host_root))  # read only: never touches the pool
+            host = cast(HostBackend, _MissingHost(cfg.host_root))
         dur: Backend | None = None
         if cfg.durable_url and cfg.durable_url.lower() != "none":
             local = _durable_dir(cfg.durable_url)

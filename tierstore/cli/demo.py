@@ -446,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       console=__import__("rich.console").console.Console(stderr=True)) as progress:
             for phase, what in ((0, f"training until rank {a.ranks - 1} dies at step {kill_at}"),
                                 (1, "restarted: restore and continue")):
-                task = progress.add_task(what, total=a.steps)
+                total = kill_at + 1 if phase == 0 else a.steps  # phase 0 ends at the kill
+                task = progress.add_task(what, total=total)
                 codes = _run_phase(base, phase, out, progress, task)
                 events[phase] = {r: _read_events(out / f"rank{r}.phase{phase}.jsonl") for r in range(a.ranks)}
                 ok = codes == [0] * a.ranks if phase == 1 else codes[-1] == -signal.SIGKILL
@@ -455,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"tierstore demo: phase {phase} failed (exit codes {codes}); rank {bad} log:\n"
                           f"{_tail(out / f'rank{bad}.phase{phase}.log')}", file=sys.stderr)
                     return 1
-                progress.update(task, completed=a.steps)
+                progress.update(task, completed=total)
         summary = _collect(store, base["model"], events, a.ranks, a.policy, kill_at, out)
         summary["plot"] = draw(summary, out / "demo.png")
         if not a.keep_all:

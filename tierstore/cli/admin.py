@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model")
     s.add_argument("--keep-last", type=int, default=2, help="keep the newest K committed steps")
     s.add_argument("--keep-durable-every", type=int, default=0,
-                   help="also keep every M-th durable step (0: none)")
+                   help="also keep every M-th durable step (default: 0, none)")
     s.add_argument("--yes", action="store_true", help="really delete (default: a dry run that deletes nothing)")
     s = add("rebuild-index", "rebuild the index from the durable tier (needs --yes)")
     s.add_argument("model", nargs="?", help="the model to rebuild (default: every model in the durable tier)")

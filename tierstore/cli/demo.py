@@ -80,7 +80,7 @@ def make_policy(spec: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierstore demo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="tierstore demo", description=__doc__.split("\n\n")[0].split(": ", 1)[-1],
                                 formatter_class=HelpFormatter)
     p.add_argument("--home", default=None,
                    help="embedded store's data directory (default: $TIERSTORE_HOME, else .tierstore)")

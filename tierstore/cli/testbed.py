@@ -298,7 +298,7 @@ def _print_report(rep: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tierstore testbed", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="tierstore testbed", description=__doc__.split("\n\n")[0].split(": ", 1)[-1],
                                 formatter_class=HelpFormatter,
                                 epilog="Needs tierstore[testbed] (moto's S3 server); the peer tier needs tierstore[ucx].")
     p.add_argument("--steps", type=int, default=10, help="training steps in all")

@@ -88,6 +88,7 @@ def rank_main(a: argparse.Namespace) -> dict[str, Any]:
     from tierstore.keys import ShardKey
 
     home = Path(a.home)
+    tensors(0, a.rank, LAYERS[0])  # torch imported and warm before the clock starts (the store imports it lazily)
     store = open_store(home, a.redis, "node0")
     env_plan = plan_from_env()
     plan = install(store, FaultPlan(env_plan.rules if env_plan else [], seed=a.seed * 100 + a.rank))

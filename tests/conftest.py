@@ -11,23 +11,38 @@ import pytest
 
 from tests.redis_cluster import cluster_url, redis_cluster  # noqa: F401
 from tests.redis_server import redis_proc, redis_url  # noqa: F401
-from tests.s3_server import *  # noqa: F401,F403
+from tests.s3_server import *  # noqa: F403
+
+# The long cases (about two thirds of the run): ``scripts/test --fast`` deselects them (``-m "not slow"``);
+# ``scripts/test`` with no arguments, which CI runs, runs everything. Listed here rather than marked in each
+# file, so the list of what a quick run skips is one list.
+SLOW = (
+    "tests/test_soak.py",  # 2 minutes by design
+    "tests/test_training_run.py",  # trains, kills and restarts real runs
+    "tests/test_testbed.py::test_testbed_node_loss_and_restore",
+    "tests/test_demo.py",
+    "tests/test_readme.py::test_the_demo_as_written",
+    "tests/test_replay.py::test_two_ranks_kill_restart_replay_is_bitwise",
+    "tests/test_bench_quick.py",
+    "tests/test_faults_matrix.py::test_kill_at_point",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_sessionfinish(session, exitstatus):
     """Stop the embedded index servers that tests started (they are detached by design)."""
-    base = str(session.config._tmp_path_factory.getbasetemp())  # noqa: SLF001 - pytest's own temp root
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "server" in cmd and f"unixsocket:{base}" in cmd.replace("\0", " "):
+    from tierstore.embedded import find_servers
+
+    base = Path(str(session.config._tmp_path_factory.getbasetemp()))
+    for server in find_servers():  # by process: also those whose home a test deleted, or with a /tmp socket
+        if server.home.is_relative_to(base):
             try:
-                os.kill(int(pid), 15)
+                os.kill(server.pid, 15)
             except OSError:
                 pass
 
@@ -44,7 +59,7 @@ def _private_shared_memory(monkeypatch):
 
 
 @pytest.fixture
-def shm_root() -> "Path":
+def shm_root() -> Path:
     """A private directory in /dev/shm, removed afterwards."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     root = base / f"tierstore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"

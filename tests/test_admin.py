@@ -256,7 +256,9 @@ def test_watch_sees_commits(populated, conn, capsys):
 
 def test_watch_timeout_without_events(populated, conn, capsys):
     rc, text, _ = run(capsys, conn, "watch", M, "--timeout", "0.3", json_out=False)
-    assert rc == 0 and "watching" in text
+    assert rc == 0 and "watching" in text and f"no step events of {M} in 0.3 s" in text
+    rc, out, err = run(capsys, conn, "watch", M, "--timeout", "0.3")  # JSON lines on stdout, the note on stderr
+    assert rc == 0 and out == "" and f"no step events of {M}" in err
 
 
 def test_gc_dry_run_then_yes(populated, conn, capsys):
@@ -267,12 +269,15 @@ def test_gc_dry_run_then_yes(populated, conn, capsys):
     assert expected.deleted  # the fixture leaves garbage
     before = set(map(str, store.list(M)))
     rc, d, _ = run(capsys, conn, "gc", M, "--keep-last", "1")
-    assert rc == 0 and d["dry_run"] is True and sorted(d["deleted"]) == sorted(expected.deleted)
+    assert rc == 0 and d["dry_run"] is True and sorted(d["would_delete"]) == sorted(expected.deleted)
+    assert d["would_free_bytes"] == expected.bytes_freed
+    assert "deleted" not in d and "bytes_freed" not in d  # a dry run deletes nothing, and says so
     assert set(map(str, store.list(M))) == before
     rc, text, _ = run(capsys, conn, "gc", M, "--keep-last", "1", json_out=False)
     assert "dry run" in text and set(map(str, store.list(M))) == before
     rc, d, _ = run(capsys, conn, "gc", M, "--keep-last", "1", "--yes")
-    assert rc == 0 and d["dry_run"] is False
+    assert rc == 0 and d["dry_run"] is False and sorted(d["deleted"]) == sorted(expected.deleted)
+    assert "would_delete" not in d
     after = set(map(str, store.list(M)))
     assert after == before - set(expected.deleted)
     for k in expected.deleted:

@@ -25,6 +25,11 @@ def test_demo_short_run(tmp_path, shm_root):
                        check=False, capture_output=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "tierstore demo summary" in p.stdout
+    assert "rank 1 killed at step 3" in p.stdout
+    assert "(after restore, 2 ranks)" in p.stdout  # the written bytes are every rank's
+    assert f"remove them with: tierstore server stop --purge --home {home}" in p.stdout  # --host-root: not the host tier
+    # the last store to close the host tier freed the segments it kept for reuse: only objects stay
+    assert list((shm_root / "node0" / ".pool").iterdir()) == []
     for figure in ("stall per save", "commit latency", "bytes in host/", "bytes in durable/", "restore",
                    "loss before failure"):
         assert figure in p.stdout, figure
@@ -35,6 +40,10 @@ def test_demo_short_run(tmp_path, shm_root):
     assert set(summary["restore"]["tiers"]) == {"host"} and summary["restore"]["seconds"] > 0
     assert summary["steps_committed"] >= 5  # every step but the lost one (gc keeps the last 2 records)
     assert summary["replay_bitwise"] is True  # exact restore: the replayed steps reproduce the lost run
+    n = len(summary["replayed_steps"])
+    assert f"yes ({n} step)" in p.stdout if n == 1 else f"yes ({n} steps)" in p.stdout
+    assert summary["ranks_reporting"] == 2 and summary["killed_rank"] == 1
+    assert set(summary["restore"]["steps_by_rank"].values()) == {summary["restore"]["step"]}
     assert [s for s, _ in summary["loss_curve"]["phase1"]] == list(range(summary["restore"]["step"] + 1, 6))
     png = out / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

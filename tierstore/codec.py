@@ -36,14 +36,19 @@ import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lz4.frame
 import numpy as np
-import torch
 import xxhash
 
 from tierstore.errors import CorruptObjectError, InvalidValueError, RestoreMismatchError
+from tierstore.lazytorch import LazyMapping
+
+if TYPE_CHECKING:
+    import torch
+else:  # torch is imported on first use: verifying, inspecting and checksumming objects need no torch
+    from tierstore.lazytorch import torch
 
 __all__ = [
     "ALIGN",
@@ -88,18 +93,21 @@ _PAYS_RATIO = 0.8
 assert HEADER.size == 64
 
 
+# The supported dtype names and their sizes in bytes, known without torch (reading a table needs no torch).
+_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+}
+
+
 def _build_dtypes() -> dict[str, torch.dtype]:
-    names = [
-        "float64", "float32", "float16", "bfloat16",
-        "int64", "int32", "int16", "int8", "uint8", "bool", "complex64",
-        "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
-    ]
-    return {n: getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)}
+    return {n: getattr(torch, n) for n in _ITEMSIZE if isinstance(getattr(torch, n, None), torch.dtype)}
 
 
-DTYPES: dict[str, torch.dtype] = _build_dtypes()
-"""Supported dtype names and their torch dtypes (those this torch build has)."""
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+DTYPES: Mapping[str, torch.dtype] = LazyMapping(_build_dtypes)
+"""Supported dtype names and their torch dtypes (those this torch build has), built on first use."""
+_DTYPE_NAMES: Mapping[torch.dtype, str] = LazyMapping(lambda: {v: k for k, v in DTYPES.items()})
 
 class Shard(Mapping[str, torch.Tensor]):
     """A decoded object: a read-only mapping of names to tensors, plus its JSON metadata.
@@ -458,14 +466,14 @@ def _parse_table(raw: memoryview, raw_len: int) -> tuple[tuple[TensorInfo, ...],
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or name in names:
             raise CorruptObjectError(f"bad or duplicate tensor name {str(name)[:80]!r}", field="name")
         names.add(name)
-        if dtype not in DTYPES:
+        if dtype not in _ITEMSIZE:
             raise CorruptObjectError(f"tensor {name!r}: unknown dtype {str(dtype)[:40]!r}", field="dtype", name=name)
         if (not isinstance(shape, list) or len(shape) > MAX_NDIM
                 or not all(_is_int(d) and d >= 0 for d in shape)):
             raise CorruptObjectError(f"tensor {name!r}: bad shape {str(shape)[:80]}", field="shape", name=name)
         if not (_is_int(offset) and _is_int(nbytes) and offset >= 0 and offset % ALIGN == 0):
             raise CorruptObjectError(f"tensor {name!r}: bad offset/nbytes", field="offset", name=name)
-        if math.prod(shape) * DTYPES[dtype].itemsize != nbytes:
+        if math.prod(shape) * _ITEMSIZE[dtype] != nbytes:
             raise CorruptObjectError(
                 f"tensor {name!r}: shape {shape} x {dtype} != {nbytes} bytes", field="nbytes", name=name
             )

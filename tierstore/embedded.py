@@ -11,6 +11,12 @@ The server is detached (its own session) and outlives the process that
 started it, so the last trainer to exit does not kill it while others use it.
 Stop it with ``tierstore server stop`` (or :func:`stop_server`), which sends
 ``SHUTDOWN`` (the append-only file is flushed first).
+
+A server is found by its socket, and also by its process: the server's
+process title names its socket (``valkey-server unixsocket:/path``), so
+:func:`find_servers` finds it in ``/proc`` even when the socket file or the
+whole home was deleted under it, and :func:`stop_server` stops it by pid
+(SIGTERM, then SIGKILL) when the socket no longer answers.
 """
 
 from __future__ import annotations
@@ -18,18 +24,34 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
+import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
 from tierstore.errors import ConfigError, MissingDependencyError, TierUnavailableError
 
-__all__ = ["ensure_server", "server_binary", "socket_path", "stop_server"]
+__all__ = [
+    "SOCKET_NAME",
+    "ServerProcess",
+    "client_count",
+    "ensure_server",
+    "find_servers",
+    "ping",
+    "server_binary",
+    "socket_path",
+    "stop_server",
+]
 
 _MAX_UNIX_PATH = 100
+SOCKET_NAME = "redis.sock"
+_SHORT_SOCK = re.compile(r"^/tmp/tierstore-[0-9a-f]{16}\.sock$")
+_DELETED = " (deleted)"
 
 
 def server_binary() -> str:
@@ -52,9 +74,10 @@ def server_binary() -> str:
     )
 
 
-def socket_path(home: Path) -> Path:
+def socket_path(home: str | os.PathLike) -> Path:
     """The unix socket of the embedded server for ``home`` (shortened if the path is too long)."""
-    sock = home / "index" / "redis.sock"
+    home = Path(home).resolve()
+    sock = home / "index" / SOCKET_NAME
     if len(str(sock)) > _MAX_UNIX_PATH:
         digest = hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:16]
         sock = Path("/tmp") / f"tierstore-{digest}.sock"
@@ -85,13 +108,17 @@ def ensure_server(home: str | os.PathLike, *, timeout_s: float = 15.0) -> str:
         raise ConfigError(f"cannot create the data directory {index_dir}: {e}") from e
     sock = socket_path(home)
     url = f"unix://{sock}"
-    if ping(sock):
+    in_home = sock.parent == index_dir  # else a short socket in /tmp, which outlives a deleted home
+    if ping(sock) and (in_home or not _orphans(home)):
         return url
     with open(index_dir / "server.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if ping(sock):
+            orphans = _orphans(home)
+            if ping(sock) and not orphans:
                 return url
+            if orphans:  # servers of an earlier, deleted home of this path: their data is gone
+                _terminate([s.pid for s in orphans], timeout_s)
             if sock.exists():
                 sock.unlink()  # stale socket of a dead server
             binary = server_binary()
@@ -136,21 +163,147 @@ def ensure_server(home: str | os.PathLike, *, timeout_s: float = 15.0) -> str:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def stop_server(home: str | os.PathLike) -> bool:
-    """Shut the embedded server of ``home`` down (saving its AOF); return whether one was running."""
+@dataclass(frozen=True)
+class ServerProcess:
+    """An embedded index server found in ``/proc``.
 
+    Attributes:
+        pid: its process id.
+        socket: the unix socket it listens on (the file may be gone).
+        index_dir: its working directory, the home's ``index`` directory.
+        home: the home it serves (``index_dir``'s parent).
+        home_exists: ``False`` when its index directory was deleted under it (an orphan).
+    """
+
+    pid: int
+    socket: Path
+    index_dir: Path
+    home: Path
+    home_exists: bool
+
+
+def _proc_server(pid: int) -> ServerProcess | None:
+    """The embedded server running as ``pid``, or ``None`` if that process is not one of this user's."""
+    proc = Path("/proc") / str(pid)
+    try:
+        if proc.stat().st_uid != os.getuid():
+            return None
+        words = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
+        cwd = os.readlink(proc / "cwd")
+    except OSError:
+        return None
+    if not words or not os.path.basename(words[0]).startswith(("valkey-server", "redis-server")):
+        return None
+    sock = None
+    for i, w in enumerate(words):
+        if w.startswith("unixsocket:"):  # the process title valkey/redis set: "valkey-server unixsocket:/path"
+            sock = w.removeprefix("unixsocket:")
+        elif w == "--unixsocket" and i + 1 < len(words):  # the arguments, where the title is not rewritten
+            sock = words[i + 1]
+    if sock is None or not (sock.endswith(f"/index/{SOCKET_NAME}") or _SHORT_SOCK.match(sock)):
+        return None
+    deleted = cwd.endswith(_DELETED)
+    index_dir = Path(cwd.removesuffix(_DELETED))
+    return ServerProcess(pid, Path(sock), index_dir, index_dir.parent, not deleted and index_dir.is_dir())
+
+
+def find_servers(home: str | os.PathLike | None = None) -> list[ServerProcess]:
+    """This user's embedded index servers (of ``home`` only, if given), found by process, not by socket file.
+
+    A server is the one of ``home`` when it listens on ``socket_path(home)`` or runs in
+    ``home/index`` (even deleted). Linux only (``/proc``); elsewhere an empty list.
+    """
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    found = [s for s in (_proc_server(pid) for pid in pids) if s is not None]
+    if home is None:
+        return found
     home = Path(home).resolve()
     sock = socket_path(home)
-    if not ping(sock):
-        return False
-    client = redis.Redis(unix_socket_path=str(sock))
+    return [s for s in found if s.socket == sock or s.index_dir == home / "index"]
+
+
+def client_count(sock: Path) -> int | None:
+    """Connections to the server on ``sock`` other than this query's own; ``None`` if none answers."""
+    if not sock.exists():
+        return None
     try:
-        client.shutdown(save=False, now=False, force=False)
-    except redis.exceptions.ConnectionError:
-        pass  # the server closes the connection as it exits
-    finally:
-        client.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and ping(sock):
+        client = redis.Redis(unix_socket_path=str(sock), socket_timeout=2)
+        try:
+            me = client.client_id()
+            return sum(1 for c in client.client_list() if int(c.get("id", -1)) != me)
+        finally:
+            client.close()
+    except redis.exceptions.RedisError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of this process still answers kill(0)
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in pids if _alive(p)]
+    while left and time.monotonic() < deadline:
         time.sleep(0.05)
-    return True
+        left = [p for p in left if _alive(p)]
+    return left
+
+
+def stop_server(home: str | os.PathLike, *, timeout_s: float = 10.0) -> bool:
+    """Shut the embedded server of ``home`` down; return whether one was running.
+
+    A server answering on its socket gets ``SHUTDOWN`` (its append-only file
+    is flushed first). A server that no longer answers there (its socket or
+    its whole home deleted) is found by its process (:func:`find_servers`) and
+    gets SIGTERM, then SIGKILL after ``timeout_s``.
+    """
+    home = Path(home).resolve()
+    sock = socket_path(home)
+    procs = [s.pid for s in find_servers(home)]
+    stopped = False
+    if ping(sock):
+        client = redis.Redis(unix_socket_path=str(sock))
+        try:
+            client.shutdown(save=False, now=False, force=False)
+        except redis.exceptions.ConnectionError:
+            pass  # the server closes the connection as it exits
+        finally:
+            client.close()
+        stopped = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and ping(sock):
+            time.sleep(0.05)
+    _terminate(_wait_gone(procs, timeout_s if stopped else 0), timeout_s)  # not reachable on its socket: by pid
+    return stopped or bool(procs)
+
+
+def _orphans(home: Path) -> list[ServerProcess]:
+    return [s for s in find_servers(home) if not s.home_exists]
+
+
+def _terminate(pids: list[int], timeout_s: float) -> None:
+    """SIGTERM (a server shuts down cleanly on it), then SIGKILL what is left after ``timeout_s``."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for pid in _wait_gone(pids, timeout_s):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _wait_gone(pids, 2.0)

@@ -27,9 +27,7 @@ import secrets
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
-
-import torch
+from typing import TYPE_CHECKING, Any, Self
 
 from backends.base import Backend
 from backends.host import HostBackend
@@ -40,7 +38,6 @@ from consistency.twophase import StepProtocol
 from tierstore import codec
 from tierstore.chains import ChainDepths
 from tierstore.config import StoreConfig
-from tierstore.delta import apply_xor_delta
 from tierstore.errors import (
     CorruptObjectError,
     FencedError,
@@ -59,6 +56,9 @@ from tierstore.keys import ShardKey, object_name, validate_name, validate_step
 from tierstore.migration import Migrator
 from tierstore.placement import Placement
 from tierstore.readpath import Resolution, resolve
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["KINDS", "ObjectRecord", "PendingObject", "TierStore"]
 
@@ -424,6 +424,8 @@ class TierStore:
         return shard
 
     def _apply_delta(self, key: ShardKey, blob, base_key: ShardKey, out, depth: int) -> codec.Shard:
+        from tierstore.delta import apply_xor_delta  # lazy: delta imports torch; the admin commands run without it
+
         base = self._get(base_key, None, False, depth + 1)
         if base is None:
             raise NoValidCopyError(f"{key} is a delta on {base_key}, which is gone", key=str(key))

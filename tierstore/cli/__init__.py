@@ -1,58 +1,66 @@
-"""The ``tierstore`` command: ``demo``, ``agent``, ``admin``, ``bench``, ``server``, ``testbed``.
+"""The ``tierstore`` command: ``demo``, ``admin``, ``server``, ``agent``, ``bench``, ``testbed``.
 
 Each subcommand lives in its own module, imported only when used; the
-library never imports this module.
+library never imports this package. ``admin`` and ``server`` never import
+torch. A missing optional dependency is reported with the ``pip install``
+line that brings it; a closed stdout (``... --json | head -1``) ends the
+command quietly.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from importlib import import_module
-from pathlib import Path
 
-from tierstore.embedded import ensure_server, ping, socket_path, stop_server
+from tierstore.cli.common import install_hint, quiet_closed_stdout
 from tierstore.errors import TierStoreError
 
 __all__ = ["main"]
 
+# name: (module, function, summary, what it needs beyond the base install)
 _COMMANDS = {
-    "demo": ("tierstore.cli.demo", "main", "train a small GPT on 2 ranks, kill one, restore, report"),
-    "agent": ("tierstore.cli.agent", "main", "run this node's agent (host tier served to peers over UCX)"),
-    "admin": ("tierstore.cli.admin", "main", "inspect (and gc) the Redis index"),
-    "bench": ("tierstore.cli.bench.run", "main", "benchmarks side by side with torch.save and DCP"),
-    "server": ("tierstore.cli", "_server", "the embedded index server: status | stop"),
-    "testbed": ("tierstore.cli.testbed", "main", "the docker-compose topology as local processes"),
+    "demo": ("tierstore.cli.demo", "main", "train a small GPT on 2 ranks, kill one, restore, report",
+             "tierstore[plot] for its plot"),
+    "admin": ("tierstore.cli.admin", "main",
+              "inspect the index and tiers (models, steps, show, where, verify, gc, ...)", ""),
+    "server": ("tierstore.cli.server", "main",
+               "the embedded index server: status | start | stop [--purge] | list", ""),
+    "agent": ("tierstore.cli.agent", "main", "run this node's agent (host tier served to peers over UCX)",
+              "tierstore[ucx]"),
+    "bench": ("tierstore.cli.bench.run", "main", "benchmarks side by side with torch.save and DCP", ""),
+    "testbed": ("tierstore.cli.testbed", "main", "the docker-compose topology as local processes",
+                "tierstore[testbed] (and tierstore[ucx] for the peer tier)"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: tierstore COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<9} {help_}" for name, (_m, _f, help_) in _COMMANDS.items()]
-    lines += ["", "`tierstore COMMAND --help` for a command's options."]
+    for name, (_m, _f, summary, needs) in _COMMANDS.items():
+        lines.append(f"  {name:<9} {summary}")
+        if needs:
+            lines.append(f"  {'':<9}   needs {needs}")
+    lines += ["", "`tierstore COMMAND --help` for a command's options (with their defaults)."]
     return "\n".join(lines)
 
 
-def _server(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="tierstore server", description="the embedded index server")
-    p.add_argument("action", choices=["status", "start", "stop"])
-    p.add_argument("--home", default=os.environ.get("TIERSTORE_HOME", ".tierstore"))
-    a = p.parse_args(argv)
-    if a.action == "start":
-        print(ensure_server(a.home))
-    elif a.action == "stop":
-        print("stopped" if stop_server(a.home) else "not running")
-    else:
-        sock = socket_path(Path(a.home).resolve())
-        running = ping(sock)
-        print(f"{'running' if running else 'not running'} on unix://{sock}")
-        return 0 if running else 1
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of ``tierstore``; returns the exit code. A closed stdout ends it quietly (exit 0)."""
+    try:
+        rc = _dispatch(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        quiet_closed_stdout()
+        return 0
+    except SystemExit:  # a subcommand's argparse (--help, a usage error) exits from inside
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            quiet_closed_stdout()
+        raise
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -60,18 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in _COMMANDS:
         print(f"tierstore: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module, func, _help = _COMMANDS[cmd]
+    module, func, _summary, _needs = _COMMANDS[cmd]
     try:
         fn = getattr(import_module(module), func)
     except ImportError as e:
-        print(f"tierstore {cmd}: not available: {e}", file=sys.stderr)
-        return 2
-
+        print(f"tierstore {cmd}: needs {e.name or 'a module'} ({e}): {install_hint(e.name)}", file=sys.stderr)
+        return 1
     try:
         return int(fn(rest) or 0)
-    except TierStoreError as e:
+    except TierStoreError as e:  # MissingDependencyError included: its message names the extra
         print(f"tierstore {cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:  # an optional dependency a command imports when it needs it
+        print(f"tierstore {cmd}: needs {e.name or 'a module'} ({e}): {install_hint(e.name)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-

@@ -14,7 +14,7 @@ Usage::
     verify MODEL [STEP]         re-read every object from every tier and check its checksum
     watch MODEL                 live commits (pub/sub on ts:{MODEL}:events); --count N, --timeout S
     gc MODEL                    dry run unless --yes; --keep-last K --keep-durable-every M
-    rebuild-index --yes         rebuild the index from the durable tier (when the store supports it)
+    rebuild-index [MODEL] --yes rebuild the index from the durable tier (every model without MODEL)
 
 Connection (all optional; the default is the embedded store of ``--home``,
 ``$TIERSTORE_HOME`` or ``./.tierstore``): ``--redis URL``, ``--s3
@@ -22,7 +22,11 @@ s3://bucket/prefix`` (or ``--durable file://dir``), ``--s3-endpoint URL``,
 ``--host-root DIR`` (the host tier to read for ``where``/``verify``).
 
 Everything is read-only except ``gc --yes`` and ``rebuild-index --yes``.
-The store is opened with migration off, so the admin never moves data.
+The store is opened with migration off, so the admin never moves data, and
+with ``create=False``, so it never creates state: a home without an index
+is an error ("no tierstore home at ...", exit 1), a missing host tier reads
+as empty. Only ``rebuild-index`` may create the index it rebuilds. No
+command imports torch.
 
 Exit codes: 0 success; 1 an unknown model/step/key, an unreachable server
 or another tierstore error; 2 bad arguments; 3 ``verify`` found a bad or
@@ -53,6 +57,7 @@ from rich.table import Table
 import tierstore
 from consistency.gc import Retention
 from tierstore.cli import views as V
+from tierstore.cli.common import HelpFormatter
 from tierstore.errors import TierStoreError, UnknownError
 from tierstore.keys import ShardKey
 
@@ -64,25 +69,32 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_VERIFY = 0, 1, 2, 3
 def _connection_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("connection")
-    g.add_argument("--home", default=argparse.SUPPRESS, help="embedded store's data directory")
-    g.add_argument("--redis", default=argparse.SUPPRESS, help="index URL (redis://, rediss://, unix://; a Redis Cluster node, or redis+cluster://)")
+    g.add_argument("--home", default=argparse.SUPPRESS,
+                   help="embedded store's data directory (default: $TIERSTORE_HOME, else .tierstore)")
+    g.add_argument("--redis", default=argparse.SUPPRESS,
+                   help="index URL (redis://, rediss://, unix://; a Redis Cluster node, or redis+cluster://) "
+                        "(default: the embedded server of --home)")
     g.add_argument("--s3", "--durable", dest="durable", default=argparse.SUPPRESS,
-                   help="durable tier: s3://bucket/prefix or file://dir")
-    g.add_argument("--s3-endpoint", default=argparse.SUPPRESS, help="S3-compatible endpoint URL")
-    g.add_argument("--host-root", default=argparse.SUPPRESS, help="the host tier's directory")
-    g.add_argument("--node", default=argparse.SUPPRESS, help="node id (derives the default host tier)")
-    g.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+                   help="durable tier: s3://bucket/prefix or file://dir (default: HOME/durable)")
+    g.add_argument("--s3-endpoint", default=argparse.SUPPRESS,
+                   help="S3-compatible endpoint URL (default: AWS, or $TIERSTORE_S3_ENDPOINT)")
+    g.add_argument("--host-root", default=argparse.SUPPRESS,
+                   help="the host tier's directory (default: derived from the home and node in /dev/shm)")
+    g.add_argument("--node", default=argparse.SUPPRESS,
+                   help="node id, which derives the default host tier (default: this host's name)")
+    g.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                   help="machine-readable output (default: tables)")
     return p
 
 
 def build_parser() -> argparse.ArgumentParser:
     conn = _connection_parser()
-    p = argparse.ArgumentParser(prog="tierstore admin", parents=[conn],
+    p = argparse.ArgumentParser(prog="tierstore admin", parents=[conn], formatter_class=HelpFormatter,
                                 description="Inspect the tierstore index and tiers (read-only unless stated).")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_, parents=[conn], description=help_)
+        return sub.add_parser(name, help=help_, parents=[conn], description=help_, formatter_class=HelpFormatter)
 
     add("models", "models with steps, epoch, objects and bytes")
     add("steps", "per step: state, age, votes, bytes per tier").add_argument("model")
@@ -99,21 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("step", type=int, nargs="?")
     s = add("watch", "live commit events of a model")
     s.add_argument("model")
-    s.add_argument("--count", type=int, default=None, help="stop after N events")
-    s.add_argument("--timeout", type=float, default=None, help="stop after S seconds")
+    s.add_argument("--count", type=int, default=None, help="stop after N events (default: no limit)")
+    s.add_argument("--timeout", type=float, default=None, help="stop after S seconds (default: until Ctrl-C)")
     s = add("gc", "collect garbage (dry run unless --yes)")
     s.add_argument("model")
-    s.add_argument("--keep-last", type=int, default=2)
-    s.add_argument("--keep-durable-every", type=int, default=0)
-    s.add_argument("--yes", action="store_true", help="really delete")
+    s.add_argument("--keep-last", type=int, default=2, help="keep the newest K committed steps")
+    s.add_argument("--keep-durable-every", type=int, default=0,
+                   help="also keep every M-th durable step (default: 0, none)")
+    s.add_argument("--yes", action="store_true", help="really delete (default: a dry run that deletes nothing)")
     s = add("rebuild-index", "rebuild the index from the durable tier (needs --yes)")
-    s.add_argument("model", nargs="?")
-    s.add_argument("--yes", action="store_true")
+    s.add_argument("model", nargs="?", help="the model to rebuild (default: every model in the durable tier)")
+    s.add_argument("--yes", action="store_true", help="really rewrite the index (default: refuse)")
     return p
 
 
-def _open(a: argparse.Namespace) -> Any:
-    kw: dict[str, Any] = {"migrate": False}
+def _open(a: argparse.Namespace, *, create: bool = False) -> Any:
+    kw: dict[str, Any] = {"migrate": False, "create": create}
     if getattr(a, "host_root", None):
         kw["host_root"] = a.host_root
     if getattr(a, "node", None):
@@ -121,6 +134,9 @@ def _open(a: argparse.Namespace) -> Any:
     if getattr(a, "s3_endpoint", None):
         kw["s3_endpoint_url"] = a.s3_endpoint
     home = getattr(a, "home", None) or os.environ.get("TIERSTORE_HOME") or ".tierstore"
+    if create and not getattr(a, "redis", None) and not os.environ.get("TIERSTORE_REDIS") and not any(
+            os.path.isdir(os.path.join(home, d)) for d in ("index", "durable")):
+        raise UnknownError(f"no tierstore home at {os.path.abspath(home)} (no index, no durable tier)", what="home")
     return tierstore.open(home, redis=getattr(a, "redis", None), durable=getattr(a, "durable", None), **kw)
 
 
@@ -182,6 +198,7 @@ def _emit(a: argparse.Namespace, data: Any, render) -> None:
         print(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
         render(_console(), data)
+    sys.stdout.flush()  # a closed pipe (``| head``) raises here, where the dispatcher handles it
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -205,12 +222,18 @@ def _cmd_steps(store, a) -> int:
                        [[r["step"], _state(r["state"]), human_age(r["age_s"]),
                          f"{r['commit_latency_s'] * 1e3:.1f} ms" if r["commit_latency_s"] is not None else None,
                          f"{r['votes']}/{r['world']}", r["epoch"], r["objects"], human_bytes(r["bytes"]),
-                         _tiers_text(r["bytes_per_tier"]),
-                         "; ".join(x for x in (r["reason"], r["memory_only"] and f"memory-only: {r['memory_only']}",
-                                               f"attempt {r['attempt']}" if r["attempt"] > 1 else None) if x)
-                         or None] for r in rows]))
+                         _tiers_text(r["bytes_per_tier"]), _reason(r)] for r in rows]))
     _emit(a, V.steps_view(store, a.model), render)
     return EXIT_OK
+
+
+def _reason(r: dict[str, Any]) -> str | None:
+    reason = r["reason"]
+    if r["aborted_after_s"] is not None:
+        reason = f"{reason or 'aborted'} (after {r['aborted_after_s'] * 1e3:.1f} ms)"
+    parts = (reason, r.get("memory_only") and f"memory-only: {r['memory_only']}",
+             f"attempt {r['attempt']}" if (r.get("attempt") or 1) > 1 else None)
+    return "; ".join(x for x in parts if x) or None
 
 
 def _cmd_show(store, a) -> int:
@@ -287,7 +310,7 @@ def _cmd_verify(store, a) -> int:
     keys = V.verify_keys(store, a.model, a.step)
     results = []
     with Progress(TextColumn("verify {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=_console(stderr=True), transient=True) as progress:
+                  console=_console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task(a.model if a.step is None else f"{a.model} step {a.step}", total=len(keys))
         for r in V.verify_objects(store, keys):
             results.append(r)
@@ -337,6 +360,9 @@ def _cmd_watch(store, a) -> int:
                         + (f"  commit {lat * 1e3:.1f} ms" if lat is not None else ""))
     finally:
         events.close()
+    if not seen:
+        waited = f" in {a.timeout:g} s" if a.timeout is not None else ""
+        print(f"no step events of {a.model}{waited}", file=sys.stderr if c is None else sys.stdout)
     return EXIT_OK
 
 
@@ -345,19 +371,23 @@ def _cmd_gc(store, a) -> int:
     if a.keep_last < 0 or a.keep_durable_every < 0:
         print("tierstore admin gc: --keep-last and --keep-durable-every must be >= 0", file=sys.stderr)
         return EXIT_USAGE
-    report = store.gc(a.model, Retention(a.keep_last, a.keep_durable_every), dry_run=not a.yes)
+    data = store.gc(a.model, Retention(a.keep_last, a.keep_durable_every), dry_run=not a.yes).to_json()
+    if data["dry_run"]:  # nothing was deleted: say what would be
+        data["would_delete"], data["would_free_bytes"] = data.pop("deleted"), data.pop("bytes_freed")
+    keys, nbytes = (data["would_delete"], data["would_free_bytes"]) if data["dry_run"] else \
+        (data["deleted"], data["bytes_freed"])
 
     def render(c, d):
         verb = "would delete" if d["dry_run"] else "deleted"
         c.print(f"gc {a.model}: keep steps {d['kept_steps'] or '-'}; drop steps {d['dropped_steps'] or '-'}; "
-                f"{verb} {len(d['deleted'])} object(s), {human_bytes(d['bytes_freed'])}")
-        for k in d["deleted"][:20]:
+                f"{verb} {len(keys)} object(s), {human_bytes(nbytes)}")
+        for k in keys[:20]:
             c.print(f"  {k}")
-        if len(d["deleted"]) > 20:
-            c.print(f"  ... and {len(d['deleted']) - 20} more")
+        if len(keys) > 20:
+            c.print(f"  ... and {len(keys) - 20} more")
         if d["dry_run"]:
             c.print("dry run: nothing was deleted; add --yes to act")
-    _emit(a, report.to_json(), render)
+    _emit(a, data, render)
     return EXIT_OK
 
 
@@ -397,7 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tierstore admin where: bad key {a.key!r}: {e}", file=sys.stderr)
             return EXIT_USAGE
     try:
-        store = _open(a)
+        store = _open(a, create=a.command == "rebuild-index" and a.yes)
+    except UnknownError as e:  # no home at --home: nothing was created
+        print(f"tierstore admin {a.command}: {e}", file=sys.stderr)
+        return EXIT_ERROR
     except TierStoreError as e:
         print(f"tierstore admin: cannot open the store: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_ERROR

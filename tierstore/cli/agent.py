@@ -45,6 +45,7 @@ from backends.host import HostBackend
 from backends.ucx_util import import_ucxx
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
+from tierstore.cli.common import HelpFormatter
 from tierstore.errors import ConfigError, KeyExistsError, TierFullError, TierStoreError
 
 __all__ = ["Agent", "AgentConfig", "NodeRegistration", "main", "run_agent"]
@@ -349,19 +350,21 @@ def run_agent(config: AgentConfig, backend: Backend | None = None, *, ready: Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierstore agent", description="Serve this node's host tier to peers over UCX.")
-    p.add_argument("--node-id", required=True)
-    p.add_argument("--host-root", required=True, help="host tier directory, e.g. /dev/shm/tierstore/node0")
-    p.add_argument("--port", type=int, default=0, help="UCX listener port (0: any free port)")
+    p = argparse.ArgumentParser(prog="tierstore agent", description="Serve this node's host tier to peers over UCX.",
+                                formatter_class=HelpFormatter, epilog="Needs ucxx: pip install 'tierstore[ucx]'.")
+    p.add_argument("--node-id", required=True, help="this node's id, as peers and the index name it (required)")
+    p.add_argument("--host-root", required=True, help="host tier directory, e.g. /dev/shm/tierstore/node0 (required)")
+    p.add_argument("--port", type=int, default=0, help="UCX listener port (default: 0, any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address advertised to peers")
-    p.add_argument("--secret-file", required=True, help="file holding the shared secret")
-    p.add_argument("--redis", default=None, help="redis:// URL to register this node in")
-    p.add_argument("--capacity-bytes", type=int, default=None)
-    p.add_argument("--max-object-bytes", type=int, default=AgentConfig.max_object_bytes)
+    p.add_argument("--secret-file", required=True, help="file holding the peers' shared secret (required)")
+    p.add_argument("--redis", default=None, help="redis:// URL to register this node in (default: no registration)")
+    p.add_argument("--capacity-bytes", type=int, default=None, help="the host tier's budget (default: unbounded)")
+    p.add_argument("--max-object-bytes", type=int, default=AgentConfig.max_object_bytes,
+                   help="the largest object a peer may put")
     p.add_argument("--ttl", type=float, default=AgentConfig.ttl_s, help="registration TTL in seconds")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="expose Prometheus metrics on 127.0.0.1:PORT (needs prometheus_client)")
-    p.add_argument("--log-level", default="WARNING")
+                   help="expose Prometheus metrics on 127.0.0.1:PORT, with tierstore[metrics] (default: off)")
+    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
 

@@ -56,12 +56,13 @@ from consistency.gc import Retention
 from tierstore.cli import metrics
 from tierstore.cli import views as V
 from tierstore.cli.admin import human_bytes
+from tierstore.cli.common import HelpFormatter
 from tierstore.errors import ConfigError
 from tierstore.testing import gpt
 from tierstore.train import policies as P
 from tierstore.train.checkpointer import Checkpointer
 
-__all__ = ["build_parser", "main", "make_policy"]
+__all__ = ["build_parser", "draw", "main", "make_policy"]
 
 _PHASE_TIMEOUT_S = 600.0
 
@@ -79,20 +80,22 @@ def make_policy(spec: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierstore demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--home", default=None, help="embedded store's data directory (default $TIERSTORE_HOME or .tierstore)")
-    p.add_argument("--redis", default=None, help="index URL instead of the embedded server")
-    p.add_argument("--s3", default=None, help="durable tier: s3://bucket/prefix (default: home/durable)")
-    p.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (MinIO, moto)")
+    p = argparse.ArgumentParser(prog="tierstore demo", description=__doc__.split("\n\n")[0].split(": ", 1)[-1],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--home", default=None,
+                   help="embedded store's data directory (default: $TIERSTORE_HOME, else .tierstore)")
+    p.add_argument("--redis", default=None, help="index URL (default: the embedded server of --home)")
+    p.add_argument("--s3", default=None, help="durable tier: s3://bucket/prefix (default: HOME/durable)")
+    p.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL, MinIO or moto (default: AWS)")
     p.add_argument("--host-root", default=None, help="host tier directory (default: derived in /dev/shm)")
     p.add_argument("--steps", type=int, default=30, help="training steps in all")
     p.add_argument("--ranks", type=int, default=2, help="ranks (processes, gloo)")
     p.add_argument("--kill-at", type=int, default=None, help="step at which the last rank dies (default: steps/2)")
     p.add_argument("--policy", default="differential+dedup",
                    help="exact | layerwise | differential | dedup, or a '+'-joined mix")
-    p.add_argument("--model-name", default=None, help="key namespace (default: demo-<time>)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-name", default=None, help="key namespace (default: demo-<time>-<pid>)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of the data order")
     p.add_argument("--out", default="demo-out", help="where the plot, summary and logs go")
     p.add_argument("--keep-all", action="store_true", help="keep every step (default: gc keeps the last 2)")
     p.add_argument("--torchrun", action="store_true",
@@ -241,21 +244,27 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
 
 
-def _collect(store: Any, model: str, ev: dict[int, list[dict]], world: int, policy: str, kill_at: int,
+def _collect(store: Any, model: str, ev: dict[int, dict[int, list[dict]]], world: int, policy: str, kill_at: int,
              out: Path) -> dict[str, Any]:
+    """The summary's figures from every rank's events (``ev[phase][rank]``) and the index."""
+    victim = world - 1
 
-    r0 = [e for e in ev[0] if e["event"] == "step"]
-    r1 = [e for e in ev[1] if e["event"] == "step"]
-    restore = next((e for e in ev[1] if e["event"] == "restore"), {})
-    kill = next((e for e in ev[0] if e["event"] == "kill"), {})
-    stalls = [e["stall_s"] for e in r0 + r1]
+    def of(phase: int, event: str, rank: int | None = None) -> list[dict]:
+        ranks = range(world) if rank is None else [rank]
+        return [e for r in ranks for e in ev.get(phase, {}).get(r, []) if e["event"] == event]
+
+    steps0, steps1 = of(0, "step"), of(1, "step")
+    restores = {r: next(iter(of(1, "restore", r)), {}) for r in range(world)}
+    kill = next(iter(of(0, "kill", victim)), {})
+    stalls = [e["stall_s"] for e in steps0 + steps1]
     steps = {s: st for s, st in store.steps.steps(model)}
-    t_save = {e["step"]: e["t_save"] for e in r0 + r1}  # the newest save of each step
+    t_save = {e["step"]: e["t_save"] for e in of(0, "step", 0) + of(1, "step", 0)}  # rank 0's newest save
     commit = []
     for rec in store.steps.records(model, list(steps)):
         if rec.state in ("committed", "durable") and rec.decided is not None and rec.step in t_save:
             lat = rec.decided - t_save[rec.step]
             commit.append(lat if lat >= 0 else rec.commit_latency_s)
+    aborted = {row["step"]: row["reason"] for row in V.steps_view(store, model) if row["state"] == "aborted"}
     per_step: dict[int, dict[str, int]] = {}
     for row in V.steps_view(store, model):
         kinds: dict[str, int] = {}
@@ -263,36 +272,51 @@ def _collect(store: Any, model: str, ev: dict[int, list[dict]], world: int, poli
             if rec is not None:
                 kinds[rec.kind] = kinds.get(rec.kind, 0) + rec.size
         per_step[row["step"]] = kinds
-    loss0 = {e["step"]: e["loss"] for e in r0}
-    loss1 = {e["step"]: e["loss"] for e in r1}
+    loss0 = {e["step"]: e["loss"] for e in of(0, "step", 0)}
+    loss1 = {e["step"]: e["loss"] for e in of(1, "step", 0)}
     replayed = sorted(set(loss0) & set(loss1))
-    done = [e for e in ev[0] + ev[1] if e["event"] == "done"]
-    logical = sum(d["stats"]["logical_bytes"] for d in done) if done else 0
-    written = sum(d["stats"]["bytes"] for d in done) if done else 0
+    same = all({e["step"]: e["loss"] for e in of(0, "step", r)}.get(s) ==
+               {e["step"]: e["loss"] for e in of(1, "step", r)}.get(s)
+               for r in range(world) for s in sorted({e["step"] for e in of(0, "step", r)} &
+                                                      {e["step"] for e in of(1, "step", r)}))
+    done = of(1, "done")
+    logical = sum(d["stats"]["logical_bytes"] for d in done)
+    written = sum(d["stats"]["bytes"] for d in done)
 
     def med(xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
 
-    restored = restore.get("step")
+    restore = restores.get(0, {})
+    tiers: dict[str, int] = {}
+    for r in restores.values():
+        for t, n in (r.get("tiers") or {}).items():
+            tiers[t] = tiers.get(t, 0) + n
+    seconds = [r["seconds"] for r in restores.values() if r.get("seconds") is not None]
     return {
-        "model": model, "policy": policy, "world": world, "kill_at": kill_at,
+        "model": model, "policy": policy, "world": world, "kill_at": kill_at, "killed_rank": victim,
         "steps_committed": sum(1 for st in steps.values() if st in ("committed", "durable")),
         "steps_durable": sum(1 for st in steps.values() if st == "durable"),
+        "steps_aborted": aborted,
         "stall_s": {"median": med(stalls), "max": max(stalls) if stalls else None, "n": len(stalls)},
         "commit_latency_s": {"median": med(commit), "max": max(commit) if commit else None, "n": len(commit)},
         "bytes_per_tier": {f"{r['tier']}/{r['kind']}": r["bytes"] for r in V.du_view(store, model)},
-        "bytes_written_phase1": written, "logical_bytes_phase1": logical,
-        "restore": {"step": restored, "seconds": restore.get("seconds"), "tiers": restore.get("tiers")},
+        "bytes_written_phase1": written, "logical_bytes_phase1": logical, "ranks_reporting": len(done),
+        "restore": {"step": restore.get("step"), "seconds": max(seconds) if seconds else None, "tiers": tiers,
+                    "steps_by_rank": {r: v.get("step") for r, v in restores.items()}},
         "loss_before": loss0.get(max(loss0)) if loss0 else None,
         "loss_at_kill": kill.get("loss"),
         "loss_after": loss1.get(min(loss1)) if loss1 else None,
         "loss_final": loss1.get(max(loss1)) if loss1 else None,
         "replayed_steps": replayed,
-        "replay_bitwise": bool(replayed) and all(loss0[s] == loss1[s] for s in replayed),
+        "replay_bitwise": bool(replayed) and same,
         "loss_curve": {"phase0": sorted(loss0.items()), "phase1": sorted(loss1.items())},
         "bytes_per_step": {s: k for s, k in sorted(per_step.items())},
         "plot": str(out / "demo.png"),
     }
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
@@ -328,6 +352,17 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def draw(summary: dict[str, Any], path: Path) -> str:
+    """Draw the demo's plot to ``path``; return the path, or why it was not drawn and how to get it."""
+    try:
+        _plot(summary, path)
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        return "not drawn: matplotlib is not installed (pip install 'tierstore[plot]')"
+    return str(path)
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.1f} ms"
@@ -343,17 +378,23 @@ def _print_summary(s: dict[str, Any]) -> None:
         t.add_row(f"bytes in {k}", human_bytes(v))
     if s["logical_bytes_phase1"]:
         ratio = s["logical_bytes_phase1"] / max(1, s["bytes_written_phase1"])
-        t.add_row("written vs full checkpoints (after restore)",
+        t.add_row(f"written vs full checkpoints (after restore, {_plural(s['ranks_reporting'], 'rank')})",
                   f"{human_bytes(s['bytes_written_phase1'])} vs {human_bytes(s['logical_bytes_phase1'])} "
                   f"({ratio:.1f}x smaller)")
     t.add_row("steps committed / durable", f"{s['steps_committed']} / {s['steps_durable']}")
     r = s["restore"]
-    t.add_row("failure", f"rank {s['world'] - 1} killed at step {s['kill_at']}")
-    t.add_row("restore", f"step {r['step']} in {ms(r['seconds'])} from {r['tiers'] or '-'}")
-    t.add_row("loss before failure / after restore / final",
+    t.add_row("failure", f"rank {s['killed_rank']} killed at step {s['kill_at']}")
+    for step, reason in sorted(s["steps_aborted"].items()):
+        t.add_row(f"step {step}", f"aborted: {reason or '-'}")
+    tiers = ", ".join(f"{_plural(n, 'object')} from {tier}" for tier, n in sorted(r["tiers"].items())) or "-"
+    t.add_row(f"restore ({_plural(s['world'], 'rank')})", f"step {r['step']} in {ms(r['seconds'])}: {tiers}")
+    curve = s["loss_curve"]
+    at = [curve["phase0"][-1][0] if curve["phase0"] else "-", curve["phase1"][0][0] if curve["phase1"] else "-",
+          curve["phase1"][-1][0] if curve["phase1"] else "-"]
+    t.add_row(f"loss before failure / after restore / final (steps {at[0]} / {at[1]} / {at[2]})",
               " / ".join("-" if x is None else f"{x:.4f}" for x in (s["loss_before"], s["loss_after"], s["loss_final"])))
-    t.add_row("replayed steps reproduce the lost run bitwise",
-              f"{'yes' if s['replay_bitwise'] else 'no'} ({len(s['replayed_steps'])} steps)")
+    t.add_row("replayed steps reproduce the lost run bitwise (every rank)",
+              f"{'yes' if s['replay_bitwise'] else 'no'} ({_plural(len(s['replayed_steps']), 'step')})")
     t.add_row("plot", s["plot"])
     Console(width=None if sys.stdout.isatty() else 140).print(t)
 
@@ -402,32 +443,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             "batch_size": a.batch_size, "seed": a.seed}
     store = _open_store(base, migrate=False)  # starts the embedded server before the ranks race to
     try:
-        events: dict[int, list[dict]] = {}
+        events: dict[int, dict[int, list[dict]]] = {}
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=__import__("rich.console").console.Console(stderr=True)) as progress:
             for phase, what in ((0, f"training until rank {a.ranks - 1} dies at step {kill_at}"),
                                 (1, "restarted: restore and continue")):
-                task = progress.add_task(what, total=a.steps)
+                total = kill_at + 1 if phase == 0 else a.steps  # phase 0 ends at the kill
+                task = progress.add_task(what, total=total)
                 codes = _run_phase(base, phase, out, progress, task)
-                events[phase] = _read_events(out / f"rank0.phase{phase}.jsonl")
+                events[phase] = {r: _read_events(out / f"rank{r}.phase{phase}.jsonl") for r in range(a.ranks)}
                 ok = codes == [0] * a.ranks if phase == 1 else codes[-1] == -signal.SIGKILL
                 if not ok:
                     bad = next((r for r, c in enumerate(codes) if c not in (0, -signal.SIGKILL)), 0)
                     print(f"tierstore demo: phase {phase} failed (exit codes {codes}); rank {bad} log:\n"
                           f"{_tail(out / f'rank{bad}.phase{phase}.log')}", file=sys.stderr)
                     return 1
-                progress.update(task, completed=a.steps)
+                progress.update(task, completed=total)
         summary = _collect(store, base["model"], events, a.ranks, a.policy, kill_at, out)
-        try:
-            _plot(summary, out / "demo.png")
-        except ImportError:
-            summary["plot"] = "not drawn: matplotlib is not installed (pip install 'tierstore[plot]')"
+        summary["plot"] = draw(summary, out / "demo.png")
         if not a.keep_all:
             summary["gc"] = store.gc(base["model"], Retention(keep_last=2), dry_run=False).to_json()
             summary["gc"].pop("deleted")
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         _print_summary(summary)
         print(f"inspect it: tierstore admin --home {home} steps {base['model']}")
+        if a.redis is None and a.host_root is None:
+            print(f"its state: the index and durable tier in {base['home']}, the host tier in "
+                  f"{Path(store.config.host_root).parent}; remove it all with: tierstore server stop --purge --home {home}")
+        elif a.redis is None:
+            print(f"its state: the index and durable tier in {base['home']} (remove them with: tierstore server stop "
+                  f"--purge --home {home}); the host tier in {a.host_root}, which --host-root named, is yours to remove")
     finally:
         store.close()
     return 0

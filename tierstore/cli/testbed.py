@@ -32,6 +32,7 @@ The peer tier is used only when this tierstore's :class:`StoreConfig` has
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -50,6 +51,7 @@ from rich.table import Table
 
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
+from tierstore.cli.common import HelpFormatter
 from tierstore.cli.demo import _free_port, _read_events, _tail
 from tierstore.config import StoreConfig
 from tierstore.embedded import server_binary
@@ -66,7 +68,7 @@ def peer_supported() -> tuple[bool, str]:
     if "peer_replicas" not in StoreConfig.__dataclass_fields__:
         return False, "TierStore has no peer tier option (peer_replicas) yet"
     if not _ucxx_ok():
-        return False, "ucxx is not usable here"
+        return False, "ucxx is not usable here: pip install 'tierstore[ucx]'"
     return True, ""
 
 
@@ -80,11 +82,21 @@ def _ucxx_ok() -> bool:
         return False
 
 
-def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+def _missing_dependency() -> str | None:
+    """What the testbed needs and lacks here, with the ``pip install`` that brings it; ``None`` if nothing."""
+    missing = [m for m in ("moto", "flask", "flask_cors") if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"the testbed's S3 server is moto's, which is not installed here (missing: {', '.join(missing)}): "
+                "pip install 'tierstore[testbed]'")
+    return None
+
+
+def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what}: the process exited with {proc.returncode}")
+            tail = f"; the end of its log ({log}):\n{_tail(log)}" if log is not None else ""
+            raise RuntimeError(f"{what}: the process exited with {proc.returncode}{tail}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what}: not ready after {timeout}s")
         time.sleep(0.05)
@@ -144,7 +156,7 @@ class Testbed:
             finally:
                 index.close()
 
-        _wait(redis_up, 30, "redis", p)
+        _wait(redis_up, 30, "redis", p, self.work / "redis.log")
         port = _free_port()
         p = self._spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
         self.s3_endpoint = f"http://127.0.0.1:{port}"
@@ -158,7 +170,7 @@ class Testbed:
             except Exception:  # noqa: BLE001 - not listening yet
                 return False
 
-        _wait(s3_up, 60, "S3 server", p)
+        _wait(s3_up, 60, "S3 server", p, self.work / "s3.log")
         client.create_bucket(Bucket=self.bucket)
         self.base_cfg.update(home=str(self.work / "home"), redis=self.redis_url, durable=f"s3://{self.bucket}/ckpt",
                              s3_endpoint=self.s3_endpoint)
@@ -286,16 +298,24 @@ def _print_report(rep: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tierstore testbed", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--kill-at", type=int, default=4)
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--policy", default="exact")
-    p.add_argument("--no-peer", action="store_true", help="no peer tier: the lost node restores from S3")
+    p = argparse.ArgumentParser(prog="tierstore testbed", description=__doc__.split("\n\n")[0].split(": ", 1)[-1],
+                                formatter_class=HelpFormatter,
+                                epilog="Needs tierstore[testbed] (moto's S3 server); the peer tier needs tierstore[ucx].")
+    p.add_argument("--steps", type=int, default=10, help="training steps in all")
+    p.add_argument("--kill-at", type=int, default=4, help="the step after which node1 is lost")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="trainer ranks on each of the two nodes")
+    p.add_argument("--policy", default="exact",
+                   help="exact | layerwise | differential | dedup, or a '+'-joined mix (as the demo's)")
+    p.add_argument("--no-peer", action="store_true",
+                   help="no peer tier: the lost node restores from S3 (default: the peer tier where ucxx works)")
     p.add_argument("--workdir", default=None, help="logs and state (default: a temporary directory, removed)")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds the whole scenario may take")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (default: a table)")
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    missing = _missing_dependency()
+    if missing:
+        print(f"tierstore testbed: {missing}", file=sys.stderr)
+        return 1
     if not 0 < a.kill_at < a.steps - 1:
         print(f"tierstore testbed: --kill-at must be in 1..{a.steps - 2}", file=sys.stderr)
         return 2

@@ -88,12 +88,14 @@ def steps_view(store: TierStore, model: str) -> list[dict[str, Any]]:
     rows = []
     for rec in store.steps.records(model):
         recs = _records(store, store.index.list_objects(model, step=rec.step))
-        lat = rec.commit_latency_s
+        lat = rec.commit_latency_s  # begin to decision: a commit latency only where the decision was a commit
+        committed = rec.state in ("committed", "durable")
         rows.append({
             "step": rec.step,
             "state": rec.state,
             "age_s": round(now - rec.started, 3) if rec.started else None,
-            "commit_latency_s": round(lat, 6) if lat is not None else None,
+            "commit_latency_s": round(lat, 6) if lat is not None and committed else None,
+            "aborted_after_s": round(lat, 6) if lat is not None and rec.state == "aborted" else None,
             "votes": rec.votes,
             "world": rec.world,
             "epoch": rec.epoch,

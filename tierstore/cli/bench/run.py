@@ -1,4 +1,4 @@
-"""Command line: ``tierstore bench [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--out DIR]``.
+"""``tierstore bench [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--out DIR]``.
 
 Spawns ``--ranks`` processes (gloo on loopback), runs :func:`tierstore.cli.bench.harness.rank_main`
 in each, and prints the markdown table rank 0 wrote to ``OUT/results.md``
@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from tierstore.cli.bench.harness import rank_main
 from tierstore.cli.bench.report import machine_info
+from tierstore.cli.common import HelpFormatter
 from tierstore.embedded import stop_server
 
 __all__ = ["DEFAULT_SYSTEMS", "build_parser", "main"]
@@ -33,16 +34,20 @@ DEFAULT_SYSTEMS = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (defaults: the full benchmark of BENCHMARKS.md)."""
-    p = argparse.ArgumentParser(prog="tierstore bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small state (64 MiB/rank), 2 rounds, short slowdown pass")
-    p.add_argument("--size-gib", type=float, default=None, help="params + AdamW state per rank (default 1, quick 1/16)")
+    p = argparse.ArgumentParser(prog="tierstore bench", formatter_class=HelpFormatter,
+                                description="Benchmarks of tierstore side by side with torch.save and DCP "
+                                            "(BENCHMARKS.md): save stall, commit, restore, memory, slowdown.")
+    p.add_argument("--quick", action="store_true",
+                   help="small state (64 MiB/rank), 2 rounds, short slowdown pass (default: the full run)")
+    p.add_argument("--size-gib", type=float, default=None, help="params + AdamW state per rank (default: 1, quick 1/16)")
     p.add_argument("--tensors", type=int, default=200, help="tensors per rank (4 per layer)")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3, quick 2)")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated; see tierstore.cli.bench.systems")
-    p.add_argument("--out", default=None, help="output directory (default bench/results/<timestamp>)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default CPUs // ranks)")
-    p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default a temp dir)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks (processes, gloo on loopback)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default: 3, quick 2)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="comma-separated; see tierstore.cli.bench.systems (default: %(default)s)")
+    p.add_argument("--out", default=None, help="output directory (default: bench/results/<timestamp>)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs // ranks)")
+    p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default: a temp dir)")
     p.add_argument("--matmul-n", type=int, default=512, help="size of the stand-in training step")
     return p
 

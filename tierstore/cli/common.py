@@ -1,0 +1,69 @@
+"""What every ``tierstore`` subcommand shares: help with defaults, closed pipes, install hints, confirmation."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["EXTRAS", "HelpFormatter", "confirm", "install_hint", "quiet_closed_stdout"]
+
+#: The optional dependency (top-level module) -> the extra that installs it.
+EXTRAS = {
+    "matplotlib": "plot",
+    "prometheus_client": "metrics",
+    "moto": "testbed",
+    "flask": "testbed",
+    "flask_cors": "testbed",
+    "ucxx": "ucx",
+    "safetensors": "safetensors",
+}
+
+
+def install_hint(module: str | None) -> str:
+    """The ``pip install`` line that brings ``module`` (an extra of tierstore where there is one)."""
+    top = (module or "").split(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is not None:
+        return f"pip install 'tierstore[{extra}]'"
+    if top == "torch":
+        return "pip install torch==2.13.0 (the CPU wheel)"
+    return f"pip install {top}" if top else "pip install tierstore"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says its default.
+
+    Options without a default (``None``), flags (``False``) and hidden ones are left as written:
+    their help says what happens when they are not given.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False or default is argparse.SUPPRESS
+                or "default" in text or "%(default)" in text):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def quiet_closed_stdout() -> None:
+    """After a ``BrokenPipeError`` (``... --json | head -1``): point stdout at /dev/null, so the
+    interpreter's final flush does not print a second traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def confirm(question: str, *, assume_yes: bool) -> bool:
+    """Ask ``question`` on stderr and read the answer from stdin; ``--yes`` skips it. EOF is a no."""
+    if assume_yes:
+        return True
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = sys.stdin.readline()
+    if not answer:
+        print("", file=sys.stderr)
+    return answer.strip().lower() in ("y", "yes")

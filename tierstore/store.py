@@ -249,6 +249,8 @@ class TierStore:
             raise NoValidCopyError(f"{key} is a delta on (or ref to) {base}, which is gone", key=str(key))
         if ref:
             return dict(old.tensors), dict(old.metadata)
+        from tierstore.delta import apply_xor_delta  # lazy: delta imports torch; the admin commands run without it
+
         layout = meta.get("_delta") or {}
         full: dict[str, torch.Tensor] = {}
         for name, b in old.tensors.items():

@@ -574,8 +574,8 @@ class StepProtocol:
         self._register(model)
         self.check_index(model)
         k = self.index._k
+        want = 0  # first a probe: a known (or fenced) incarnation reserves nothing
         for _ in range(64):
-            want = self.epochs.reserve(model)  # recorded durably before the index hands it out
             with translate_redis_errors(f"join epoch of {model}", self.index.url):
                 got = int(self.index.run_script(self._join, [k(model, "epoch"), k(model, "incarnations")],
                                                 [token, int(base), want], what=f"join the epoch of {model}"))
@@ -583,6 +583,7 @@ class StepProtocol:
                 if got == want:
                     self.epochs.prune(model, want)
                 return got
+            want = self.epochs.reserve(model)  # recorded durably before the index hands it out
         raise CommitError(f"could not join an epoch of {model}: it kept moving", model=model)
 
     def note_progress(self, model: str, rank: int, step: int, epoch: int | None) -> None:

@@ -294,16 +294,33 @@ class TierStore:
             out: preallocated tensors to read into in place (shape and dtype must match).
             raw: return delta/ref objects as stored instead of resolving them.
 
+        A copy is verified in the same pass that copies it into ``out`` (or
+        into new tensors): 1 MiB chunks are hashed, then copied while in the
+        cache. If the checksum then fails, ``out`` holds some of that bad copy;
+        the next tier's copy is read into it in full, and the call returns
+        only once a copy verified. If none does, :class:`NoValidCopyError` is
+        raised and the contents of ``out`` are unspecified: never a success
+        with bad bytes.
+
         Raises:
             NoValidCopyError: the object is known but no tier has a copy that passes its checksum.
-            RestoreMismatchError: ``out`` does not fit the stored tensors.
+            RestoreMismatchError: ``out`` does not fit the stored tensors (nothing was copied).
         """
         key = _check_key(key)
         self._check_open()
         return self._get(key, out, raw, depth=0)
 
-    def _read_blob(self, key: ShardKey, rec: ObjectRecord | None):
-        """The first valid copy of ``key`` as (blob, tier); ``None`` if no tier has any copy."""
+    def _read_blob(self, key: ShardKey, rec: ObjectRecord | None, consume):
+        """``consume(copy)`` of the first valid copy of ``key``, as (result, tier); ``None`` if no tier has any.
+
+        Per tier, fastest first: the copy's trailer is compared with the
+        index's checksum (header and trailer only), then ``consume`` reads it,
+        verifying the checksum over the whole copy as it goes (it raises
+        :class:`CorruptObjectError` for a bad copy, possibly after writing part
+        of it into the caller's ``out`` tensors: the next tier's copy then
+        overwrites them). A miss, an unreachable tier or a bad copy falls back
+        to the next tier.
+        """
         failures: list[str] = []
         for tier in self.tiers:
             try:
@@ -314,14 +331,17 @@ class TierStore:
             if blob is None:
                 continue
             try:
-                stored = codec.verify(blob)
-                if rec is not None and rec.checksum and stored != rec.checksum:
-                    raise CorruptObjectError(f"checksum {stored} differs from the index's {rec.checksum}")
+                if rec is not None and rec.checksum:
+                    stored = codec.checksum(blob)
+                    if stored != rec.checksum:
+                        raise CorruptObjectError(f"checksum {stored} differs from the index's {rec.checksum}")
+                return consume(blob), tier.tier
             except CorruptObjectError as e:
                 log.warning("%s: bad copy in the %s tier (%s); trying the next tier", key, tier.tier, e)
                 failures.append(f"{tier.tier}: {e}")
                 continue
-            return blob, tier.tier
+            finally:
+                del blob  # a host-tier view pins its segment until released
         if failures or rec is not None:
             raise NoValidCopyError(
                 f"no valid copy of {key} in any tier ({'; '.join(failures) or 'no tier holds it'})",
@@ -334,33 +354,38 @@ class TierStore:
         if depth > self.config.max_delta_chain:
             raise CorruptObjectError(f"{key}: delta/ref chain longer than {self.config.max_delta_chain}", key=str(key))
         rec = self.index.get_object(key)
-        found = self._read_blob(key, rec)
+
+        def consume(blob):
+            info = codec.inspect(blob, verify=False)  # header and table only
+            internal = info.metadata.get(_INTERNAL) or {}
+            kind = internal.get("kind", "full")
+            if raw or kind == "full":  # verified in the same pass as the copy into out / new tensors
+                return kind, internal, codec.decode(blob, out=out if not raw or kind == "full" else None)
+            return kind, internal, codec.decode(blob)  # a delta or ref: verified before its fields are used
+
+        found = self._read_blob(key, rec, consume)
         if found is None:
             return None
-        blob, _tier = found  # verified against its checksum by _read_blob: no second hash pass below
-        info = codec.inspect(blob, verify=False)
-        internal = info.metadata.get(_INTERNAL) or {}
-        kind = internal.get("kind", "full")
+        (kind, internal, stored), _tier = found
         if raw or kind == "full":
-            shard = codec.decode(blob, out=out if not raw or kind == "full" else None, verify=False)
+            shard = stored
         elif kind == "ref":
             shard = self._get(ShardKey.parse(internal["target"]), out, False, depth + 1)
             if shard is None:
                 raise NoValidCopyError(f"{key} refers to {internal['target']}, which is gone", key=str(key))
         elif kind == "delta":
-            shard = self._apply_delta(key, blob, ShardKey.parse(internal["base"]), out, depth)
+            shard = self._apply_delta(key, stored, ShardKey.parse(internal["base"]), out, depth)
         else:
             raise CorruptObjectError(f"{key}: unknown object kind {kind!r}", key=str(key))
         shard.metadata.pop(_INTERNAL, None)
         return shard
 
-    def _apply_delta(self, key: ShardKey, blob, base_key: ShardKey, out, depth: int) -> codec.Shard:
+    def _apply_delta(self, key: ShardKey, stored: codec.Shard, base_key: ShardKey, out, depth: int) -> codec.Shard:
         from tierstore.delta import apply_xor_delta
 
         base = self._get(base_key, None, False, depth + 1)
         if base is None:
             raise NoValidCopyError(f"{key} is a delta on {base_key}, which is gone", key=str(key))
-        stored = codec.decode(blob, verify=False)
         layout = stored.metadata.get("_delta") or {}
         result: dict[str, torch.Tensor] = {}
         for name, delta in stored.tensors.items():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench import systems as S
+from tierstore.cli.bench import systems as S
 from tierstore.cli.bench.workload import Peak, make_workload, matmul_step, rss_bytes, rss_shmem_bytes, shm_used_bytes
 
 __all__ = ["rank_main"]

@@ -17,6 +17,7 @@ variable                       field
 ``TIERSTORE_PEER_REPLICAS``    ``peer_replicas``
 ``TIERSTORE_PEER_SECRET_FILE`` ``peer_secret_file``
 ``TIERSTORE_SHM_DIR``          ``shm_dir`` (where derived host roots go; default ``/dev/shm``)
+``TIERSTORE_BACKGROUND_NICE``  ``background_nice``
 =============================  ===============================================
 """
 
@@ -46,6 +47,7 @@ _ENV = {
     "peer_replicas": "TIERSTORE_PEER_REPLICAS",
     "peer_secret_file": "TIERSTORE_PEER_SECRET_FILE",
     "shm_dir": "TIERSTORE_SHM_DIR",
+    "background_nice": "TIERSTORE_BACKGROUND_NICE",
 }
 
 
@@ -70,7 +72,10 @@ class StoreConfig:
         host_root: the host tier's shared-memory directory; ``None`` derives
             one in ``/dev/shm`` from ``home`` and ``node_id``.
         host_capacity_bytes: host tier budget; ``None`` is unbounded.
-        host_pool_bytes: freed segments kept for reuse (fast snapshots).
+        host_pool_bytes: freed segments kept for reuse (fast snapshots), node-wide.
+        host_pool_fds: at most this many freed segments wait in the pool, and at
+            most this many mappings (one file descriptor each) are kept per
+            process; ``None``: a quarter of the open-file limit, 16 to 1024.
         node_id: this node's name (agents, peer placement).
         migrate: migrate every put to the durable tier in the background.
         migration_queue: at most this many objects wait for migration; a put
@@ -83,6 +88,11 @@ class StoreConfig:
         peer_secret_file: the agents' shared secret (needed with peer_replicas).
         durable_every: objects of every K-th step go to the durable tier (full
             objects always do); 0 sends only full objects.
+        background_nice: the store's background threads (migration,
+            replication, :meth:`~tierstore.store.TierStore.finish_async`) run this
+            much nicer than the thread that opened the store (Linux, per thread;
+            0 keeps the trainer's priority). Default 10: on a node whose ranks use
+            every core, the trainer gets ~90% of a contended core.
     """
 
     home: str = ".tierstore"
@@ -93,6 +103,7 @@ class StoreConfig:
     host_root: str | None = None
     host_capacity_bytes: int | None = None
     host_pool_bytes: int = 8 << 30
+    host_pool_fds: int | None = None
     node_id: str = ""
     migrate: bool = True
     migration_queue: int = 1024
@@ -102,12 +113,17 @@ class StoreConfig:
     peer_secret_file: str | None = None
     durable_every: int = 1
     shm_dir: str = "/dev/shm"
+    background_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:
             raise ConfigError("host_capacity_bytes must be positive")
         if self.migration_queue <= 0 or self.migration_workers <= 0:
             raise ConfigError("migration_queue and migration_workers must be positive")
+        if not 0 <= self.background_nice <= 19:
+            raise ConfigError(f"background_nice must be within 0..19, got {self.background_nice}")
+        if self.host_pool_fds is not None and self.host_pool_fds < 0:
+            raise ConfigError("host_pool_fds must be >= 0")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:
@@ -121,7 +137,7 @@ class StoreConfig:
         for name, var in _ENV.items():
             if var in env and env[var] != "":
                 values[name] = env[var]
-        for name in ("host_capacity_bytes", "peer_replicas"):
+        for name in ("host_capacity_bytes", "peer_replicas", "background_nice"):
             if name in values:
                 try:
                     values[name] = int(values[name])

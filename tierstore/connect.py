@@ -67,7 +67,8 @@ def open(  # noqa: A001 - the public name is tierstore.open
     index = Index(url, password=cfg.redis_password)
     try:
         index.ping()
-        host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes)
+        host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes,
+                           pool_fds=cfg.host_pool_fds)
         dur: Backend | None = None
         if cfg.durable_url and cfg.durable_url.lower() != "none":
             from backends import open_backend

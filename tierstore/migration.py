@@ -17,18 +17,22 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from backends.base import Backend
 from consistency.index import Index
 from tierstore import codec
+from tierstore.background import lower_priority
 from tierstore.errors import CorruptObjectError, TierStoreError, TierUnavailableError
 from tierstore.keys import ShardKey
 
 __all__ = ["Migrator", "MigrationError"]
 
 log = logging.getLogger(__name__)
+
+_DELETE_SETTLE_S = (0.05, 0.2, 0.5)  # pauses between index checks for an object gone from the host tier
 
 
 class MigrationError(TierUnavailableError):
@@ -45,13 +49,16 @@ class _Group:
 class Migrator:
     """Moves objects from ``source`` (host tier) to ``target`` (durable tier).
 
+    Workers run ``nice`` nicer than the thread that builds the Migrator
+    (:mod:`tierstore.background`).
+
     Protocol: :meth:`enqueue` after an object is published and indexed;
     :meth:`when_done` to learn when a set of objects has migrated;
     :meth:`flush` to wait for everything queued so far; :meth:`close` at the end.
     """
 
     def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1,
-                 name: str = "migrate"):
+                 name: str = "migrate", nice: int = 0):
         self.source = source
         self.target = target
         self.index = index
@@ -60,12 +67,16 @@ class Migrator:
         self._errors: list[tuple[ShardKey, BaseException]] = []
         self._done: set[ShardKey] = set()
         self._groups: list[_Group] = []
+        self.nice = nice
+        self.bytes_migrated = 0
+        started = threading.Barrier(workers + 1)
         self._threads = [
-            threading.Thread(target=self._run, name=f"tierstore-{name}-{i}", daemon=True) for i in range(workers)
+            threading.Thread(target=self._run, args=(started,), name=f"tierstore-{name}-{i}", daemon=True)
+            for i in range(workers)
         ]
         for t in self._threads:
             t.start()
-        self.bytes_migrated = 0
+        started.wait()  # every worker runs at its background priority before the first enqueue
 
     def enqueue(self, key: ShardKey, checksum: str) -> None:
         self._q.put((key, checksum))
@@ -118,8 +129,13 @@ class Migrator:
         name = str(key)
         blob = self.source.get(name)
         if blob is None:
-            if self.index.get_object(key) is None:
-                return  # deleted (garbage-collected) before its turn: nothing left to migrate
+            # deleted (garbage-collected) before its turn: nothing left to migrate. A delete removes the
+            # tiers' copies before the index record, so give a delete in progress a moment to finish.
+            for pause in (*_DELETE_SETTLE_S, None):
+                if self.index.get_object(key) is None:
+                    return
+                if pause is not None:
+                    time.sleep(pause)
             raise TierUnavailableError(f"{key} vanished from the host tier before migration", key=str(key))
         size = len(blob)
         try:
@@ -133,7 +149,9 @@ class Migrator:
         self.index.add_tier(key, self.target.tier)
         self.bytes_migrated += size
 
-    def _run(self) -> None:
+    def _run(self, started: threading.Barrier) -> None:
+        lower_priority(self.nice)
+        started.wait()
         while True:
             item = self._q.get()
             try:

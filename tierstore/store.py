@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from backends.base import Backend
 from backends.host import HostBackend
 from consistency.index import Index, ObjectRecord
 from tierstore import codec
+from tierstore.background import lower_priority
 from tierstore.config import StoreConfig
 from tierstore.errors import (
     CorruptObjectError,
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("full", "delta", "ref")
 _INTERNAL = "_ts"  # metadata entry holding kind/base/target, so objects describe themselves
+_UNREAD = object()  # _get's record argument when the caller has not read the index yet
 
 
 @dataclass(frozen=True)
@@ -150,18 +153,21 @@ class TierStore:
         self.durable = durable
         self.tiers: list[Backend] = [t for t in (host, peer, durable) if t is not None]
         self._migrator = (
-            Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers)
+            Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers,
+                     nice=config.background_nice)
             if durable is not None and config.migrate
             else None
         )
         self.placement = Placement(config.peer_replicas if peer is not None else 0, config.durable_every)
         self._replicator = (
-            Migrator(host, peer, index, maxsize=config.migration_queue, workers=1, name="replicate")
+            Migrator(host, peer, index, maxsize=config.migration_queue, workers=1, name="replicate",
+                     nice=config.background_nice)
             if peer is not None
             else None
         )
         self._lock = threading.Lock()
         self._closed = False
+        self._sealer: ThreadPoolExecutor | None = None  # finish_async's thread, started on first use
         from consistency.twophase import StepProtocol
 
         self.steps = StepProtocol(index, durable)
@@ -264,6 +270,33 @@ class TierStore:
             self._migrator.enqueue(p.key, checksum)
         return ObjectInfo(p.key, p.kind, size, checksum, p.base, p.target, (self.host.tier,))
 
+    def finish_async(self, pendings: Sequence[PendingObject]) -> Future[list[ObjectInfo]]:
+        """Seal, publish and index ``pendings`` in order on the store's background thread.
+
+        The thread runs ``config.background_nice`` nicer than the trainer
+        (:mod:`tierstore.background`). The future holds the objects' infos; if
+        one fails, the rest are aborted and the future holds its error.
+        """
+        self._check_open()
+        items = list(pendings)
+        with self._lock:
+            if self._sealer is None:
+                self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-seal",
+                                                  initializer=lower_priority, initargs=(self.config.background_nice,))
+            return self._sealer.submit(self._finish_all, items)
+
+    @staticmethod
+    def _finish_all(items: list[PendingObject]) -> list[ObjectInfo]:
+        done: list[ObjectInfo] = []
+        try:
+            for p in items:
+                done.append(p.finish())
+        except BaseException:
+            for p in items[len(done):]:
+                p.abort()
+            raise
+        return done
+
     def put(
         self,
         key: ShardKey | str,
@@ -310,6 +343,27 @@ class TierStore:
         self._check_open()
         return self._get(key, out, raw, depth=0)
 
+    def get_many(
+        self,
+        keys: Sequence[ShardKey | str],
+        *,
+        outs: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+        raw: bool = False,
+    ) -> list[codec.Shard | None]:
+        """:meth:`get` of each key (into ``outs[i]`` where given), with one index round trip for all.
+
+        Raises:
+            InvalidValueError: ``outs`` is not as long as ``keys``.
+            NoValidCopyError, RestoreMismatchError: as :meth:`get`, for the first key that fails.
+        """
+        parsed = [_check_key(k) for k in keys]
+        self._check_open()
+        targets = list(outs) if outs is not None else [None] * len(parsed)
+        if len(targets) != len(parsed):
+            raise InvalidValueError(f"outs has {len(targets)} entries for {len(parsed)} keys")
+        records = self.index.get_objects(parsed)
+        return [self._get(k, o, raw, depth=0, rec=r) for k, o, r in zip(parsed, targets, records)]
+
     def _read_blob(self, key: ShardKey, rec: ObjectRecord | None, consume):
         """``consume(copy)`` of the first valid copy of ``key``, as (result, tier); ``None`` if no tier has any.
 
@@ -350,18 +404,19 @@ class TierStore:
             )
         return None
 
-    def _get(self, key: ShardKey, out, raw: bool, depth: int) -> codec.Shard | None:
+    def _get(self, key: ShardKey, out, raw: bool, depth: int, rec: Any = _UNREAD) -> codec.Shard | None:
         if depth > self.config.max_delta_chain:
             raise CorruptObjectError(f"{key}: delta/ref chain longer than {self.config.max_delta_chain}", key=str(key))
-        rec = self.index.get_object(key)
+        if rec is _UNREAD:
+            rec = self.index.get_object(key)
 
         def consume(blob):
-            info = codec.inspect(blob, verify=False)  # header and table only
-            internal = info.metadata.get(_INTERNAL) or {}
+            obj = codec.open_object(blob)  # header and table, bounded; verified by decode below
+            internal = obj.metadata.get(_INTERNAL) or {}
             kind = internal.get("kind", "full")
             if raw or kind == "full":  # verified in the same pass as the copy into out / new tensors
-                return kind, internal, codec.decode(blob, out=out if not raw or kind == "full" else None)
-            return kind, internal, codec.decode(blob)  # a delta or ref: verified before its fields are used
+                return kind, internal, obj.decode(out=out if not raw or kind == "full" else None)
+            return kind, internal, obj.decode()  # a delta or ref: verified before its fields are used
 
         found = self._read_blob(key, rec, consume)
         if found is None:
@@ -502,6 +557,8 @@ class TierStore:
             self.flush()
         finally:
             self._closed = True
+            if self._sealer is not None:
+                self._sealer.shutdown(wait=True)
             for mover in (self._replicator, self._migrator):
                 if mover is not None:
                     mover.close()

@@ -48,7 +48,14 @@ from tierstore.codec.format import (
     TensorInfo,
     compute_checksum,
 )
-from tierstore.codec.read import checksum, decode, inspect, verify
+from tierstore.codec.read import (
+    EncodedObject,
+    checksum,
+    decode,
+    inspect,
+    open_object,
+    verify,
+)
 from tierstore.codec.write import EncodePlan, encode, plan
 
 __all__ = [
@@ -61,6 +68,7 @@ __all__ = [
     "MAGIC",
     "TRAILER_SIZE",
     "EncodePlan",
+    "EncodedObject",
     "ObjectInfo",
     "Shard",
     "TensorInfo",
@@ -69,6 +77,7 @@ __all__ = [
     "decode",
     "encode",
     "inspect",
+    "open_object",
     "plan",
     "verify",
 ]

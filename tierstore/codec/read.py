@@ -35,7 +35,7 @@ from tierstore.codec.format import (
 )
 from tierstore.errors import CorruptObjectError, InvalidValueError, RestoreMismatchError
 
-__all__ = ["checksum", "decode", "inspect", "verify"]
+__all__ = ["EncodedObject", "checksum", "decode", "inspect", "open_object", "verify"]
 
 _CHUNK = 1 << 20  # verify-and-copy granularity: hashed, then copied while in the cache
 
@@ -139,14 +139,6 @@ def _parse_table(raw: memoryview, raw_len: int) -> tuple[tuple[TensorInfo, ...],
     return tuple(infos), meta
 
 
-def _open(blob: Any, verify: bool = True) -> tuple[memoryview, int, int, int, str, tuple[TensorInfo, ...], dict]:
-    mv = _bytes_view(blob)
-    flags, table_len, _data_len, raw_len = _parse_header(mv)
-    digest = _verify_trailer(mv) if verify else bytes(mv[len(mv) - TRAILER_SIZE :]).hex()
-    infos, meta = _parse_table(mv[HEADER.size : HEADER.size + table_len], raw_len)
-    return mv, flags, table_len, raw_len, digest, infos, meta
-
-
 def _torch_buffer(data: memoryview) -> Any:
     """``data`` as a buffer torch.frombuffer takes without warning, still without a copy.
 
@@ -170,14 +162,14 @@ def _alias(data: Any, e: TensorInfo) -> torch.Tensor:
     return typed_view(data, dtype, e.nbytes, e.offset).view(e.shape)
 
 
-def _byte_view(t: torch.Tensor) -> memoryview | None:
-    """A writable byte view of ``t``'s memory if it is a plain contiguous CPU tensor, else ``None``."""
+def _byte_view(t: torch.Tensor) -> Any:
+    """A writable byte buffer over ``t``'s memory if it is a plain contiguous CPU tensor, else ``None``.
+
+    Valid while ``t`` is alive (the caller holds it).
+    """
     if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() or t.numel() == 0:
         return None
-    try:
-        return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    except (RuntimeError, TypeError, ValueError):
-        return None
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
 def _verify_and_copy(
@@ -219,6 +211,105 @@ def _verify_and_copy(
             f"checksum mismatch: stored {bytes(mv[end:]).hex()}, computed {h.hexdigest()}", field="checksum"
         )
     return later
+
+
+class EncodedObject:
+    """An object opened for reading: header and table parsed and bounded, the checksum not yet verified.
+
+    Protocol: ``obj = open_object(blob)``; read ``obj.metadata``, ``obj.tensors``
+    or ``obj.stored_checksum`` (unverified); then ``obj.decode(...)``, which
+    verifies (see :func:`decode`). ``blob`` must stay alive and unchanged
+    meanwhile.
+    """
+
+    def __init__(self, blob: Any) -> None:
+        self._mv = _bytes_view(blob)
+        self.flags, self.table_len, _data_len, self.raw_len = _parse_header(self._mv)
+        self.tensors, self.metadata = _parse_table(self._mv[HEADER.size : HEADER.size + self.table_len],
+                                                   self.raw_len)
+
+    @property
+    def stored_checksum(self) -> str:
+        """The trailer, as 32 hex chars (not verified)."""
+        return bytes(self._mv[len(self._mv) - TRAILER_SIZE :]).hex()
+
+    def decode(
+        self,
+        *,
+        out: Mapping[str, torch.Tensor] | None = None,
+        copy: bool = True,
+        strict: bool = True,
+        verify: bool = True,
+    ) -> Shard:
+        """Verify and decode the object; see :func:`decode`."""
+        mv, flags, table_len, raw_len = self._mv, self.flags, self.table_len, self.raw_len
+        infos, meta = self.tensors, self.metadata
+        one_pass = verify and copy and not flags
+        if verify and not one_pass:
+            _verify_trailer(mv)
+        targets = dict(out) if out is not None else {}
+        by_name = {e.name: e for e in infos}
+        for name, t in targets.items():
+            e = by_name.get(name)
+            if e is None:
+                if strict:
+                    raise RestoreMismatchError(f"restore target {name!r} is not in the stored object", name=name)
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise RestoreMismatchError(f"restore target {name!r} is not a tensor", name=name)
+            if t.dtype != DTYPES[e.dtype] or tuple(t.shape) != e.shape:
+                raise RestoreMismatchError(
+                    f"tensor {name!r}: stored {e.dtype}{list(e.shape)}, target {t.dtype}{list(t.shape)}",
+                    name=name, stored_dtype=e.dtype, stored_shape=e.shape,
+                )
+        data_start = HEADER.size + table_len
+        data = mv[data_start : len(mv) - TRAILER_SIZE]
+        tensors: dict[str, torch.Tensor] = {}
+        if one_pass:
+            dests = {e.name: targets[e.name] if e.name in targets else torch.empty(e.shape, dtype=DTYPES[e.dtype])
+                     for e in infos}
+            with torch.no_grad():
+                later = _verify_and_copy(mv, data_start, infos, dests)
+                if later:
+                    tdata = _torch_buffer(data)
+                    for e in later:
+                        dests[e.name].copy_(_alias(tdata, e))
+            return Shard(tensors={e.name: dests[e.name] for e in infos}, metadata=meta)
+        if flags:
+            # the layout the encoder writes: the data section ends with the last tensor (aligned), so the
+            # decompressed size is what the table's tensors need, checked before anything is allocated
+            _check_frame(flags, data, raw_len)
+            needed = align(max((e.offset + e.nbytes for e in infos), default=0))
+            if raw_len != needed:
+                raise CorruptObjectError(f"raw_len {raw_len} is not the {needed} bytes the table's tensors span",
+                                         field="raw_len")
+            data = memoryview(_decompress(flags, data, raw_len))
+        tdata = _torch_buffer(data) if (targets or not copy) else None
+        with torch.no_grad():
+            for e in infos:
+                target = targets.get(e.name)
+                if target is not None:
+                    if e.nbytes:
+                        target.copy_(_alias(tdata, e))
+                    tensors[e.name] = target
+                elif not copy:
+                    tensors[e.name] = _alias(tdata, e)
+                else:
+                    new = torch.empty(e.shape, dtype=DTYPES[e.dtype])
+                    if e.nbytes:
+                        dst = new.reshape(-1).view(torch.uint8).numpy()
+                        dst[:] = np.frombuffer(data, dtype=np.uint8, count=e.nbytes, offset=e.offset)
+                    tensors[e.name] = new
+        return Shard(tensors=tensors, metadata=meta)
+
+
+def open_object(blob: Any) -> EncodedObject:
+    """Parse and bound ``blob``'s header and table (no checksum pass); see :class:`EncodedObject`.
+
+    Raises:
+        CorruptObjectError: a malformed header or table.
+    """
+    return EncodedObject(blob)
 
 
 def decode(
@@ -265,67 +356,7 @@ def decode(
         RestoreMismatchError: an ``out`` tensor does not match (``name`` field);
             nothing was copied.
     """
-    mv = _bytes_view(blob)
-    flags, table_len, _data_len, raw_len = _parse_header(mv)
-    one_pass = verify and copy and not flags
-    digest_ok = not verify or one_pass
-    if not digest_ok:
-        _verify_trailer(mv)
-    infos, meta = _parse_table(mv[HEADER.size : HEADER.size + table_len], raw_len)
-    targets = dict(out) if out is not None else {}
-    by_name = {e.name: e for e in infos}
-    for name, t in targets.items():
-        e = by_name.get(name)
-        if e is None:
-            if strict:
-                raise RestoreMismatchError(f"restore target {name!r} is not in the stored object", name=name)
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise RestoreMismatchError(f"restore target {name!r} is not a tensor", name=name)
-        if t.dtype != DTYPES[e.dtype] or tuple(t.shape) != e.shape:
-            raise RestoreMismatchError(
-                f"tensor {name!r}: stored {e.dtype}{list(e.shape)}, target {t.dtype}{list(t.shape)}",
-                name=name, stored_dtype=e.dtype, stored_shape=e.shape,
-            )
-    data_start = HEADER.size + table_len
-    data = mv[data_start : len(mv) - TRAILER_SIZE]
-    tensors: dict[str, torch.Tensor] = {}
-    if one_pass:
-        dests = {e.name: targets[e.name] if e.name in targets else torch.empty(e.shape, dtype=DTYPES[e.dtype])
-                 for e in infos}
-        with torch.no_grad():
-            later = _verify_and_copy(mv, data_start, infos, dests)
-            if later:
-                tdata = _torch_buffer(data)
-                for e in later:
-                    dests[e.name].copy_(_alias(tdata, e))
-        return Shard(tensors={e.name: dests[e.name] for e in infos}, metadata=meta)
-    if flags:
-        # the layout the encoder writes: the data section ends with the last tensor (aligned), so the
-        # decompressed size is what the table's tensors need, checked before anything is allocated
-        _check_frame(flags, data, raw_len)
-        needed = align(max((e.offset + e.nbytes for e in infos), default=0))
-        if raw_len != needed:
-            raise CorruptObjectError(f"raw_len {raw_len} is not the {needed} bytes the table's tensors span",
-                                     field="raw_len")
-        data = memoryview(_decompress(flags, data, raw_len))
-    tdata = _torch_buffer(data) if (targets or not copy) else None
-    with torch.no_grad():
-        for e in infos:
-            target = targets.get(e.name)
-            if target is not None:
-                if e.nbytes:
-                    target.copy_(_alias(tdata, e))
-                tensors[e.name] = target
-            elif not copy:
-                tensors[e.name] = _alias(tdata, e)
-            else:
-                new = torch.empty(e.shape, dtype=DTYPES[e.dtype])
-                if e.nbytes:
-                    dst = new.reshape(-1).view(torch.uint8).numpy()
-                    dst[:] = np.frombuffer(data, dtype=np.uint8, count=e.nbytes, offset=e.offset)
-                tensors[e.name] = new
-    return Shard(tensors=tensors, metadata=meta)
+    return EncodedObject(blob).decode(out=out, copy=copy, strict=strict, verify=verify)
 
 
 def inspect(blob: Any, *, verify: bool = True) -> ObjectInfo:
@@ -333,11 +364,13 @@ def inspect(blob: Any, *, verify: bool = True) -> ObjectInfo:
 
     ``verify=False`` skips the checksum pass (see :func:`decode`).
     """
-    mv, flags, table_len, raw_len, digest, infos, meta = _open(blob, verify)
+    obj = EncodedObject(blob)
+    mv = obj._mv
+    digest = _verify_trailer(mv) if verify else obj.stored_checksum
     return ObjectInfo(
-        version=FORMAT_VERSION, flags=flags, compressed=bool(flags & FLAGS), table_len=table_len,
-        data_len=len(mv) - HEADER.size - table_len - TRAILER_SIZE, raw_len=raw_len, nbytes=len(mv),
-        checksum=digest, metadata=meta, tensors=infos,
+        version=FORMAT_VERSION, flags=obj.flags, compressed=bool(obj.flags & FLAGS), table_len=obj.table_len,
+        data_len=len(mv) - HEADER.size - obj.table_len - TRAILER_SIZE, raw_len=obj.raw_len, nbytes=len(mv),
+        checksum=digest, metadata=obj.metadata, tensors=obj.tensors,
     )
 
 
@@ -350,4 +383,8 @@ def checksum(blob: Any) -> str:
 
 def verify(blob: Any) -> str:
     """Fully verify ``blob`` (header, checksum, table bounds); return its checksum hex."""
-    return _open(blob)[4]
+    mv = _bytes_view(blob)
+    _flags, table_len, _data_len, raw_len = _parse_header(mv)
+    digest = _verify_trailer(mv)
+    _parse_table(mv[HEADER.size : HEADER.size + table_len], raw_len)
+    return digest

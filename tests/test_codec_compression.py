@@ -155,7 +155,7 @@ def test_zstd_frame_declaring_a_huge_size_fails_before_allocating():
 
 def test_raw_len_must_be_what_the_table_spans():
     """A header raw_len larger than the tensors need is refused before decompressing (no bomb by header)."""
-    rows, frame, n = _zstd_object()
+    rows, _frame, _n = _zstd_object()
     frame_big = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(4 << 20))
     _bounded(_forge(codec.FLAG_ZSTD, rows, frame_big, 4 << 20))
 

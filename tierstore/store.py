@@ -191,8 +191,9 @@ class TierStore:
         this returns. Nothing is visible to readers until ``finish()``.
 
         ``compress``: ``"auto"`` copies full objects raw (dense floats do not
-        compress; the copy is the whole stall) and lz4-compresses other kinds
-        where a sample shows it pays; ``"always"`` / ``"never"`` force it.
+        compress; the copy is the whole stall) and compresses other kinds with
+        lz4 or zstd where a sample shows it pays (:mod:`tierstore.codec.compression`);
+        ``"always"`` / ``"never"`` force it.
 
         Raises:
             InvalidKeyError, InvalidValueError: bad key, kind or values.

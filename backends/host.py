@@ -68,22 +68,22 @@ class _ReadPin:
         os.close(self.fd)
 
 
-def _pinned_view(mm: mmap.mmap, size: int, fd: int) -> memoryview:
-    """A read-only view of ``mm[:size]`` that keeps ``fd`` (the read lock) and ``mm`` alive while it lives."""
-    arr = (ctypes.c_ubyte * size).from_buffer(mm)  # an export: mm cannot be closed under it
+def _pinned_view(view: memoryview, fd: int) -> memoryview:
+    """A read-only view of ``view`` (of a kept mapping) that keeps ``fd`` (the read lock) open while it lives."""
+    arr = (ctypes.c_ubyte * len(view)).from_buffer(view)  # holds the export: the mapping stays mapped
     arr._tierstore_pin = _ReadPin(fd)  # type: ignore[attr-defined]
     return memoryview(arr).cast("B").toreadonly()
 
 
 class _HostReservation(Reservation):
-    def __init__(self, backend: HostBackend, name: str, tmp: Path, mm: mmap.mmap | None, nbytes: int,
+    def __init__(self, backend: HostBackend, name: str, tmp: Path, view: memoryview | None, nbytes: int,
                  ident: tuple[int, int]):
         self.name = name
         self._backend = backend
         self._tmp = tmp
         self._ident = ident
         self.nbytes = nbytes
-        self.buffer = memoryview(mm)[:nbytes] if mm is not None else memoryview(bytearray())
+        self.buffer = view if view is not None else memoryview(bytearray())
         self._done = False
 
     def commit(self, *, if_absent: bool = False) -> None:
@@ -246,7 +246,7 @@ class HostBackend(Backend):
             try:
                 st = os.fstat(fd)
                 ident = (st.st_dev, st.st_ino)
-                mm = self._pool.mapping(fd, nbytes, str(tmp), ident) if nbytes else None
+                view = self._pool.mapping(fd, nbytes, str(tmp), ident) if nbytes else None
             except BaseException:
                 os.unlink(tmp)
                 raise
@@ -258,7 +258,7 @@ class HostBackend(Backend):
             raise TierUnavailableError(f"host tier at {self.root} failed: {e}", key=name, tier="host") from e
         with self._lock:
             self._reserved += nbytes
-        return _HostReservation(self, name, tmp, mm, nbytes, ident)
+        return _HostReservation(self, name, tmp, view, nbytes, ident)
 
     def _segment(self, tmp: Path, nbytes: int, name: str) -> int:
         """An open fd of a segment of exactly ``nbytes`` at ``tmp``: a pooled one, else fresh."""
@@ -317,7 +317,7 @@ class HostBackend(Backend):
                 kept = self._pool.kept(st.st_dev, st.st_ino, size)
                 if kept is not None:
                     pinned = True
-                    return _pinned_view(kept, size, fd)
+                    return _pinned_view(kept, fd)
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)  # holds a dup of fd: the lock lives on
                 return memoryview(mm)

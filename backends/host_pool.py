@@ -162,10 +162,11 @@ class SegmentPool:
         return sum(e.size for e in self.entries())
 
     # -- mappings ------------------------------------------------------------------
-    def mapping(self, fd: int, nbytes: int, path: str, key: tuple[int, int] | None = None) -> mmap.mmap:
-        """A writable mapping of at least ``nbytes`` of the file ``fd`` (kept for reuse).
+    def mapping(self, fd: int, nbytes: int, path: str, key: tuple[int, int] | None = None) -> memoryview:
+        """A writable view of the first ``nbytes`` of the file ``fd``, through a mapping kept for reuse.
 
-        ``key`` is the file's (st_dev, st_ino) where the caller has it.
+        ``key`` is the file's (st_dev, st_ino) where the caller has it. The view
+        is made under the lock, so the mapping cannot be unmapped under it.
         """
         if key is None:
             st = os.fstat(fd)
@@ -175,25 +176,26 @@ class SegmentPool:
             if kept is not None and len(kept[0]) >= nbytes:
                 self._maps[key] = (kept[0], path)
                 self._maps.move_to_end(key)
-                return kept[0]
+                return memoryview(kept[0])[:nbytes]
         mm = _mmap_writable(fd, nbytes, self.populate)
         with self._lock:
+            view = memoryview(mm)[:nbytes]
             old = self._maps.pop(key, None)
             self._maps[key] = (mm, path)
             stale = [old[0]] if old is not None else []
             stale += self._over_budget()
         for m in stale:
             self._close_map(m)
-        return mm
+        return view
 
-    def kept(self, dev: int, ino: int, nbytes: int) -> mmap.mmap | None:
-        """The kept mapping of file (dev, ino) if it covers ``nbytes``, else ``None``."""
+    def kept(self, dev: int, ino: int, nbytes: int) -> memoryview | None:
+        """A writable view of ``nbytes`` of file (dev, ino) through its kept mapping, else ``None``."""
         with self._lock:
             kept = self._maps.get((dev, ino))
             if kept is None or len(kept[0]) < nbytes:
                 return None
             self._maps.move_to_end((dev, ino))
-            return kept[0]
+            return memoryview(kept[0])[:nbytes]
 
     def moved(self, dev: int, ino: int, path: str) -> None:
         """Record that file (dev, ino) is now at ``path`` (it was renamed by this process)."""

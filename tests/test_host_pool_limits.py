@@ -215,3 +215,33 @@ def test_checkpointer_constructions_stay_within_the_pool_budget(tmp_path, redis_
             assert max(counts) <= budget
         store.close()
         HostBackend(shm_root / "node0").drain_pool()
+
+
+def test_threads_writing_reading_and_deleting_with_a_tiny_budget(shm_root):
+    """Mappings are dropped under the budget while other threads write and read through them."""
+    import threading
+
+    b = HostBackend(shm_root / "h", pool_fds=3, recycle_grace_s=0.0)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(150):
+                name = f"w{w}/o{i % 7}"
+                payload = bytes([w * 16 + i % 16]) * (4096 * (1 + (i * 7 + w) % 5) + i)
+                b.put(name, payload)
+                got = b.get(name)
+                assert got is not None and bytes(got) == payload, name
+                del got
+                b.delete(name)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert len(os.listdir(shm_root / "h" / ".pool")) <= 3
+    b.close()

@@ -94,7 +94,7 @@ def test_forged_objects_fail_typed(rows, meta, data, flags, raw_len, data_len, t
 
 
 @FUZZ
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 8), compress=st.sampled_from(["never", "always"]))
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 8), compress=st.sampled_from(["never", "always", "lz4", "zstd"]))
 def test_mutated_valid_objects_fail_typed_or_decode(seed, n, compress):
     """Flip bytes of a real object and recompute the trailer: typed error or a self-consistent decode."""
     import random

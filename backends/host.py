@@ -106,7 +106,7 @@ class _HostReservation(Reservation):
             self.abort()
             raise TierUnavailableError(f"cannot publish host object {self.name!r}: {e}", key=self.name) from e
         self._done = True
-        self.buffer.release()
+        self._release_buffer()
         self._backend._pool.moved(*self._ident, str(final))
         self._backend._release_reservation(self.nbytes)
 
@@ -114,13 +114,21 @@ class _HostReservation(Reservation):
         if self._done:
             return
         self._done = True
-        self.buffer.release()
+        self._release_buffer()
         try:
             os.unlink(self._tmp)
         except FileNotFoundError:
             pass
         self._backend._pool.discard(*self._ident)
         self._backend._release_reservation(self.nbytes)
+
+
+    def _release_buffer(self) -> None:
+        """Let go of the mapping (so the pool may unmap it under its budget), unless the caller still uses it."""
+        try:
+            self.buffer.release()
+        except BufferError:
+            pass  # an array over the buffer is alive: the mapping stays until it goes
 
 
 class HostBackend(Backend):

@@ -245,3 +245,17 @@ def test_threads_writing_reading_and_deleting_with_a_tiny_budget(shm_root):
     assert not errors, errors[0]
     assert len(os.listdir(shm_root / "h" / ".pool")) <= 3
     b.close()
+
+
+def test_commit_with_an_array_still_over_the_buffer(shm_root):
+    """A caller may keep a tensor over the reserved buffer past commit (it must not write to it)."""
+    import torch
+
+    b = HostBackend(shm_root / "h")
+    res = b.reserve("k", 64)
+    t = torch.frombuffer(res.buffer, dtype=torch.uint8)
+    t.fill_(7)
+    res.commit()
+    assert bytes(b.get("k")) == b"\x07" * 64
+    del t
+    b.close()

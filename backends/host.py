@@ -28,7 +28,6 @@ dropped first when room is needed.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import mmap
 import os
@@ -46,7 +45,7 @@ from backends.base import (
     total_size,
     validate_object_name,
 )
-from backends.host_pool import SegmentPool, default_max_maps
+from backends.host_pool import DEFAULT_SEGMENTS, SegmentPool
 from tierstore.errors import KeyExistsError, TierFullError, TierUnavailableError
 
 __all__ = ["HostBackend"]
@@ -66,13 +65,6 @@ class _ReadPin:
 
     def __del__(self) -> None:
         os.close(self.fd)
-
-
-def _pinned_view(view: memoryview, fd: int) -> memoryview:
-    """A read-only view of ``view`` (of a kept mapping) that keeps ``fd`` (the read lock) open while it lives."""
-    arr = (ctypes.c_ubyte * len(view)).from_buffer(view)  # holds the export: the mapping stays mapped
-    arr._tierstore_pin = _ReadPin(fd)  # type: ignore[attr-defined]
-    return memoryview(arr).cast("B").toreadonly()
 
 
 class _HostReservation(Reservation):
@@ -138,9 +130,8 @@ class HostBackend(Backend):
         root: the directory (created if missing), e.g. ``/dev/shm/tierstore/node0``.
         capacity_bytes: the tier's budget; ``None`` means unbounded.
         pool_bytes: at most this many bytes of freed segments are kept for reuse (node-wide).
-        pool_fds: at most this many freed segments wait in the pool (node-wide), and at most this many
-            mappings (one file descriptor each) are kept by this process; default a quarter of the
-            open-file limit, between 16 and 1024.
+        pool_segments: at most this many freed segments wait in the pool (node-wide), and at most this
+            many mappings are kept by this process (default 1024). Neither holds a file descriptor.
         recycle_grace_s: a deleted segment is reused only after this many seconds (readers are protected
             by their locks whatever this is; a grace only spreads reuse).
         populate: pre-fault new segments' pages when mapping them (faster writes).
@@ -158,22 +149,22 @@ class HostBackend(Backend):
         *,
         capacity_bytes: int | None = None,
         pool_bytes: int = 8 << 30,
-        pool_fds: int | None = None,
+        pool_segments: int = DEFAULT_SEGMENTS,
         recycle_grace_s: float = 0.0,
         populate: bool = True,
     ) -> None:
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self.pool_bytes = pool_bytes
-        self.pool_fds = default_max_maps() if pool_fds is None else pool_fds
+        self.pool_segments = pool_segments
         self.recycle_grace_s = recycle_grace_s
         self.populate = populate
         try:
             (self.root / _POOL).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise TierUnavailableError(f"cannot create host tier directory {self.root}: {e}") from e
-        self._pool = SegmentPool(self.root / _POOL, max_bytes=pool_bytes, max_segments=self.pool_fds,
-                                 max_maps=self.pool_fds, grace_s=recycle_grace_s, populate=populate)
+        self._pool = SegmentPool(self.root / _POOL, max_bytes=pool_bytes, max_segments=pool_segments,
+                                 max_maps=pool_segments, grace_s=recycle_grace_s, populate=populate)
         self._lock = threading.Lock()
         self._reserved = 0
         self._dirs: set[Path] = set()  # directories known to exist (saves a mkdir per reserve)
@@ -323,9 +314,9 @@ class HostBackend(Backend):
                 if size == 0:
                     return b""
                 kept = self._pool.kept(st.st_dev, st.st_ino, size)
-                if kept is not None:
+                if kept is not None:  # no page faults: the pages are mapped in this process already
                     pinned = True
-                    return _pinned_view(kept, fd)
+                    return kept.view(size, keep=_ReadPin(fd)).toreadonly()
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)  # holds a dup of fd: the lock lives on
                 return memoryview(mm)
@@ -368,7 +359,7 @@ class HostBackend(Backend):
     def preallocate(self, sizes: Sequence[int]) -> int:
         """Make sure this process has fresh, mapped segments of ``sizes`` in the pool (warm-up before training).
 
-        Bounded by the pool's budget (``pool_fds`` segments, ``pool_bytes``);
+        Bounded by the pool's budget (``pool_segments`` segments, ``pool_bytes``);
         segments this process already pooled count, so repeating a call adds
         nothing. Returns the number of segments added.
         """

@@ -18,10 +18,15 @@ within 1/8 of a power of two share a class): it is truncated or grown to the
 new object's exact size (objects are files of their exact length).
 
 Budget: the pool holds at most ``max_segments`` segments and ``max_bytes``
-bytes (node-wide; oldest entries are freed first), and each process keeps at
-most ``max_maps`` mappings (each holds one file descriptor; least recently
-used first to go, never one in use). Concurrent deleters may overshoot the
-segment and byte budget by one segment each.
+bytes (node-wide; oldest entries are freed first; concurrent deleters may
+overshoot by one segment each), and each process keeps at most ``max_maps``
+mappings (least recently used first to go; one still in use is unmapped when
+its last view goes). Neither holds a file descriptor: pooled segments are
+files in a directory, and kept mappings are :class:`backends.shm_mapping.Mapping`
+(the descriptor is closed once mapped). A kept mapping of a segment that
+another process freed would keep its memory alive unseen, so mappings whose
+file is no longer where this process left it are dropped every
+``_SWEEP_EVERY`` new mappings.
 
 Protocol: :class:`HostBackend` calls :meth:`SegmentPool.take` to claim a
 segment into a reservation's temporary path, :meth:`SegmentPool.mapping` to
@@ -32,9 +37,7 @@ deleted, and :meth:`SegmentPool.close` at the end.
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
-import resource
 import threading
 import time
 import uuid
@@ -43,7 +46,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SegmentPool", "default_max_maps", "size_class"]
+from backends.shm_mapping import Mapping
+
+__all__ = ["DEFAULT_SEGMENTS", "SegmentPool", "size_class"]
+
+DEFAULT_SEGMENTS = 1024
+_SWEEP_EVERY = 64
 
 _CLASS_BITS = 3  # 8 classes per power of two: a reused segment is within 12.5% of the object's size
 
@@ -54,14 +62,6 @@ def size_class(nbytes: int) -> int:
         return nbytes
     step = 1 << (nbytes.bit_length() - _CLASS_BITS - 1)
     return -(-nbytes // step) * step
-
-
-def default_max_maps() -> int:
-    """A quarter of this process's open-file limit, between 16 and 1024."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft <= 0:
-        return 1024
-    return max(16, min(1024, soft // 4))
 
 
 @dataclass
@@ -81,27 +81,14 @@ def _parse(name: str) -> _Entry | None:
     return _Entry(name, size, t_ns)
 
 
-def _mmap_writable(fd: int, nbytes: int, populate: bool) -> mmap.mmap:
-    """Map the segment ``fd`` (``nbytes`` long) for writing, with room for its whole size class.
+def _map_class(fd: int, nbytes: int, populate: bool) -> Mapping:
+    """Map the segment ``fd`` (``nbytes`` long) for its whole size class.
 
-    The mapping spans ``size_class(nbytes)`` bytes, so the segment can later be
-    regrown within its class and keep this mapping (bytes past the file's end
-    must not be touched: they fault with SIGBUS). Python maps no further than
-    the file's end, so the file is grown for the call and truncated back (with
-    ``populate`` the tail's pages are faulted in and freed again: at most 1/8
-    more work, once per mapping).
+    The segment can later be regrown within its class and keep this mapping
+    (until then, bytes past the file's end must not be touched: SIGBUS).
+    ``populate`` fills the page tables up to the file's end.
     """
-    length = size_class(nbytes)
-    flags = mmap.MAP_SHARED
-    if populate and hasattr(mmap, "MAP_POPULATE"):
-        flags |= mmap.MAP_POPULATE
-    if length > nbytes:
-        os.ftruncate(fd, length)
-    try:
-        return mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        if length > nbytes:
-            os.ftruncate(fd, nbytes)
+    return Mapping(fd, size_class(nbytes), populate=populate)
 
 
 def try_lock_exclusive(fd: int) -> bool:
@@ -121,7 +108,7 @@ class SegmentPool:
         directory: the pool directory (created by the backend).
         max_bytes: at most this many bytes of segments wait in the pool.
         max_segments: at most this many segments wait in the pool.
-        max_maps: at most this many mappings (file descriptors) kept by this process.
+        max_maps: at most this many mappings kept by this process.
         grace_s: a segment is reused only this long after it entered the pool.
         populate: pre-fault the pages of new mappings (faster writes).
     """
@@ -136,7 +123,8 @@ class SegmentPool:
         self.populate = populate
         self._lock = threading.Lock()
         # (dev, ino) -> (mapping, the path it was last seen at); least recently used first
-        self._maps: OrderedDict[tuple[int, int], tuple[mmap.mmap, str]] = OrderedDict()
+        self._maps: OrderedDict[tuple[int, int], tuple[Mapping, str]] = OrderedDict()
+        self._new_maps = 0
         # pool entries this process put there (their mapping is likely kept): size -> names
         self._own: dict[int, list[str]] = {}
 
@@ -165,8 +153,8 @@ class SegmentPool:
     def mapping(self, fd: int, nbytes: int, path: str, key: tuple[int, int] | None = None) -> memoryview:
         """A writable view of the first ``nbytes`` of the file ``fd``, through a mapping kept for reuse.
 
-        ``key`` is the file's (st_dev, st_ino) where the caller has it. The view
-        is made under the lock, so the mapping cannot be unmapped under it.
+        ``key`` is the file's (st_dev, st_ino) where the caller has it; ``fd``
+        may be closed once this returns.
         """
         if key is None:
             st = os.fstat(fd)
@@ -176,26 +164,26 @@ class SegmentPool:
             if kept is not None and len(kept[0]) >= nbytes:
                 self._maps[key] = (kept[0], path)
                 self._maps.move_to_end(key)
-                return memoryview(kept[0])[:nbytes]
-        mm = _mmap_writable(fd, nbytes, self.populate)
+                return kept[0].view(nbytes)
+        m = _map_class(fd, nbytes, self.populate)
         with self._lock:
-            view = memoryview(mm)[:nbytes]
-            old = self._maps.pop(key, None)
-            self._maps[key] = (mm, path)
-            stale = [old[0]] if old is not None else []
-            stale += self._over_budget()
-        for m in stale:
-            self._close_map(m)
-        return view
+            self._maps.pop(key, None)
+            self._maps[key] = (m, path)
+            self._new_maps += 1
+            if self._new_maps % _SWEEP_EVERY == 0:
+                self._drop_stale()
+            while len(self._maps) > self.max_maps:
+                self._maps.popitem(last=False)  # unmapped when its last view goes
+        return m.view(nbytes)
 
-    def kept(self, dev: int, ino: int, nbytes: int) -> memoryview | None:
-        """A writable view of ``nbytes`` of file (dev, ino) through its kept mapping, else ``None``."""
+    def kept(self, dev: int, ino: int, nbytes: int) -> Mapping | None:
+        """The kept mapping of file (dev, ino) if it covers ``nbytes``, else ``None``."""
         with self._lock:
             kept = self._maps.get((dev, ino))
             if kept is None or len(kept[0]) < nbytes:
                 return None
             self._maps.move_to_end((dev, ino))
-            return memoryview(kept[0])[:nbytes]
+            return kept[0]
 
     def moved(self, dev: int, ino: int, path: str) -> None:
         """Record that file (dev, ino) is now at ``path`` (it was renamed by this process)."""
@@ -205,36 +193,20 @@ class SegmentPool:
                 self._maps[(dev, ino)] = (kept[0], path)
 
     def discard(self, dev: int, ino: int) -> None:
-        """Forget (and unmap, unless in use) the kept mapping of a file that was freed."""
+        """Forget the kept mapping of a file that was freed (unmapped when its last view goes)."""
         with self._lock:
-            kept = self._maps.pop((dev, ino), None)
-        if kept is not None:
-            self._close_map(kept[0])
+            self._maps.pop((dev, ino), None)
 
-    def _over_budget(self) -> list[mmap.mmap]:
-        """Pop mappings past ``max_maps``: stale ones first, then least recently used (called with the lock)."""
-        if len(self._maps) <= self.max_maps:
-            return []
-        out = []
-        for key, (mm, path) in list(self._maps.items()):
+    def _drop_stale(self) -> None:
+        """Forget mappings whose file is not where this process last saw it (called with the lock)."""
+        for key, (_m, path) in list(self._maps.items()):
             try:
                 st = os.stat(path)
                 live = (st.st_dev, st.st_ino) == key
             except OSError:
                 live = False
             if not live:
-                out.append(self._maps.pop(key)[0])
-        for key in list(self._maps):
-            if len(self._maps) <= self.max_maps:
-                break
-            out.append(self._maps.pop(key)[0])
-        return out
-
-    def _close_map(self, mm: mmap.mmap) -> None:
-        try:
-            mm.close()
-        except BufferError:
-            pass  # in use (a reservation or a reader's view): unmapped when the last view goes
+                del self._maps[key]
 
     # -- taking and giving -------------------------------------------------------------
     def _claim(self, name: str, tmp: Path) -> int | None:
@@ -349,10 +321,7 @@ class SegmentPool:
         except FileNotFoundError:
             return False
         self._forget_own(e)
-        with self._lock:
-            kept = self._maps.pop((st.st_dev, st.st_ino), None)
-        if kept is not None:
-            self._close_map(kept[0])  # its memory goes back to the system now, not when pruned
+        self.discard(st.st_dev, st.st_ino)  # its memory goes back to the system now, not when swept
         return True
 
     def free(self, nbytes: int) -> int:
@@ -395,8 +364,7 @@ class SegmentPool:
         return added
 
     def close(self) -> None:
+        """Forget every kept mapping (each is unmapped when its last view goes)."""
         with self._lock:
-            maps, self._maps = self._maps, OrderedDict()
+            self._maps.clear()
             self._own.clear()
-        for mm, _path in maps.values():
-            self._close_map(mm)

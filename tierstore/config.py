@@ -73,9 +73,9 @@ class StoreConfig:
             one in ``/dev/shm`` from ``home`` and ``node_id``.
         host_capacity_bytes: host tier budget; ``None`` is unbounded.
         host_pool_bytes: freed segments kept for reuse (fast snapshots), node-wide.
-        host_pool_fds: at most this many freed segments wait in the pool, and at
-            most this many mappings (one file descriptor each) are kept per
-            process; ``None``: a quarter of the open-file limit, 16 to 1024.
+        host_pool_segments: at most this many freed segments wait in the pool
+            (node-wide), and at most this many mappings are kept per process;
+            neither holds a file descriptor.
         node_id: this node's name (agents, peer placement).
         migrate: migrate every put to the durable tier in the background.
         migration_queue: at most this many objects wait for migration; a put
@@ -103,7 +103,7 @@ class StoreConfig:
     host_root: str | None = None
     host_capacity_bytes: int | None = None
     host_pool_bytes: int = 8 << 30
-    host_pool_fds: int | None = None
+    host_pool_segments: int = 1024
     node_id: str = ""
     migrate: bool = True
     migration_queue: int = 1024
@@ -122,8 +122,8 @@ class StoreConfig:
             raise ConfigError("migration_queue and migration_workers must be positive")
         if not 0 <= self.background_nice <= 19:
             raise ConfigError(f"background_nice must be within 0..19, got {self.background_nice}")
-        if self.host_pool_fds is not None and self.host_pool_fds < 0:
-            raise ConfigError("host_pool_fds must be >= 0")
+        if self.host_pool_segments < 0:
+            raise ConfigError("host_pool_segments must be >= 0")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:

@@ -68,7 +68,7 @@ def open(  # noqa: A001 - the public name is tierstore.open
     try:
         index.ping()
         host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes,
-                           pool_fds=cfg.host_pool_fds)
+                           pool_segments=cfg.host_pool_segments)
         dur: Backend | None = None
         if cfg.durable_url and cfg.durable_url.lower() != "none":
             from backends import open_backend

@@ -129,13 +129,8 @@ class Migrator:
         name = str(key)
         blob = self.source.get(name)
         if blob is None:
-            # deleted (garbage-collected) before its turn: nothing left to migrate. A delete removes the
-            # tiers' copies before the index record, so give a delete in progress a moment to finish.
-            for pause in (*_DELETE_SETTLE_S, None):
-                if self.index.get_object(key) is None:
-                    return
-                if pause is not None:
-                    time.sleep(pause)
+            if self._deleted(key):
+                return  # deleted (garbage-collected) before its turn: nothing left to migrate
             raise TierUnavailableError(f"{key} vanished from the host tier before migration", key=str(key))
         size = len(blob)
         try:
@@ -149,6 +144,22 @@ class Migrator:
         self.index.add_tier(key, self.target.tier)
         self.bytes_migrated += size
 
+    def _deleted(self, key: ShardKey) -> bool:
+        """Whether ``key`` was deleted. A delete removes the tiers' copies before the index record, so a
+        migration that found its source gone (or its target directory removed) gives it a moment."""
+        for pause in (*_DELETE_SETTLE_S, None):
+            if self.index.get_object(key) is None:
+                return True
+            if pause is not None:
+                time.sleep(pause)
+        return False
+
+    def _forget_target(self, key: ShardKey) -> None:
+        try:  # a copy written after the delete removed the target's would be an orphan
+            self.target.delete(str(key))
+        except TierStoreError as e:
+            log.debug("could not remove the target copy of deleted %s: %s", key, e)
+
     def _run(self, started: threading.Barrier) -> None:
         lower_priority(self.nice)
         started.wait()
@@ -158,16 +169,23 @@ class Migrator:
                 if item is None:
                     return
                 key, checksum = item
+                error: Exception | None = None
                 try:
                     self._migrate(key, checksum)
-                    self._finish(key, None)
                 except Exception as e:  # recorded, surfaced by flush()
-                    log.warning("migration of %s failed: %s", key, e)
+                    error = e
+                if isinstance(error, TierStoreError) and self._deleted(key):
+                    # deleted while it migrated (e.g. its durable directory went with it): not a failure
+                    log.debug("%s was deleted while migrating (%s)", key, error)
+                    self._forget_target(key)
+                    error = None
+                if error is not None:
+                    log.warning("migration of %s failed: %s", key, error)
                     try:
-                        self.index.set_object_field(key, "migration_error", str(e)[:500])
+                        self.index.set_object_field(key, "migration_error", str(error)[:500])
                     except TierStoreError:
                         pass
-                    self._finish(key, e)
+                self._finish(key, error)
             finally:
                 self._q.task_done()
 

@@ -39,6 +39,7 @@ class _DeletedWhilePut(MemoryBackend):
 def test_object_deleted_while_migrating_is_not_a_failure(store, deleted):
     key = ShardKey("lag", "l0", 1, 0)
     info = store.put(key, {"w": torch.randn(64)})
+    store.flush()  # the store's own migration is done; the one under test runs below
     target = _DeletedWhilePut(store, delete_first=deleted)
     m = Migrator(store.host, target, store.index, name="lag-test")
     try:
@@ -56,6 +57,7 @@ def test_object_deleted_while_migrating_is_not_a_failure(store, deleted):
 def test_source_gone_but_still_recorded_is_a_failure(store):
     key = ShardKey("lag", "l1", 1, 0)
     info = store.put(key, {"w": torch.randn(64)})
+    store.flush()  # the store's own migration is done; the one under test runs below
     store.host.delete(str(key))  # evicted from the host tier before it migrated: lost, and said so
     m = Migrator(store.host, MemoryBackend(), store.index, name="lag-test2")
     try:

@@ -147,17 +147,20 @@ class Migrator:
     def _deleted(self, key: ShardKey) -> bool:
         """Whether ``key`` was deleted. A delete removes the tiers' copies before the index record, so a
         migration that found its source gone (or its target directory removed) gives it a moment."""
-        for pause in (*_DELETE_SETTLE_S, None):
-            if self.index.get_object(key) is None:
-                return True
-            if pause is not None:
-                time.sleep(pause)
+        try:
+            for pause in (*_DELETE_SETTLE_S, None):
+                if self.index.get_object(key) is None:
+                    return True
+                if pause is not None:
+                    time.sleep(pause)
+        except TierStoreError as e:  # the index cannot say: the migration's own error stands
+            log.debug("could not tell whether %s was deleted: %s", key, e)
         return False
 
     def _forget_target(self, key: ShardKey) -> None:
         try:  # a copy written after the delete removed the target's would be an orphan
             self.target.delete(str(key))
-        except TierStoreError as e:
+        except Exception as e:  # best effort: the worker must outlive any tier's failure
             log.debug("could not remove the target copy of deleted %s: %s", key, e)
 
     def _run(self, started: threading.Barrier) -> None:

@@ -160,7 +160,7 @@ class Migrator:
     def _forget_target(self, key: ShardKey) -> None:
         try:  # a copy written after the delete removed the target's would be an orphan
             self.target.delete(str(key))
-        except Exception as e:  # best effort: the worker must outlive any tier's failure
+        except Exception as e:  # noqa: BLE001 - best effort: the worker must outlive any tier's failure
             log.debug("could not remove the target copy of deleted %s: %s", key, e)
 
     def _run(self, started: threading.Barrier) -> None:
@@ -175,7 +175,7 @@ class Migrator:
                 error: Exception | None = None
                 try:
                     self._migrate(key, checksum)
-                except Exception as e:  # recorded, surfaced by flush()
+                except Exception as e:  # noqa: BLE001 - recorded, surfaced by flush()
                     error = e
                 if isinstance(error, TierStoreError) and self._deleted(key):
                     # deleted while it migrated (e.g. its durable directory went with it): not a failure

@@ -7,8 +7,9 @@ it. Placement is recorded in the Redis index by the tier manager, not here
 
 Writes go through :meth:`HostBackend.reserve`: the caller gets a writable
 memoryview of a segment, writes the object in place (the snapshot copy *is*
-the host-tier copy), and :meth:`_HostReservation.commit` publishes it with an
-atomic rename. Deleted segments go to a bounded reuse pool and the writing
+the host-tier copy) in a temporary file of ``root/.tmp``, and
+:meth:`_HostReservation.commit` publishes it with an atomic rename (making the
+object's directory then, off the snapshot's path). Deleted segments go to a bounded reuse pool and the writing
 process keeps their mappings (see :mod:`backends.host_pool`): fresh shared
 memory is ~20x slower to write than mapped, faulted pages.
 
@@ -51,6 +52,7 @@ from tierstore.errors import KeyExistsError, TierFullError, TierUnavailableError
 __all__ = ["HostBackend"]
 
 _POOL = ".pool"
+_TMPDIR = ".tmp"  # reservations are written here, then renamed into place by commit
 _TMP = ".tmp-"
 _OPEN_RETRIES = 8
 
@@ -83,6 +85,7 @@ class _HostReservation(Reservation):
             raise RuntimeError(f"reservation for {self.name!r} already finished")
         final = self._backend._path(self.name)
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)  # here, not in reserve: off the snapshot's path
             if if_absent:
                 try:
                     os.link(self._tmp, final)
@@ -161,13 +164,13 @@ class HostBackend(Backend):
         self.populate = populate
         try:
             (self.root / _POOL).mkdir(parents=True, exist_ok=True)
+            (self.root / _TMPDIR).mkdir(exist_ok=True)
         except OSError as e:
             raise TierUnavailableError(f"cannot create host tier directory {self.root}: {e}") from e
         self._pool = SegmentPool(self.root / _POOL, max_bytes=pool_bytes, max_segments=pool_segments,
                                  max_maps=pool_segments, grace_s=recycle_grace_s, populate=populate)
         self._lock = threading.Lock()
         self._reserved = 0
-        self._dirs: set[Path] = set()  # directories known to exist (saves a mkdir per reserve)
         self._closed = False
 
     # -- paths -------------------------------------------------------------------
@@ -175,13 +178,8 @@ class HostBackend(Backend):
         validate_object_name(name)
         return self.root / name
 
-    def _ensure_dir(self, d: Path) -> None:
-        if d not in self._dirs:
-            d.mkdir(parents=True, exist_ok=True)
-            self._dirs.add(d)
-
-    def _tmp_path(self, final: Path) -> Path:
-        return final.parent / f"{_TMP}{final.name}.{uuid.uuid4().hex[:12]}"
+    def _tmp_path(self) -> Path:
+        return self.root / _TMPDIR / f"{_TMP}{uuid.uuid4().hex}"
 
     # -- capacity ----------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -230,17 +228,16 @@ class HostBackend(Backend):
 
     # -- the interface -------------------------------------------------------------
     def reserve(self, name: str, nbytes: int) -> Reservation:
-        final = self._path(name)
+        self._path(name)  # validates the name before anything is allocated
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
         try:
-            self._ensure_dir(final.parent)
-            tmp = self._tmp_path(final)
+            tmp = self._tmp_path()
             try:
                 fd = self._segment(tmp, nbytes, name)
             except FileNotFoundError:  # the directory went away (a node's tier wiped): make it again
-                self._dirs.discard(final.parent)
-                self._ensure_dir(final.parent)
+                (self.root / _TMPDIR).mkdir(parents=True, exist_ok=True)
+                (self.root / _POOL).mkdir(parents=True, exist_ok=True)
                 fd = self._segment(tmp, nbytes, name)
             try:
                 st = os.fstat(fd)
@@ -377,7 +374,7 @@ class HostBackend(Backend):
     def list(self, prefix: str = "") -> Iterator[str]:
         names = []
         for dirpath, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if d != _POOL]
+            dirs[:] = [d for d in dirs if d not in (_POOL, _TMPDIR)] if dirpath == str(self.root) else dirs
             rel = os.path.relpath(dirpath, self.root)
             for f in files:
                 if f.startswith(_TMP):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,6 +77,58 @@ def _check_tensor(name: Any, t: Any) -> str:
     return dtype
 
 
+class _Layout:
+    """Where everything of an object goes, for one (metadata, names, dtypes, shapes): shared by plans."""
+
+    def __init__(self, meta_json: bytes, sig: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> None:
+        rows: list[dict[str, Any]] = []
+        offset = 0
+        for name, dtype, shape, nbytes in sig:
+            rows.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset, "nbytes": nbytes})
+            offset = align(offset + nbytes)
+        self.raw_len = offset
+        head = json.dumps({"tensors": rows}, separators=(",", ":"))[:-1].encode("ascii")
+        table = head + b',"meta":' + meta_json + b"}"
+        self.table = table + b" " * (align(len(table)) - len(table))
+        if len(self.table) > MAX_TABLE_LEN:
+            raise InvalidValueError(f"table of {len(self.table)} bytes exceeds {MAX_TABLE_LEN}", entry="table")
+        self.entries = tuple(
+            TensorInfo(r["name"], r["dtype"], tuple(r["shape"]), r["offset"], r["nbytes"]) for r in rows
+        )
+        self.index = {e.name: i for i, e in enumerate(self.entries)}
+        self.data_offset = HEADER.size + len(self.table)
+        self.nbytes = self.data_offset + self.raw_len + TRAILER_SIZE
+        self.header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(self.table), self.raw_len, self.raw_len)
+        self.slots: list[tuple[int, int, int]] = []  # (start, nbytes, zero padding after) per tensor
+        for i, e in enumerate(self.entries):
+            start = self.data_offset + e.offset
+            pad_end = self.data_offset + (self.entries[i + 1].offset if i + 1 < len(self.entries) else self.raw_len)
+            self.slots.append((start, e.nbytes, pad_end - start - e.nbytes))
+
+
+_LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
+_LAYOUTS_MAX = 1024  # a trainer saves the same layers with the same metadata every step
+_LAYOUT_CACHED_TABLE = 16 << 10  # larger tables are not kept: the cache stays within 16 MiB
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _layout(meta_json: bytes, sig: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> _Layout:
+    key = (meta_json, sig)
+    with _LAYOUTS_LOCK:
+        layout = _LAYOUTS.get(key)
+        if layout is not None:
+            _LAYOUTS.move_to_end(key)
+            return layout
+    layout = _Layout(meta_json, sig)
+    if len(layout.table) > _LAYOUT_CACHED_TABLE:
+        return layout
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[key] = layout
+        if len(_LAYOUTS) > _LAYOUTS_MAX:
+            _LAYOUTS.popitem(last=False)
+    return layout
+
+
 class EncodePlan:
     """The layout of one object for a fixed set of tensors; see the module docstring.
 
@@ -88,33 +142,20 @@ class EncodePlan:
     def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: dict | None = None) -> None:
         meta_json = _check_metadata(metadata)
         self._tensors: list[torch.Tensor] = []
-        rows: list[dict[str, Any]] = []
-        offset = 0
+        sig = []
         for name, t in tensors.items():
-            dtype = _check_tensor(name, t)
-            nbytes = t.numel() * t.element_size()
-            rows.append({"name": name, "dtype": dtype, "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+            sig.append((name, _check_tensor(name, t), tuple(t.shape), t.numel() * t.element_size()))
             self._tensors.append(t)
-            offset = align(offset + nbytes)
-        self.raw_len = offset
-        head = json.dumps({"tensors": rows}, separators=(",", ":"))[:-1].encode("ascii")
-        table = head + b',"meta":' + meta_json + b"}"
-        self._table = table + b" " * (align(len(table)) - len(table))
-        if len(self._table) > MAX_TABLE_LEN:
-            raise InvalidValueError(f"table of {len(self._table)} bytes exceeds {MAX_TABLE_LEN}", entry="table")
-        self.entries = tuple(
-            TensorInfo(r["name"], r["dtype"], tuple(r["shape"]), r["offset"], r["nbytes"]) for r in rows
-        )
-        self._index = {e.name: i for i, e in enumerate(self.entries)}
-        self.data_offset = HEADER.size + len(self._table)
-        self.nbytes = self.data_offset + self.raw_len + TRAILER_SIZE
-        self._header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(self._table), self.raw_len, self.raw_len)
+        layout = _layout(meta_json, tuple(sig))
+        self.raw_len = layout.raw_len
+        self._table = layout.table
+        self.entries = layout.entries
+        self._index = layout.index
+        self.data_offset = layout.data_offset
+        self.nbytes = layout.nbytes
+        self._header = layout.header
         # per tensor: where its bytes go and the zero padding after them (precomputed: write() is the stall)
-        self._slots: list[tuple[torch.Tensor, int, int, int]] = []
-        for i, e in enumerate(self.entries):
-            start = self.data_offset + e.offset
-            pad_end = self.data_offset + (self.entries[i + 1].offset if i + 1 < len(self.entries) else self.raw_len)
-            self._slots.append((self._tensors[i], start, e.nbytes, pad_end - start - e.nbytes))
+        self._slots = [(t, *slot) for t, slot in zip(self._tensors, layout.slots)]
 
     def _check_buf(self, buf: memoryview) -> memoryview:
         mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf

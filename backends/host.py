@@ -70,7 +70,7 @@ class _ReadPin:
 
 
 class _HostReservation(Reservation):
-    def __init__(self, backend: HostBackend, name: str, tmp: Path, view: memoryview | None, nbytes: int,
+    def __init__(self, backend: HostBackend, name: str, tmp: str, view: memoryview | None, nbytes: int,
                  ident: tuple[int, int]):
         self.name = name
         self._backend = backend
@@ -167,6 +167,7 @@ class HostBackend(Backend):
             (self.root / _TMPDIR).mkdir(exist_ok=True)
         except OSError as e:
             raise TierUnavailableError(f"cannot create host tier directory {self.root}: {e}") from e
+        self._tmpdir = str(self.root / _TMPDIR)
         self._pool = SegmentPool(self.root / _POOL, max_bytes=pool_bytes, max_segments=pool_segments,
                                  max_maps=pool_segments, grace_s=recycle_grace_s, populate=populate)
         self._lock = threading.Lock()
@@ -178,8 +179,8 @@ class HostBackend(Backend):
         validate_object_name(name)
         return self.root / name
 
-    def _tmp_path(self) -> Path:
-        return self.root / _TMPDIR / f"{_TMP}{uuid.uuid4().hex}"
+    def _tmp_path(self) -> str:
+        return f"{self._tmpdir}/{_TMP}{uuid.uuid4().hex}"  # a str: pathlib costs more than the syscalls here
 
     # -- capacity ----------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -211,7 +212,7 @@ class HostBackend(Backend):
             capacity=self.capacity_bytes,
         )
 
-    def _fresh(self, path: Path, nbytes: int, *, name: str) -> int:
+    def _fresh(self, path: str | Path, nbytes: int, *, name: str) -> int:
         """Create a segment of ``nbytes`` at ``path``; return its open fd."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # FileNotFoundError: no directory
         try:
@@ -228,7 +229,7 @@ class HostBackend(Backend):
 
     # -- the interface -------------------------------------------------------------
     def reserve(self, name: str, nbytes: int) -> Reservation:
-        self._path(name)  # validates the name before anything is allocated
+        validate_object_name(name)  # before anything is allocated
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
         try:
@@ -242,7 +243,7 @@ class HostBackend(Backend):
             try:
                 st = os.fstat(fd)
                 ident = (st.st_dev, st.st_ino)
-                view = self._pool.mapping(fd, nbytes, str(tmp), ident) if nbytes else None
+                view = self._pool.mapping(fd, nbytes, tmp, ident) if nbytes else None
             except BaseException:
                 os.unlink(tmp)
                 raise
@@ -256,7 +257,7 @@ class HostBackend(Backend):
             self._reserved += nbytes
         return _HostReservation(self, name, tmp, view, nbytes, ident)
 
-    def _segment(self, tmp: Path, nbytes: int, name: str) -> int:
+    def _segment(self, tmp: str, nbytes: int, name: str) -> int:
         """An open fd of a segment of exactly ``nbytes`` at ``tmp``: a pooled one, else fresh."""
         fd = self._pool.take(nbytes, tmp)
         if fd is None:  # nothing to reuse: fresh shared memory (slow to write: every page faults)

@@ -116,6 +116,7 @@ class SegmentPool:
     def __init__(self, directory: Path, *, max_bytes: int, max_segments: int, max_maps: int, grace_s: float,
                  populate: bool) -> None:
         self.dir = directory
+        self._dir_s = str(directory)
         self.max_bytes = max_bytes
         self.max_segments = max_segments
         self.max_maps = max(1, max_maps)
@@ -209,13 +210,13 @@ class SegmentPool:
                 del self._maps[key]
 
     # -- taking and giving -------------------------------------------------------------
-    def _claim(self, name: str, tmp: Path) -> int | None:
+    def _claim(self, name: str, tmp: str) -> int | None:
         """Move pool entry ``name`` to ``tmp`` and open it; ``None`` if gone or still being read."""
-        src = self.dir / name
+        src = f"{self._dir_s}/{name}"
         try:
             os.rename(src, tmp)  # atomic: one process wins a segment
         except FileNotFoundError:
-            if not tmp.parent.is_dir():
+            if not os.path.isdir(os.path.dirname(tmp)):
                 raise  # the caller's directory is gone, not the segment
             return None
         fd = os.open(tmp, os.O_RDWR)
@@ -228,7 +229,7 @@ class SegmentPool:
             os.unlink(tmp)
         return None
 
-    def take(self, nbytes: int, tmp: Path) -> int | None:
+    def take(self, nbytes: int, tmp: str) -> int | None:
         """Claim a pooled segment for an object of ``nbytes`` into ``tmp``; return an open fd, or ``None``.
 
         Exact sizes first (this process's entries, then anyone's), then the same

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from typing import ClassVar, Union
+from typing import ClassVar, Self
 
 from tierstore.errors import InvalidKeyError, InvalidValueError
 
@@ -32,13 +32,13 @@ __all__ = [
     "Backend",
     "Buffer",
     "Reservation",
-    "validate_object_name",
     "as_buffers",
     "total_size",
+    "validate_object_name",
 ]
 
 #: What ``put`` takes: one bytes-like object or a sequence of them (written in order).
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 MAX_OBJECT_NAME_LEN = 1024
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -107,7 +107,7 @@ class Reservation(ABC):
     def abort(self) -> None:
         """Drop the reservation; idempotent."""
 
-    def __enter__(self) -> Reservation:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -242,7 +242,7 @@ class DeviceBackend(Backend):
         bufs = as_buffers(data)
         n = total_size(bufs)
         host = torch.empty(n, dtype=torch.uint8)
-        dst = memoryview(host.numpy()).cast("B") if n else memoryview(b"")
+        dst = host.numpy().data.cast("B") if n else memoryview(b"")
         pos = 0
         for b in bufs:
             if b.nbytes:
@@ -263,7 +263,7 @@ class DeviceBackend(Backend):
         if obj is None:
             return None
         host = obj if obj.device.type == "cpu" else obj.cpu()
-        return memoryview(host.numpy()).cast("B") if host.numel() else memoryview(b"")
+        return host.numpy().data.cast("B") if host.numel() else memoryview(b"")
 
     def size(self, name: str) -> int | None:
         validate_object_name(name)

@@ -44,7 +44,7 @@ from backends.base import Backend, Buffer, as_buffers, validate_object_name
 from backends.ucx_util import import_ucxx, ucx_loop
 from tierstore.errors import ConfigError, CorruptObjectError, ProtocolError, TierUnavailableError
 
-__all__ = ["PeerAddress", "PeerBackend", "rank_peers", "redis_discovery"]
+__all__ = ["Discovery", "PeerAddress", "PeerBackend", "rank_peers"]
 
 
 @dataclass(frozen=True)
@@ -57,24 +57,6 @@ class PeerAddress:
 
 
 Discovery = Callable[[], Sequence[PeerAddress]]
-
-
-def redis_discovery(client: Any) -> Discovery:
-    """A discovery callable reading the agents' registrations (``ts:nodes``, ``ts:node:<id>``)."""
-
-    def discover() -> list[PeerAddress]:
-        out = []
-        for raw in sorted(client.smembers("ts:nodes")):
-            node_id = raw.decode() if isinstance(raw, bytes) else raw
-            info = client.hgetall(f"ts:node:{node_id}")
-            addr = info.get(b"address") or info.get("address")
-            if not addr:
-                continue  # registration expired: the agent is gone
-            host, _, port = (addr.decode() if isinstance(addr, bytes) else addr).rpartition(":")
-            out.append(PeerAddress(node_id, host, int(port)))
-        return out
-
-    return discover
 
 
 def rank_peers(name: str, peers: Sequence[PeerAddress], exclude: str | None = None) -> list[PeerAddress]:
@@ -99,7 +81,7 @@ class PeerBackend(Backend):
     """Objects replicated to other nodes' host tiers through their agents.
 
     Args:
-        peers: the agents, or a callable returning them (e.g. :func:`redis_discovery`), asked per call.
+        peers: the agents, or a callable returning them (e.g. :func:`consistency.nodes.discovery`), asked per call.
         secret: the shared secret the agents were started with.
         replication: how many distinct peers each put writes to.
         local_node_id: this node's id, never chosen as a replica.
@@ -124,7 +106,8 @@ class PeerBackend(Backend):
             raise ConfigError(f"replication must be >= 1, got {replication}", field="replication")
         if not P.MIN_CHUNK_SHIFT <= chunk_shift <= P.MAX_CHUNK_SHIFT:
             raise ConfigError(f"chunk_shift must be in {P.MIN_CHUNK_SHIFT}..{P.MAX_CHUNK_SHIFT}", field="chunk_shift")
-        self._discover: Discovery = peers if callable(peers) else (lambda s=tuple(peers): s)
+        fixed = tuple(peers) if not callable(peers) else ()
+        self._discover: Discovery = peers if callable(peers) else (lambda: fixed)
         self.secret = bytes(secret)
         self.replication = replication
         self.local_node_id = local_node_id
@@ -138,6 +121,13 @@ class PeerBackend(Backend):
         self._rid = 0
         self._closed = False
         self._loop = ucx_loop()
+
+    def wrap_transport(self, wrap: Callable[[Any], Any]) -> None:
+        """Replace the ucxx module this backend calls with ``wrap(ucxx)`` (fault injection, tracing).
+
+        Call before the first request; open connections keep their endpoints.
+        """
+        self._ucxx = wrap(self._ucxx)
 
     # -- plumbing ------------------------------------------------------------------
     def _call(self, coro: Any) -> Any:
@@ -276,7 +266,7 @@ class PeerBackend(Backend):
                 raise P.error_for_status(reply, key=name, tier="peer", node=peer.node_id)
         if corrupt is not None:
             raise corrupt
-        if failures and len(failures) == len(peers) or not peers:
+        if (failures and len(failures) == len(peers)) or not peers:
             raise self._unavailable("reading", name, failures)
         return None
 

@@ -19,7 +19,7 @@ from tierstore.errors import (
     TierUnavailableError,
 )
 
-__all__ = ["ChainReader", "slice_buffers", "is_retryable", "translate", "parse_s3_url", "RETRY_CODES", "ERROR_CODES"]
+__all__ = ["ERROR_CODES", "RETRY_CODES", "ChainReader", "is_retryable", "parse_s3_url", "slice_buffers", "translate"]
 
 # -- request bodies over the caller's buffers (no concatenation) --------------------
 

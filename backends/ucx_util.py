@@ -65,7 +65,7 @@ def import_ucxx() -> ModuleType:
     if _ucxx is None:
         apply_ucx_env_defaults()
         try:
-            import ucxx
+            import ucxx  # lazy: optional dependency (tierstore[ucx]); its import also reads the UCX environment
         except Exception as e:  # ImportError, or OSError from a missing libucx
             raise MissingDependencyError(
                 f"the peer tier needs ucxx ({type(e).__name__}: {e}); install it with "

@@ -8,7 +8,7 @@ more steps side by side (no saving): the post-restore loss deviation.
 
 Figures per policy (sums over both ranks, per training step):
 
-* ``stored``: bytes of the objects as written to the host tier (``ObjectInfo.size``);
+* ``stored``: bytes of the objects as written to the host tier (``ObjectRecord.size``);
 * ``lz4``: the same objects encoded with ``codec.encode(compress="auto")``,
   i.e. what a tier that compresses where it pays would hold (measured after
   the run by re-encoding each stored object as it is stored, raw);

@@ -83,7 +83,6 @@ def sample() -> tuple[int, int]:
 
 
 def rank_main(a: argparse.Namespace) -> dict[str, Any]:
-    from consistency.gc import evict_host  # noqa: F401 - imported before the loop (no growth later)
     from tierstore.errors import TierStoreError
     from tierstore.testing.faults import FaultPlan, FaultRule, install, plan_from_env
     from tierstore.keys import ShardKey

@@ -14,26 +14,26 @@ never touched, nor is anything their objects reach.
 
 Nothing reachable from a kept manifest is ever deleted, so it is safe to run
 beside training: a step committing concurrently is newer than every step
-collected. :func:`evict_host` frees host memory by dropping host copies that
-the durable tier already holds, oldest first, never those of the newest
-committed step.
+collected.
+
+The caller passes what gc needs, not a store: the commit protocol (its
+index and durable tier), how to delete one object from every tier and the
+index, and which objects are still migrating (left for a later pass).
+:meth:`tierstore.store.TierStore.gc` wires them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from consistency.index import translate_redis_errors
-from consistency.manifest import durable_manifest_name, manifest_objects
-from tierstore.errors import TierFullError
+from consistency.index import Index, ObjectRecord
+from consistency.manifest import manifest_objects
+from consistency.twophase import StepProtocol
 from tierstore.keys import ShardKey
 
-if TYPE_CHECKING:
-    from tierstore.store import TierStore
-
-__all__ = ["GCReport", "Retention", "collect", "evict_host", "reachable"]
+__all__ = ["GCReport", "Retention", "closure", "collect", "reachable"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class GCReport:
                 "bytes_freed": self.bytes_freed, "dry_run": self.dry_run, "deferred": self.deferred}
 
 
-def _closure(store: TierStore, roots: set[ShardKey]) -> set[ShardKey]:
+def closure(index: Index, roots: set[ShardKey]) -> set[ShardKey]:
     """``roots`` with every delta base and ref target they reach, transitively (from index records)."""
     out: set[ShardKey] = set()
     todo = sorted(roots)
@@ -66,25 +66,26 @@ def _closure(store: TierStore, roots: set[ShardKey]) -> set[ShardKey]:
         todo = [k for k in dict.fromkeys(todo) if k not in out]
         out.update(todo)
         nxt: list[ShardKey] = []
-        for rec in store.index.get_objects(todo):
+        for rec in index.get_objects(todo):
             if rec is not None:
                 nxt += [k for k in (rec.base, rec.target) if k is not None and k not in out]
         todo = nxt
     return out
 
 
-def reachable(store: TierStore, model: str, steps: list[int]) -> set[ShardKey]:
-    """Every object reachable from the manifests of ``steps`` (with delta bases and ref targets)."""
+def reachable(steps: StepProtocol, model: str, step_numbers: list[int]) -> set[ShardKey]:
+    """Every object reachable from the manifests of ``step_numbers`` (with delta bases and ref targets)."""
     roots: set[ShardKey] = set()
-    for s in steps:
-        m = store.steps.manifest(model, s)
+    for s in step_numbers:
+        m = steps.manifest(model, s)
         if m is not None:
             roots.update(ShardKey.parse(o["key"]) for o in manifest_objects(m))
-    return _closure(store, roots)
+    return closure(steps.index, roots)
 
 
-def collect(store: TierStore, model: str, retention: Retention = Retention(), *, dry_run: bool = True,
-            max_staleness: int = 0) -> GCReport:
+def collect(steps: StepProtocol, model: str, retention: Retention = Retention(), *,
+            delete: Callable[[ShardKey], object], dry_run: bool = True, max_staleness: int = 0,
+            still_migrating: Callable[[ObjectRecord], bool] | None = None) -> GCReport:
     """Delete what ``retention`` does not keep; see the module docstring.
 
     Order of work: steps still preparing past their timeout are aborted
@@ -95,26 +96,32 @@ def collect(store: TierStore, model: str, retention: Retention = Retention(), *,
     never resurrect a step whose objects are going), then its objects from
     every tier and the index, then its step records (an aborted step keeps
     its ``state``, so a late vote cannot re-open it).
+
+    Args:
+        steps: the commit protocol (index, manifests, durable tier).
+        delete: deletes one object from every tier and the index.
+        still_migrating: whether an object is still queued for migration (left for a later pass).
     """
-    for s, st in store.steps.steps(model):
+    index = steps.index
+    for s, st in steps.steps(model):
         if st == "preparing":
-            store.steps.abort_if_stale(model, s)
-    steps = store.steps.steps(model)
-    state = dict(steps)
-    committed = [s for s, st in steps if st in ("committed", "durable")]
-    durable = [s for s, st in steps if st == "durable"]
-    aborted = {s for s, st in steps if st == "aborted"}
-    preparing = {s for s, st in steps if st not in ("committed", "durable", "aborted")}
-    newest_decided = max([s for s, st in steps if s not in preparing], default=-1)
+            steps.abort_if_stale(model, s)
+    recorded = steps.steps(model)
+    state = dict(recorded)
+    committed = [s for s, st in recorded if st in ("committed", "durable")]
+    durable = [s for s, st in recorded if st == "durable"]
+    aborted = {s for s, st in recorded if st == "aborted"}
+    preparing = {s for s, st in recorded if st not in ("committed", "durable", "aborted")}
+    newest_decided = max([s for s, st in recorded if s not in preparing], default=-1)
     kept = set(committed[-retention.keep_last:]) if retention.keep_last > 0 else set()
     if retention.keep_durable_every > 0:
         kept |= {s for s in durable if s % retention.keep_durable_every == 0}
     if committed and max_staleness > 0:
         newest = committed[-1]
         kept |= {s for s in committed if newest - max_staleness <= s <= newest}
-    objects = store.index.list_objects(model)
+    objects = index.list_objects(model)
     in_flight = {k for k in objects if k.step in preparing or k.step > newest_decided}
-    keep_objs = reachable(store, model, sorted(kept)) | _closure(store, in_flight)
+    keep_objs = reachable(steps, model, sorted(kept)) | closure(index, in_flight)
     report = GCReport(kept_steps=sorted(kept), dry_run=dry_run)
     report.dropped_steps = sorted((set(committed) - kept) | aborted)
     dropped = set(report.dropped_steps)
@@ -124,79 +131,21 @@ def collect(store: TierStore, model: str, retention: Retention = Retention(), *,
             continue
         if key.step in dropped or (key.step not in state and key.step < newest_decided):
             victims.append(key)  # of a dropped step, or an orphan no step ever recorded
-    recs = store.index.get_objects(victims)
-    if getattr(store, "_migrator", None) is not None and store.durable is not None:
+    recs = index.get_objects(victims)
+    if still_migrating is not None:
         # an object still queued for migration is left for a later pass: deleting it under the migrator
         # would surface as a migration failure
-        pending = [(k, r) for k, r in zip(victims, recs) if r is not None and store.durable.tier not in r.tiers]
+        pending = [(k, r) for k, r in zip(victims, recs) if r is not None and still_migrating(r)]
         report.deferred = [str(k) for k, _ in pending]
         skip = {k for k, _ in pending}
         victims, recs = [k for k in victims if k not in skip], [r for k, r in zip(victims, recs) if k not in skip]
     if not dry_run:
-        for s in sorted(dropped):
-            if state.get(s) == "durable" and store.durable is not None:
-                store.durable.delete(durable_manifest_name(model, s))
+        steps.delete_durable_manifests(model, [s for s in dropped if state.get(s) == "durable"])
     for key, rec in zip(victims, recs):
         report.deleted.append(str(key))
         report.bytes_freed += rec.size if rec else 0
         if not dry_run:
-            store.delete(key)
+            delete(key)
     if not dry_run:
-        idx = store.index
-        with translate_redis_errors(f"drop steps of {model}", idx.url):
-            pipe = idx.r.pipeline(transaction=False)
-            for s in sorted(dropped):
-                pipe.delete(idx.k(model, "manifest", s), idx.k(model, "votes", s))
-                if s not in aborted:
-                    pipe.delete(idx.k(model, "step", s))
-                    pipe.zrem(idx.k(model, "steps"), s)
-            pipe.execute()
+        steps.drop_steps(model, dropped, keep_aborted_state=True)
     return report
-
-
-def _durable_copy_valid(store: TierStore, key: ShardKey) -> bool:
-    """Whether the durable tier's copy of ``key`` is there and matches the index's checksum."""
-    from tierstore import codec
-    from tierstore.errors import CorruptObjectError, TierStoreError
-
-    rec = store.index.get_object(key)
-    try:
-        blob = store.durable.get(str(key)) if store.durable is not None else None
-        return blob is not None and rec is not None and codec.verify(blob) == rec.checksum
-    except (CorruptObjectError, TierStoreError):
-        return False
-
-
-def evict_host(store: TierStore, nbytes: int) -> int:
-    """Free at least ``nbytes`` in the host tier by dropping host copies that are durable.
-
-    Never drops the only copy of anything, nor a copy of a model's newest
-    committed step. Raises :class:`TierFullError` when not enough can be freed.
-    """
-    freed = 0
-    candidates: list[tuple[float, ShardKey, int]] = []
-    for model in store.index.models():
-        committed = [s for s, st in store.steps.steps(model) if st in ("committed", "durable")]
-        newest = committed[-1] if committed else None
-        for key in store.index.list_objects(model):
-            if key.step == newest:
-                continue
-            rec = store.index.get_object(key)
-            if rec and "host" in rec.tiers and store.durable is not None and store.durable.tier in rec.tiers:
-                candidates.append((rec.created, key, rec.size))
-    for _created, key, size in sorted(candidates, key=lambda c: c[0]):
-        if freed >= nbytes:
-            break
-        if not _durable_copy_valid(store, key):
-            continue  # the index says durable, but that copy does not verify: the host copy is the last good one
-        if store.host.delete(str(key)):
-            store.index.remove_tier(key, "host")
-            freed += size
-    freed += store.host.drain_pool()
-    if freed < nbytes:
-        raise TierFullError(
-            f"host tier full: only {freed} of {nbytes} bytes could be freed without dropping the last copy "
-            "of a committed version; raise the host budget or let migration catch up",
-            tier="host", needed=nbytes, freed=freed,
-        )
-    return freed

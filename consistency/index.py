@@ -15,7 +15,13 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:{m}:votes:<N>               HASH   rank -> JSON vote
     ts:{m}:manifest:<N>            STRING the committed manifest (JSON)
     ts:{m}:events                  pub/sub channel: "<step> <state>"
-    ts:node:<id> / ts:nodes        node agents (registered by the agents)
+    ts:node:<id>                   HASH   a node agent's registration (TTL), see :mod:`consistency.nodes`
+    ts:nodes                       SET    registered node ids
+
+Only ``consistency/`` knows these keys and holds the client (``Index._r``,
+package-private): every other module calls a named operation of
+:class:`Index`, :class:`~consistency.twophase.StepProtocol` or
+:class:`~consistency.nodes.NodeRegistry`.
 
 Errors from redis-py are translated here into :class:`TierUnavailableError`
 (server gone), :class:`AccessDeniedError` (AUTH) and :class:`FencedError`.
@@ -24,7 +30,7 @@ Errors from redis-py are translated here into :class:`TierUnavailableError`
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +46,19 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey, validate_name
 
-__all__ = ["Index", "ObjectRecord", "redact_url", "translate_redis_errors"]
+__all__ = ["KINDS", "Index", "ObjectRecord", "redact_url", "translate_redis_errors"]
 
 _FENCED = "TSFENCED"
+KINDS = ("full", "delta", "ref")
+MODELS = "ts:models"
+
+# Raise a model's epoch to at least ARGV[1]; never lowers it. KEYS: epoch. Returns the epoch.
+_RAISE_EPOCH = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local want = tonumber(ARGV[1])
+if want > cur then redis.call('SET', KEYS[1], want); return want end
+return cur
+"""
 
 # Record an object and its placement, refusing a stale epoch. KEYS: epoch, objs, obj. ARGV: epoch,
 # objname, step, kind, size, checksum, base, target, created, tier...
@@ -92,7 +108,12 @@ def translate_redis_errors(what: str, url: str = "") -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ObjectRecord:
-    """What the index knows of one stored object."""
+    """One stored object: what the index records of it, what a put returns, what a vote carries.
+
+    The one descriptor of an object across the project (the store returns it,
+    votes and manifests carry its JSON, the read path resolves to it).
+    ``tiers`` are the tiers recorded as holding a copy.
+    """
 
     key: ShardKey
     kind: str
@@ -105,6 +126,7 @@ class ObjectRecord:
     tiers: frozenset[str] = field(default_factory=frozenset)
 
     def to_json(self) -> dict[str, Any]:
+        """The entry a vote and a manifest carry (see :mod:`consistency.manifest`)."""
         return {
             "key": str(self.key),
             "kind": self.kind,
@@ -116,6 +138,20 @@ class ObjectRecord:
             "tiers": sorted(self.tiers),
         }
 
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> ObjectRecord:
+        """The record of a manifest entry (validated by :func:`consistency.manifest.parse_manifest`)."""
+        return cls(
+            key=ShardKey.parse(o["key"]),
+            kind=o["kind"],
+            size=int(o["size"]),
+            checksum=o["checksum"],
+            base=ShardKey.parse(o["base"]) if o.get("base") else None,
+            target=ShardKey.parse(o["target"]) if o.get("target") else None,
+            epoch=int(o.get("epoch") or 0),
+            tiers=frozenset(o.get("tiers") or ()),
+        )
+
 
 def _s(v: bytes | str | None) -> str:
     if v is None:
@@ -124,7 +160,10 @@ def _s(v: bytes | str | None) -> str:
 
 
 class Index:
-    """A connection to the index server and the schema's key helpers.
+    """A connection to the index server: models, epochs, object records and placement.
+
+    Thread-safe (redis-py pools connections). The raw client is
+    package-private to ``consistency/``.
 
     Args:
         url: ``redis://[user:pass@]host:port/db``, ``rediss://...`` (TLS) or
@@ -155,40 +194,64 @@ class Index:
             if scheme == "rediss" and ssl_ca_certs:
                 kwargs["ssl_ca_certs"] = ssl_ca_certs
             client = redis.Redis.from_url(url, **kwargs)
-        self.r = client
-        self._record = self.r.register_script(_RECORD)
+        self._r = client
+        self._record = self._r.register_script(_RECORD)
+        self._raise_epoch = self._r.register_script(_RAISE_EPOCH)
 
     def close(self) -> None:
-        self.r.close()
+        self._r.close()
 
-    # -- keys ----------------------------------------------------------------------
+    def wrapped(self, wrap: Callable[[Any], Any]) -> Index:
+        """A new :class:`Index` over ``wrap(client)`` (fault injection wraps the client this way)."""
+        return Index(self.url, client=wrap(self._r))
+
+    # -- keys (package-private: the schema above) ------------------------------------
     @staticmethod
-    def k(model: str, *parts: object) -> str:
+    def _k(model: str, *parts: object) -> str:
         return ":".join([f"ts:{{{model}}}", *map(str, parts)])
 
     @staticmethod
-    def objname(key: ShardKey) -> str:
+    def _objname(key: ShardKey) -> str:
         return f"{key.layer}/{key.step}/{key.rank}"
 
     def ping(self) -> None:
         with translate_redis_errors("ping", self.url):
-            self.r.ping()
+            self._r.ping()
+
+    def server_time(self) -> float:
+        """The index server's clock (``TIME``), in seconds since the epoch."""
+        with translate_redis_errors("read server time", self.url):
+            sec, usec = self._r.time()
+        return sec + usec / 1e6
 
     # -- models and epochs -----------------------------------------------------------
     def models(self) -> list[str]:
         with translate_redis_errors("list models", self.url):
-            return sorted(_s(m) for m in self.r.smembers("ts:models"))
+            return sorted(_s(m) for m in self._r.smembers(MODELS))
+
+    def register_model(self, model: str) -> None:
+        """Add ``model`` to the list of models (idempotent)."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"register model {model}", self.url):
+            self._r.sadd(MODELS, model)
 
     def epoch(self, model: str) -> int:
         with translate_redis_errors("read epoch", self.url):
-            return int(self.r.get(self.k(model, "epoch")) or 0)
+            return int(self._r.get(self._k(model, "epoch")) or 0)
 
     def bump_epoch(self, model: str) -> int:
         """Start a new incarnation of the job: older epochs are fenced from now on."""
         validate_name(model, "model")
         with translate_redis_errors("bump epoch", self.url):
-            self.r.sadd("ts:models", model)
-            return int(self.r.incr(self.k(model, "epoch")))
+            self._r.sadd(MODELS, model)
+            return int(self._r.incr(self._k(model, "epoch")))
+
+    def raise_epoch(self, model: str, at_least: int) -> int:
+        """Raise ``model``'s epoch to at least ``at_least`` (never lowers it); return the epoch."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"raise epoch of {model}", self.url):
+            self._r.sadd(MODELS, model)
+            return int(self._raise_epoch(keys=[self._k(model, "epoch")], args=[int(at_least)]))
 
     # -- objects -------------------------------------------------------------------
     def record_object(
@@ -206,12 +269,12 @@ class Index:
         """Record an object and the tiers holding it; refuse it if ``epoch`` is stale (``FencedError``)."""
         m = key.model
         with translate_redis_errors(f"record {key}", self.url):
-            self.r.sadd("ts:models", m)
+            self._r.sadd(MODELS, m)
             self._record(
-                keys=[self.k(m, "epoch"), self.k(m, "objs"), self.k(m, "obj", self.objname(key))],
+                keys=[self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key))],
                 args=[
                     -1 if epoch is None else epoch,
-                    self.objname(key),
+                    self._objname(key),
                     key.step,
                     kind,
                     size,
@@ -225,28 +288,28 @@ class Index:
 
     def add_tier(self, key: ShardKey, tier: str) -> None:
         with translate_redis_errors(f"add tier {tier} to {key}", self.url):
-            okey = self.k(key.model, "obj", self.objname(key))
-            if self.r.exists(okey):
-                self.r.hset(okey, f"t:{tier}", "1")
+            okey = self._k(key.model, "obj", self._objname(key))
+            if self._r.exists(okey):
+                self._r.hset(okey, f"t:{tier}", "1")
 
     def remove_tier(self, key: ShardKey, tier: str) -> None:
         with translate_redis_errors(f"remove tier {tier} from {key}", self.url):
-            self.r.hdel(self.k(key.model, "obj", self.objname(key)), f"t:{tier}")
+            self._r.hdel(self._k(key.model, "obj", self._objname(key)), f"t:{tier}")
 
     def set_object_field(self, key: ShardKey, field_name: str, value: str) -> None:
         with translate_redis_errors(f"annotate {key}", self.url):
-            self.r.hset(self.k(key.model, "obj", self.objname(key)), field_name, value)
+            self._r.hset(self._k(key.model, "obj", self._objname(key)), field_name, value)
 
     def get_object(self, key: ShardKey) -> ObjectRecord | None:
         with translate_redis_errors(f"read record of {key}", self.url):
-            h = self.r.hgetall(self.k(key.model, "obj", self.objname(key)))
+            h = self._r.hgetall(self._k(key.model, "obj", self._objname(key)))
         return self._parse_record(key, h) if h else None
 
     def get_objects(self, keys: list[ShardKey]) -> list[ObjectRecord | None]:
         with translate_redis_errors("read records", self.url):
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self._r.pipeline(transaction=False)
             for key in keys:
-                pipe.hgetall(self.k(key.model, "obj", self.objname(key)))
+                pipe.hgetall(self._k(key.model, "obj", self._objname(key)))
             rows = pipe.execute()
         return [self._parse_record(k, h) if h else None for k, h in zip(keys, rows)]
 
@@ -267,9 +330,9 @@ class Index:
 
     def delete_object(self, key: ShardKey) -> None:
         with translate_redis_errors(f"delete record of {key}", self.url):
-            pipe = self.r.pipeline(transaction=True)
-            pipe.zrem(self.k(key.model, "objs"), self.objname(key))
-            pipe.delete(self.k(key.model, "obj", self.objname(key)))
+            pipe = self._r.pipeline(transaction=True)
+            pipe.zrem(self._k(key.model, "objs"), self._objname(key))
+            pipe.delete(self._k(key.model, "obj", self._objname(key)))
             pipe.execute()
 
     def list_objects(
@@ -279,12 +342,12 @@ class Index:
         validate_name(model, "model")
         with translate_redis_errors(f"list objects of {model}", self.url):
             if step is None:
-                names = self.r.zrange(self.k(model, "objs"), 0, -1)
+                names = self._r.zrange(self._k(model, "objs"), 0, -1)
             else:
-                names = self.r.zrangebyscore(self.k(model, "objs"), step, step)
+                names = self._r.zrangebyscore(self._k(model, "objs"), step, step)
         out = []
         for n in names:
-            lay, st, rk = _s(n).split("/")
+            lay, st, rk = _s(n).split("/")  # type: ignore[arg-type]
             if layer is not None and lay != layer:
                 continue
             if rank is not None and int(rk) != rank:

@@ -101,10 +101,10 @@ def parse_manifest(raw: bytes | str | dict, *, model: str | None = None, step: i
     _need(_is_int(m.get("step")) and m["step"] >= 0, "step must be a non-negative int")
     if step is not None and m["step"] != step:
         raise ManifestError(f"manifest is of step {m['step']}, expected {step}")
-    world = m.get("world")
-    _need(_is_int(world) and 1 <= world <= 1 << 20, "world must be a positive int")
-    ranks = m.get("ranks")
-    _need(isinstance(ranks, dict), "ranks must be an object")
+    _need(_is_int(m.get("world")) and 1 <= m["world"] <= 1 << 20, "world must be a positive int")
+    world: int = m["world"]
+    _need(isinstance(m.get("ranks"), dict), "ranks must be an object")
+    ranks: dict[str, Any] = m["ranks"]
     _need(sorted(ranks, key=lambda r: int(r) if str(r).isdigit() else -1) == [str(r) for r in range(world)],
           f"ranks must be exactly 0..{world - 1}, got {sorted(ranks)[:8]}")
     _need(m.get("layout") is None or isinstance(m["layout"], dict), "layout must be an object or null")

@@ -23,18 +23,15 @@ manifest covers (``lost_steps``). Idempotent; safe to run again.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from consistency.index import translate_redis_errors
+from backends.base import Backend
+from consistency.index import ObjectRecord
 from consistency.manifest import parse_manifest
+from consistency.twophase import StepProtocol
 from tierstore.errors import ConfigError, ManifestError, TierStoreError
 from tierstore.keys import ShardKey
-
-if TYPE_CHECKING:
-    from tierstore.store import TierStore
 
 __all__ = ["RebuildReport", "rebuild_index"]
 
@@ -57,13 +54,13 @@ class RebuildReport:
                 "lost_steps": self.lost_steps}
 
 
-def _manifest_names(store: TierStore, model: str | None) -> list[tuple[str, str, int]]:
+def _manifest_names(durable: Backend, model: str | None) -> list[tuple[str, str, int]]:
     out = []
-    for name in store.durable.list(f"{model}/_manifest/" if model else ""):
+    for name in durable.list(f"{model}/_manifest/" if model else ""):
         if _MANIFEST_DIR not in name or not name.endswith(".json"):
             continue
         m, rest = name.split(_MANIFEST_DIR, 1)
-        if "/" in m or model is not None and m != model:
+        if "/" in m or (model is not None and m != model):
             continue
         stem = rest[: -len(".json")]
         if stem.isdigit():
@@ -71,35 +68,38 @@ def _manifest_names(store: TierStore, model: str | None) -> list[tuple[str, str,
     return sorted(out, key=lambda t: (t[1], t[2]))
 
 
-def _record(store: TierStore, o: dict, epoch: int) -> None:
-    key = ShardKey.parse(o["key"])
-    tiers = [store.durable.tier]
+def _record(steps: StepProtocol, durable: Backend, host: Backend | None, o: dict) -> None:
+    rec = ObjectRecord.from_json(o)
+    tiers = [durable.tier]
     try:
-        if store.host.size(str(key)) == o["size"]:
-            tiers.append(store.host.tier)
+        if host is not None and host.size(str(rec.key)) == rec.size:
+            tiers.append(host.tier)
     except TierStoreError:
         pass
-    store.index.record_object(
-        key, kind=o["kind"], size=o["size"], checksum=o["checksum"], tiers=tiers,
-        base=ShardKey.parse(o["base"]) if o.get("base") else None,
-        target=ShardKey.parse(o["target"]) if o.get("target") else None, epoch=epoch,
-    )
+    steps.index.record_object(rec.key, kind=rec.kind, size=rec.size, checksum=rec.checksum, tiers=tiers,
+                              base=rec.base, target=rec.target, epoch=-1)
 
 
-def rebuild_index(store: TierStore, model: str | None = None) -> RebuildReport:
+def rebuild_index(steps: StepProtocol, model: str | None = None, *, host: Backend | None = None) -> RebuildReport:
     """Restore the index's durable steps (of ``model``, or of every model) from durable manifests.
 
+    Args:
+        steps: the commit protocol over the index to rebuild, with its durable tier.
+        model: one model, or every model in the durable tier.
+        host: the local host tier: objects it still holds are recorded there too, and the
+            report's ``lost_steps`` lists what it holds that no durable manifest covers.
+
     Raises:
-        ConfigError: the store has no durable tier.
+        ConfigError: there is no durable tier.
         TierUnavailableError: the index or the durable tier cannot be reached.
     """
-    if store.durable is None:
+    durable = steps.durable
+    if durable is None:
         raise ConfigError("rebuild_index needs a durable tier: the index is rebuilt from its manifests")
     report = RebuildReport()
-    idx = store.index
     max_epoch: dict[str, int] = {}
-    for name, m_name, step in _manifest_names(store, model):
-        raw = store.durable.get(name)
+    for name, m_name, step in _manifest_names(durable, model):
+        raw = durable.get(name)
         if raw is None:
             continue
         try:
@@ -111,44 +111,27 @@ def rebuild_index(store: TierStore, model: str | None = None) -> RebuildReport:
             log.warning("rebuild: skipping %s: %s", name, e)
             continue
         entries = [o for v in m["ranks"].values() for o in v["objects"]] + list(m.get("deps", []))
-        missing = [o["key"] for o in entries if not store.durable.exists(o["key"])]
+        missing = [o["key"] for o in entries if not durable.exists(o["key"])]
         if missing:
             report.skipped[name] = f"{len(missing)} object(s) missing from the durable tier, e.g. {missing[0]}"
             continue
         for o in entries:
-            _record(store, o, -1)
+            _record(steps, durable, host, o)
         report.objects += len(entries)
-        ks = store.steps._keys(m_name, step)
-        committed = m.get("committed_at", 0.0)
-        index_copy = {k: v for k, v in m.items() if k not in ("durable", "deps")}
-        with translate_redis_errors(f"rebuild step {step} of {m_name}", idx.url):
-            pipe = idx.r.pipeline(transaction=True)
-            pipe.sadd("ts:models", m_name)
-            pipe.delete(ks["step"], ks["votes"])
-            pipe.hset(ks["step"], mapping={
-                "state": "durable", "world": m["world"], "epoch": m.get("epoch", 0), "started": committed,
-                "decided": committed, "durable_at": committed, "layout": json.dumps(m.get("layout")),
-                "timeout": 0, "nmigrated": m["world"], "rebuilt": 1,
-            })
-            pipe.zadd(ks["steps"], {str(step): step})
-            pipe.set(ks["manifest"], json.dumps(index_copy, separators=(",", ":")))
-            pipe.execute()
+        steps.restore_durable(m_name, m)
         report.restored.setdefault(m_name, []).append(step)
         max_epoch[m_name] = max(max_epoch.get(m_name, 0), int(m.get("epoch", 0) or 0))
     for m_name, ep in max_epoch.items():
-        with translate_redis_errors(f"rebuild epoch of {m_name}", idx.url):
-            cur = int(idx.r.get(idx.k(m_name, "epoch")) or 0)
-            if ep > cur:
-                idx.r.set(idx.k(m_name, "epoch"), ep)
-    report.lost_steps = _lost_steps(store, model, report)
+        steps.index.raise_epoch(m_name, ep)
+    report.lost_steps = _lost_steps(steps, host, model, report) if host is not None else {}
     return report
 
 
-def _lost_steps(store: TierStore, model: str | None, report: RebuildReport) -> dict[str, list[int]]:
+def _lost_steps(steps: StepProtocol, host: Backend, model: str | None, report: RebuildReport) -> dict[str, list[int]]:
     """Steps whose objects the host tier holds but that no restored durable manifest covers."""
     held: dict[tuple[str, int], list[ShardKey]] = {}
     try:
-        names = list(store.host.list(f"{model}/" if model else ""))
+        names = list(host.list(f"{model}/" if model else ""))
     except TierStoreError:
         return {}
     for n in names:
@@ -160,6 +143,6 @@ def _lost_steps(store: TierStore, model: str | None, report: RebuildReport) -> d
             held.setdefault((key.model, key.step), []).append(key)
     lost: dict[str, list[int]] = {}
     for (m_name, step), keys in sorted(held.items()):
-        if not any(store.index.get_objects(keys)):  # objects reached as deps of a durable step are not lost
+        if not any(steps.index.get_objects(keys)):  # objects reached as deps of a durable step are not lost
             lost.setdefault(m_name, []).append(step)
     return lost

@@ -27,7 +27,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from backends.base import Backend
@@ -38,6 +39,7 @@ from consistency.manifest import (
     manifest_objects,
     parse_manifest,
 )
+from consistency.scripts import BEGIN, DURABLE, EXPIRE, MIGRATED, VOTE
 from tierstore.errors import (
     CommitError,
     FencedError,
@@ -47,117 +49,68 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey, validate_name
 
-__all__ = ["DECIDED", "STATES", "StepProtocol"]
+__all__ = ["DECIDED", "STATES", "EventSubscription", "StepProtocol", "StepRecord"]
 
 log = logging.getLogger(__name__)
 
 STATES = ("preparing", "committed", "aborted", "durable")
 DECIDED = ("committed", "aborted", "durable")
 
-# Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
-# last ARGV, a negative value meaning "ask the server".
-_NOW = """
-local now = tonumber(ARGV[#ARGV])
-if now == nil or now < 0 then local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1e6 end
-"""
-_FENCE = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-local ep = tonumber(ARGV[1])
-if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
-"""
-# Create the step, or restart it when a newer epoch begins a step an older epoch left preparing (its votes
-# are dropped: they belong to a fenced incarnation). KEYS: epoch, step, steps, votes. ARGV: epoch, step,
-# world, layout_json, timeout_s.
-_OPEN = """
-local function open_step()
-  local st = redis.call('HGET', KEYS[2], 'state')
-  local sep = tonumber(redis.call('HGET', KEYS[2], 'epoch') or '-1')
-  if st and not (st == 'preparing' and sep >= 0 and ep > sep) then return st end
-  if tonumber(ARGV[3]) < 1 then return redis.error_reply('TSNOSTEP step ' .. ARGV[2] .. ' was never begun') end
-  redis.call('DEL', KEYS[2], KEYS[4])
-  redis.call('HSET', KEYS[2], 'state', 'preparing', 'world', ARGV[3], 'epoch', ARGV[1], 'started', now,
-             'layout', ARGV[4], 'timeout', ARGV[5], 'nmigrated', 0)
-  redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), ARGV[2])
-  return 'preparing'
-end
-"""
-
-# KEYS: epoch, step, steps, votes; ARGV: epoch, step, world, layout_json, timeout_s, now
-_BEGIN = _FENCE + _NOW + _OPEN + """
-return open_step()
-"""
-
-# KEYS: epoch, step, steps, votes, manifest; ARGV: epoch, step, world (0: unknown), layout_json, timeout_s,
-# rank, vote_json, ok, model, channel, now
-_VOTE = _FENCE + _NOW + _OPEN + """
-local st = open_step()
-if type(st) == 'table' then return st end
-if st ~= 'preparing' then return st end
-local world = tonumber(redis.call('HGET', KEYS[2], 'world'))
-if tonumber(ARGV[6]) >= world then
-  return redis.error_reply('TSRANK rank ' .. ARGV[6] .. ' is outside the world of ' .. world)
-end
-local started = tonumber(redis.call('HGET', KEYS[2], 'started'))
-local timeout = tonumber(redis.call('HGET', KEYS[2], 'timeout'))
-if ARGV[8] ~= '1' or (timeout > 0 and now - started > timeout) then
-  local why = 'negative vote of rank ' .. ARGV[6]
-  if ARGV[8] == '1' then why = 'timed out' end
-  redis.call('HSET', KEYS[2], 'state', 'aborted', 'decided', now, 'reason', why)
-  redis.call('PUBLISH', ARGV[10], ARGV[2] .. ' aborted')
-  return 'aborted'
-end
-redis.call('HSET', KEYS[4], ARGV[6], ARGV[7])
-if redis.call('HLEN', KEYS[4]) < world then return 'preparing' end
-local votes = redis.call('HGETALL', KEYS[4])
-local parts = {}
-for i = 1, #votes, 2 do parts[#parts + 1] = '"' .. votes[i] .. '":' .. votes[i + 1] end
-local layout = redis.call('HGET', KEYS[2], 'layout')
-local manifest = '{"version":' .. MANIFEST_VERSION .. ',"model":' .. cjson.encode(ARGV[9]) .. ',"step":' .. ARGV[2] ..
-  ',"world":' .. world .. ',"epoch":' .. redis.call('HGET', KEYS[2], 'epoch') ..
-  ',"committed_at":' .. string.format('%.6f', now) .. ',"layout":' .. layout ..
-  ',"ranks":{' .. table.concat(parts, ',') .. '}}'
-redis.call('SET', KEYS[5], manifest)
-redis.call('HSET', KEYS[2], 'state', 'committed', 'decided', now)
-redis.call('PUBLISH', ARGV[10], ARGV[2] .. ' committed')
-return 'committed'
-""".replace("MANIFEST_VERSION", str(MANIFEST_VERSION))
-
-# KEYS: step; ARGV: now. Abort a step still preparing past its timeout.
-_EXPIRE = _NOW + """
-local st = redis.call('HGET', KEYS[1], 'state')
-if st ~= 'preparing' then return st end
-local started = tonumber(redis.call('HGET', KEYS[1], 'started'))
-local timeout = tonumber(redis.call('HGET', KEYS[1], 'timeout'))
-if timeout > 0 and now - started > timeout then
-  redis.call('HSET', KEYS[1], 'state', 'aborted', 'decided', now, 'reason', 'timed out')
-  return 'aborted'
-end
-return st
-"""
-
-# KEYS: epoch, step; ARGV: epoch, rank. Counts each rank once. Returns {migrated, world, state}.
-_MIGRATED = _FENCE + """
-if redis.call('EXISTS', KEYS[2]) == 0 then return {0, 0, ''} end
-if redis.call('HSETNX', KEYS[2], 'migrated:' .. ARGV[2], '1') == 1 then
-  redis.call('HINCRBY', KEYS[2], 'nmigrated', 1)
-end
-return {tonumber(redis.call('HGET', KEYS[2], 'nmigrated')), tonumber(redis.call('HGET', KEYS[2], 'world') or '0'),
-        redis.call('HGET', KEYS[2], 'state') or ''}
-"""
-
-# KEYS: epoch, step; ARGV: epoch, channel, step, now. committed -> durable only.
-_DURABLE = _FENCE + _NOW + """
-if redis.call('HGET', KEYS[2], 'state') == 'committed' then
-  redis.call('HSET', KEYS[2], 'state', 'durable', 'durable_at', now)
-  redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' durable')
-  return 1
-end
-return 0
-"""
-
-
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else ("" if v is None else str(v))
+
+
+def _f(v: str | None) -> float | None:
+    return float(v) if v else None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the index records of one step (see :meth:`StepProtocol.records`)."""
+
+    step: int
+    state: str
+    world: int = 0
+    epoch: int = 0
+    votes: int = 0
+    started: float | None = None
+    decided: float | None = None
+    durable_at: float | None = None
+    reason: str | None = None
+    rebuilt: bool = False
+
+    @property
+    def commit_latency_s(self) -> float | None:
+        """Seconds from the step's begin to its decision (``None`` while undecided)."""
+        if self.started is None or self.decided is None:
+            return None
+        return self.decided - self.started
+
+
+class EventSubscription:
+    """A subscription to a model's step events: ``(step, state)`` each time a step is decided or durable.
+
+    Get one from :meth:`StepProtocol.subscribe`; :meth:`close` it when done.
+    """
+
+    def __init__(self, pubsub: Any, url: str, model: str) -> None:
+        self._p = pubsub
+        self._url = url
+        self._model = model
+
+    def get(self, timeout: float) -> tuple[int, str] | None:
+        """The next event within ``timeout`` seconds, else ``None``."""
+        with translate_redis_errors(f"events of {self._model}", self._url):
+            msg = self._p.get_message(timeout=timeout)
+        if msg is None:
+            return None
+        parts = _s(msg.get("data")).split()
+        if len(parts) != 2 or not parts[0].isdigit():
+            return None
+        return int(parts[0]), parts[1]
+
+    def close(self) -> None:
+        self._p.close()
 
 
 class StepProtocol:
@@ -178,25 +131,24 @@ class StepProtocol:
         self.clock = clock
         self._known_models: set[str] = set()
         self._local = threading.local()
-        r = index.r
-        self._begin = r.register_script(_BEGIN)
-        self._vote = r.register_script(_VOTE)
-        self._expire = r.register_script(_EXPIRE)
-        self._migrated = r.register_script(_MIGRATED)
-        self._durable = r.register_script(_DURABLE)
+        r = index._r  # consistency/ owns the client
+        self._begin = r.register_script(BEGIN)
+        self._vote = r.register_script(VOTE)
+        self._expire = r.register_script(EXPIRE)
+        self._migrated = r.register_script(MIGRATED)
+        self._durable = r.register_script(DURABLE)
 
     def _register(self, model: str) -> None:
-        """Add ``model`` to ``ts:models`` once per instance (it lives outside the model's slot)."""
+        """Add ``model`` to the models list once per instance (it lives outside the model's slot)."""
         if model not in self._known_models:
-            with translate_redis_errors(f"register model {model}", self.index.url):
-                self.index.r.sadd("ts:models", model)
+            self.index.register_model(model)
             self._known_models.add(model)
 
     def _now(self) -> float:
         return -1.0 if self.clock is None else float(self.clock())
 
     def _keys(self, model: str, step: int) -> dict[str, str]:
-        k = self.index.k
+        k = self.index._k
         return {
             "epoch": k(model, "epoch"),
             "step": k(model, "step", step),
@@ -282,7 +234,7 @@ class StepProtocol:
 
     def state(self, model: str, step: int) -> str | None:
         with translate_redis_errors(f"state of step {step} of {model}", self.index.url):
-            v = self.index.r.hget(self._keys(model, step)["step"], "state")
+            v = self.index._r.hget(self._keys(model, step)["step"], "state")
         return _s(v) if v is not None else None
 
     def wait(self, model: str, step: int, timeout: float | None = None, *,
@@ -317,7 +269,7 @@ class StepProtocol:
                 if pubsub is not None:
                     with translate_redis_errors(f"events of {model}", self.index.url):
                         pubsub.get_message(timeout=min(0.05, left if left is not None else 0.05))
-                else:
+                elif sleep is not None:
                     sleep(min(delay, left) if left is not None else delay)
                     delay = min(delay * 2, 0.05)
         except BaseException:
@@ -332,7 +284,7 @@ class StepProtocol:
         p = subs.get(model)
         if p is None:
             with translate_redis_errors(f"subscribe to events of {model}", self.index.url):
-                p = self.index.r.pubsub(ignore_subscribe_messages=True)
+                p = self.index._r.pubsub(ignore_subscribe_messages=True)
                 p.subscribe(self._keys(model, 0)["events"])
             subs[model] = p
         else:
@@ -343,7 +295,7 @@ class StepProtocol:
 
     def manifest(self, model: str, step: int) -> dict | None:
         with translate_redis_errors(f"manifest of step {step} of {model}", self.index.url):
-            raw = self.index.r.get(self._keys(model, step)["manifest"])
+            raw = self.index._r.get(self._keys(model, step)["manifest"])
         return parse_manifest(raw, model=model, step=step) if raw is not None else None
 
     def mark_migrated(self, model: str, step: int, rank: int, failures: list, *, epoch: int | None = None) -> None:
@@ -397,8 +349,8 @@ class StepProtocol:
             return False
         ks = self._keys(model, step)
         with translate_redis_errors(f"check step {step} durability", self.index.url):
-            h = {_s(k): _s(v) for k, v in self.index.r.hgetall(ks["step"]).items()}
-            current = int(self.index.r.get(ks["epoch"]) or 0)
+            h = {_s(k): _s(v) for k, v in self.index._r.hgetall(ks["step"]).items()}
+            current = int(self.index._r.get(ks["epoch"]) or 0)
         if epoch is not None and epoch >= 0 and epoch < current:
             raise FencedError(f"step {step} of {model}: epoch {epoch} is fenced (now {current})", epoch=current)
         if h.get("state") != "committed" or int(h.get("nmigrated") or 0) < int(h.get("world") or 0):
@@ -427,14 +379,96 @@ class StepProtocol:
 
     def steps(self, model: str) -> list[tuple[int, str]]:
         """All recorded steps of ``model`` with their states, oldest first."""
-        k = self.index.k
+        k = self.index._k
         with translate_redis_errors(f"steps of {model}", self.index.url):
-            steps = [int(_s(s)) for s in self.index.r.zrange(k(model, "steps"), 0, -1)]
-            pipe = self.index.r.pipeline(transaction=False)
+            steps = [int(_s(s)) for s in self.index._r.zrange(k(model, "steps"), 0, -1)]
+            pipe = self.index._r.pipeline(transaction=False)
             for s in steps:
                 pipe.hget(k(model, "step", s), "state")
             states = pipe.execute()
         return [(s, _s(st)) for s, st in zip(steps, states)]
+
+    def records(self, model: str, steps: Iterable[int] | None = None) -> list[StepRecord]:
+        """The index's records of ``steps`` (default: every recorded step), in the given order."""
+        k = self.index._k
+        steps = [s for s, _ in self.steps(model)] if steps is None else list(steps)
+        with translate_redis_errors(f"step records of {model}", self.index.url):
+            pipe = self.index._r.pipeline(transaction=False)
+            for s in steps:
+                pipe.hgetall(k(model, "step", s))
+                pipe.hlen(k(model, "votes", s))
+            rows = pipe.execute()
+        out = []
+        for i, step in enumerate(steps):
+            h = {_s(a): _s(b) for a, b in rows[2 * i].items()}
+            out.append(StepRecord(
+                step=step, state=h.get("state", ""), world=int(h.get("world") or 0), epoch=int(h.get("epoch") or 0),
+                votes=int(rows[2 * i + 1]), started=_f(h.get("started")), decided=_f(h.get("decided")),
+                durable_at=_f(h.get("durable_at")), reason=h.get("reason") or None, rebuilt=bool(h.get("rebuilt")),
+            ))
+        return out
+
+    def drop_steps(self, model: str, steps: Iterable[int], *, keep_aborted_state: bool = True) -> None:
+        """Delete the records of ``steps`` (manifest, votes, step record) from the index.
+
+        With ``keep_aborted_state`` an aborted step keeps its record (a
+        tombstone: a late vote of it cannot re-open it); otherwise every
+        record goes and the step number can be begun again. Objects and
+        durable manifests are the caller's (garbage collection deletes them
+        first).
+        """
+        k = self.index._k
+        steps = sorted(set(steps))
+        if not steps:
+            return
+        states = dict(self.steps(model)) if keep_aborted_state else {}
+        with translate_redis_errors(f"drop steps of {model}", self.index.url):
+            pipe = self.index._r.pipeline(transaction=False)
+            for s in steps:
+                pipe.delete(k(model, "manifest", s), k(model, "votes", s))
+                if states.get(s) != "aborted":
+                    pipe.delete(k(model, "step", s))
+                    pipe.zrem(k(model, "steps"), s)
+            pipe.execute()
+
+    def delete_durable_manifests(self, model: str, steps: Iterable[int]) -> None:
+        """Delete the durable manifests of ``steps`` (first, before their objects: an index rebuild
+        must never resurrect a step whose objects are going)."""
+        if self.durable is None:
+            return
+        for s in sorted(set(steps)):
+            self.durable.delete(durable_manifest_name(model, s))
+
+    def restore_durable(self, model: str, manifest: dict) -> None:
+        """Record a step from its durable manifest as ``durable`` (index rebuild), replacing what was there.
+
+        The objects are the caller's to record first (:meth:`Index.record_object`).
+        """
+        step = manifest["step"]
+        ks = self._keys(model, step)
+        committed = manifest.get("committed_at", 0.0)
+        index_copy = {k: v for k, v in manifest.items() if k not in ("durable", "deps")}
+        with translate_redis_errors(f"rebuild step {step} of {model}", self.index.url):
+            pipe = self.index._r.pipeline(transaction=True)
+            pipe.delete(ks["step"], ks["votes"])
+            pipe.hset(ks["step"], mapping={
+                "state": "durable", "world": manifest["world"], "epoch": manifest.get("epoch", 0),
+                "started": committed, "decided": committed, "durable_at": committed,
+                "layout": json.dumps(manifest.get("layout")), "timeout": 0, "nmigrated": manifest["world"],
+                "rebuilt": 1,
+            })
+            pipe.zadd(ks["steps"], {str(step): step})
+            pipe.set(ks["manifest"], json.dumps(index_copy, separators=(",", ":")))
+            pipe.execute()
+        self.index.register_model(model)
+
+    def subscribe(self, model: str) -> EventSubscription:
+        """Subscribe to ``model``'s step events (the caller closes the subscription)."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"subscribe to events of {model}", self.index.url):
+            p = self.index._r.pubsub(ignore_subscribe_messages=True)
+            p.subscribe(self._keys(model, 0)["events"])
+        return EventSubscription(p, self.index.url, model)
 
     def abort_if_stale(self, model: str, step: int) -> str:
         """Abort ``step`` if it is still preparing past its timeout; return its state ("" if unknown)."""

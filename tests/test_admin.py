@@ -197,10 +197,12 @@ def test_verify_reports_a_copy_missing_from_an_indexed_tier(populated, conn, cap
 
 
 def test_nodes(populated, conn, capsys, redis_url):
+    from consistency.index import Index
+    from consistency.nodes import NodeRegistry
     from tierstore.cli.agent import NodeRegistration
 
     client = redis.Redis.from_url(redis_url)
-    reg = NodeRegistration(client, "nodeA", {"node_id": "nodeA", "address": "127.0.0.1:4567", "capacity": 1 << 30,
+    reg = NodeRegistration(NodeRegistry(Index(redis_url)), "nodeA", {"node_id": "nodeA", "address": "127.0.0.1:4567", "capacity": 1 << 30,
                                              "pid": 1234, "started": f"{time.time():.3f}"}, ttl_s=30, used=lambda: 4096)
     reg.beat()
     client.sadd("ts:nodes", "ghost")  # registered, then its hash expired: a dead agent
@@ -237,9 +239,9 @@ def test_watch_sees_commits(populated, conn, capsys):
                                                                       "--timeout", "60"])))
     capsys.readouterr()
     t.start()
-    channel = store.index.k(M, "events")
+    channel = store.index._k(M, "events")
     deadline = time.monotonic() + 30
-    while store.index.r.pubsub_numsub(channel)[0][1] < 1:
+    while store.index._r.pubsub_numsub(channel)[0][1] < 1:
         assert time.monotonic() < deadline, "watch never subscribed"
         time.sleep(0.02)
     store.begin_step(M, 5, 1)
@@ -259,9 +261,9 @@ def test_watch_timeout_without_events(populated, conn, capsys):
 
 def test_gc_dry_run_then_yes(populated, conn, capsys):
     store, _infos = populated
-    from consistency.gc import Retention, collect
+    from consistency.gc import Retention
 
-    expected = collect(store, M, Retention(keep_last=1), dry_run=True)
+    expected = store.gc(M, Retention(keep_last=1), dry_run=True)
     assert expected.deleted  # the fixture leaves garbage
     before = set(map(str, store.list(M)))
     rc, d, _ = run(capsys, conn, "gc", M, "--keep-last", "1")
@@ -287,7 +289,7 @@ def test_rebuild_index_needs_yes(populated, conn, capsys):
         assert rc == 1 and "not available yet" in err
         return
     durable_steps = [s for s, st in store.steps.steps(M) if st == "durable"]
-    store.index.r.flushall()  # the index is lost
+    store.index._r.flushall()  # the index is lost
     rc, d, _ = run(capsys, conn, "rebuild-index", "--yes")
     assert rc == 0, d
     rc, rows, _ = run(capsys, conn, "steps", M)

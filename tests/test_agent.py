@@ -211,9 +211,11 @@ def test_registration_heartbeat_and_graceful_shutdown(redis_server):
         time.sleep(2.0)  # longer than the TTL: only the heartbeat keeps the entry alive
         assert client.exists("ts:node:node0") and client.pttl("ts:node:node0") > 0
 
-        from backends.peer import redis_discovery
+        from consistency.index import Index
+        from consistency.nodes import discovery
 
-        assert [p.port for p in redis_discovery(client)()] == [a.port for a in c.agents]
+        discover = discovery(Index(redis_server.connection_url))
+        assert [p.port for p in discover()] == [a.port for a in c.agents]
 
         c.agents[1].kill()  # a crash: the entry expires by itself
         assert c.agents[0].terminate() == 0  # a clean stop: the entry is removed at once
@@ -223,7 +225,7 @@ def test_registration_heartbeat_and_graceful_shutdown(redis_server):
         while client.exists("ts:node:node1") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not client.exists("ts:node:node1")
-        assert [p.node_id for p in redis_discovery(client)()] == []
+        assert [p.node_id for p in discover()] == []
     finally:
         c.close()
 

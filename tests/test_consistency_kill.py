@@ -52,8 +52,8 @@ def _announce_and_hang(point: str) -> None:
 def _send_raw_vote(store, infos, step: int, rank: int, epoch: int, *, whole: bool) -> None:
     """Write the vote's EVALSHA on the wire, all of it or half of it, without reading the reply."""
     script, keys, args = store.steps.vote_call(M, step, rank, infos, epoch=epoch, extra={"rank": rank})
-    store.index.r.script_load(script.script)
-    conn = store.index.r.connection_pool.get_connection()
+    store.index._r.script_load(script.script)
+    conn = store.index._r.connection_pool.get_connection()
     data = b"".join(conn.pack_command("EVALSHA", script.sha, len(keys), *keys, *args, -1))
     conn._sock.sendall(data if whole else data[: len(data) // 2])
 
@@ -101,8 +101,8 @@ def _rank(argv: list[str]) -> None:
             if last and victim and kill == "mid_prepare" and i == 1:
                 _announce_and_hang(kill)
         if last and victim and kill in ("vote_partial", "vote_sent"):
-            votes = store.index.k(M, "votes", step)
-            while store.index.r.hlen(votes) < WORLD - 1:  # be the last voter
+            votes = store.index._k(M, "votes", step)
+            while store.index._r.hlen(votes) < WORLD - 1:  # be the last voter
                 time.sleep(0.005)
             _send_raw_vote(store, infos, step, rank, epoch, whole=kill == "vote_sent")
             _announce_and_hang(kill)
@@ -250,7 +250,7 @@ def test_restore_after_a_rank_is_killed(kill, tmp_path, redis_url, shm_root, s3_
             # the victim never reported its migration: step 3 cannot be durable unless it all landed first
             assert 2 in durable_steps
             # lose the index: only the durable steps come back, bitwise
-            store.index.r.flushall()
+            store.index._r.flushall()
             report = store.rebuild_index(M)
             assert report.restored[M] == durable_steps
             if 3 not in durable_steps:

@@ -109,10 +109,8 @@ def commit_clean(store: TierStore, step: int) -> None:
 
 def evict_all(store: TierStore, errors: list) -> None:
     """Drop every host copy the eviction policy may drop (durable, not the newest step)."""
-    from consistency.gc import evict_host
-
     try:
-        evict_host(store, 1 << 50)
+        store.evict_host(1 << 50)
     except TierFullError:
         pass
     except TierStoreError as e:

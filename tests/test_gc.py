@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from consistency.gc import Retention, collect
+from consistency.gc import Retention
 from consistency.manifest import durable_manifest_name
 from tests.test_twophase import M, save_step, shard
 from tierstore import ShardKey
@@ -34,7 +34,7 @@ def test_keep_last_k_and_every_mth_durable(store):
     for s in range(1, 7):
         save_step(store, s, 2)
     store.flush()
-    report = collect(store, M, Retention(keep_last=2, keep_durable_every=3), dry_run=False)
+    report = store.gc(M, Retention(keep_last=2, keep_durable_every=3), dry_run=False)
     assert report.kept_steps == [3, 5, 6] and report.dropped_steps == [1, 2, 4]
     for s in (1, 2, 4):
         assert all(gone(store, k) for k in step_keys(s))
@@ -52,7 +52,7 @@ def test_dry_run_deletes_nothing(store):
         save_step(store, s, 2)
     store.flush()
     sizes = {str(k): store.info(k).size for s in (1, 2) for k in step_keys(s)}
-    report = collect(store, M, Retention(keep_last=1))
+    report = store.gc(M, Retention(keep_last=1))
     assert report.dry_run and sorted(report.deleted) == sorted(sizes) and report.bytes_freed == sum(sizes.values())
     assert all(present(store, k) for s in (1, 2, 3) for k in step_keys(s))
     assert [s for s, _ in store.steps.steps(M)] == [1, 2, 3]
@@ -83,7 +83,7 @@ def test_delta_chains_and_refs_keep_what_they_reach(store):
             infos[kb] = store.put(kb, shard("b", s, r))
             assert store.vote(M, s, r, [infos[k], infos[kb]]) in ("preparing", "committed")
     store.flush()
-    collect(store, M, Retention(keep_last=1), dry_run=False)
+    store.gc(M, Retention(keep_last=1), dry_run=False)
     for k in [ShardKey(M, "a", 1, 0), ShardKey(M, "a", 1, 1), ShardKey(M, "a", 2, 0), ShardKey(M, "a", 3, 0),
               ShardKey(M, "a", 3, 1), ShardKey(M, "b", 3, 0), ShardKey(M, "b", 3, 1)]:
         assert present(store, k), k
@@ -96,7 +96,7 @@ def test_delta_chains_and_refs_keep_what_they_reach(store):
     for (layer, r), info in res.objects.items():
         assert torch.equal(store.get(info.key).tensors["w"], shard(layer, 3, r)["w"])
     # a second pass finds nothing more to delete: the kept chain is stable
-    assert collect(store, M, Retention(keep_last=1), dry_run=False).deleted == []
+    assert store.gc(M, Retention(keep_last=1), dry_run=False).deleted == []
 
 
 def test_objects_waiting_for_migration_are_deferred(store):
@@ -104,11 +104,11 @@ def test_objects_waiting_for_migration_are_deferred(store):
     store.flush()
     for k in step_keys(1):
         store.index.remove_tier(k, "durable")  # as if still queued for migration
-    report = collect(store, M, Retention(keep_last=1), dry_run=False)
+    report = store.gc(M, Retention(keep_last=1), dry_run=False)
     assert report.deleted == [] and sorted(report.deferred) == sorted(map(str, step_keys(1)))
     for k in step_keys(1):
         store.index.add_tier(k, "durable")
-    assert len(collect(store, M, Retention(keep_last=1), dry_run=False).deleted) == 4
+    assert len(store.gc(M, Retention(keep_last=1), dry_run=False).deleted) == 4
     assert all(gone(store, k) for k in step_keys(1))
 
 
@@ -117,7 +117,7 @@ def test_aborted_steps_are_removed_from_every_tier(store):
     save_step(store, 2, 2, ok=False)
     store.flush()
     assert all(present(store, k) for k in step_keys(2))
-    report = collect(store, M, Retention(keep_last=5), dry_run=False)
+    report = store.gc(M, Retention(keep_last=5), dry_run=False)
     assert report.dropped_steps == [2]
     assert all(gone(store, k) for k in step_keys(2)) and all(present(store, k) for k in step_keys(1))
     assert store.steps.state(M, 2) == "aborted"  # the decision stays: a late vote cannot re-open it
@@ -135,7 +135,7 @@ def test_in_flight_steps_and_what_they_reach_are_never_touched(store):
     orphan = ShardKey(M, "b", 5, 0)  # written before its step began
     store.put(orphan, shard("b", 5, 0))
     store.flush()
-    collect(store, M, Retention(keep_last=1), dry_run=False)
+    store.gc(M, Retention(keep_last=1), dry_run=False)
     assert present(store, k4) and present(store, ShardKey(M, "a", 1, 0)) and present(store, orphan)
     assert gone(store, ShardKey(M, "b", 1, 0)) and gone(store, ShardKey(M, "a", 2, 0))
     assert torch.equal(store.get(k4).tensors["w"], shard("a", 4, 0)["w"])
@@ -148,7 +148,7 @@ def test_gc_concurrent_with_training(store):
     def gc_loop():
         while not stop.is_set():
             try:
-                collect(store, M, Retention(keep_last=2), dry_run=False)
+                store.gc(M, Retention(keep_last=2), dry_run=False)
             except Exception as e:  # noqa: BLE001 - collected for the assertion
                 errors.append(e)
 
@@ -166,5 +166,5 @@ def test_gc_concurrent_with_training(store):
         t.join()
     assert errors == []
     store.flush()  # nothing gc deleted was still waiting for migration
-    collect(store, M, Retention(keep_last=2), dry_run=False)
+    store.gc(M, Retention(keep_last=2), dry_run=False)
     assert [s for s, _ in store.steps.steps(M)] == [7, 8]

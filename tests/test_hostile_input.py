@@ -226,9 +226,9 @@ def test_resolve_refuses_a_manifest_of_another_model_in_the_index(store):
     store.begin_step("m", 1, 1)
     info = store.put(ShardKey("m", "l", 1, 0), {"w": torch.ones(3)})
     assert store.vote("m", 1, 0, [info]) in ("committed", "durable")
-    raw = json.loads(store.index.r.get(store.index.k("m", "manifest", 1)))
+    raw = json.loads(store.index._r.get(store.index._k("m", "manifest", 1)))
     raw["ranks"]["0"]["objects"][0]["key"] = "other/l/1/0"
-    store.index.r.set(store.index.k("m", "manifest", 1), json.dumps(raw))
+    store.index._r.set(store.index._k("m", "manifest", 1), json.dumps(raw))
     with pytest.raises(TierStoreError) as ei:
         store.resolve("m")
     assert isinstance(ei.value, (ManifestError, NoValidCopyError))

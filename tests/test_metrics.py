@@ -37,17 +37,17 @@ def test_record_step_exports_and_logs(caplog):
 
 def test_migration_lag(store):
     m = metrics.Metrics()
-    assert m.update_migration_lag(store.index, "gpt") == (0, 0.0)
+    assert m.update_migration_lag(store.steps, "gpt") == (0, 0.0)
     for step in (1, 2):
         store.begin_step("gpt", step, 1)
         store.vote("gpt", step, 0, [store.put(ShardKey("gpt", "a", step, 0), {"w": torch.ones(4)})])
     store.flush()
     assert store.wait_step("gpt", 2, timeout=10) == "durable"
-    assert m.update_migration_lag(store.index, "gpt") == (0, 0.0)
+    assert m.update_migration_lag(store.steps, "gpt") == (0, 0.0)
     # a committed step whose migration has not finished: the durable tier lags one step
     store.steps.begin("gpt", 3, 1)
     store.steps.vote("gpt", 3, 0, [])
-    steps, seconds = m.update_migration_lag(store.index, "gpt")
+    steps, seconds = m.update_migration_lag(store.steps, "gpt")
     assert steps == 1 and seconds >= 0
     assert 'tierstore_migration_lag_steps{model="gpt"} 1.0' in m.exposition().decode()
 

@@ -15,7 +15,8 @@ import torch
 from backends.memory import MemoryBackend
 from tierstore import ShardKey
 from tierstore.errors import TierUnavailableError
-from tierstore.migration import MigrationError, Migrator
+from tierstore.errors import MigrationError
+from tierstore.migration import Migrator
 
 
 class _DeletedWhilePut(MemoryBackend):

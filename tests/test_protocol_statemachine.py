@@ -33,12 +33,12 @@ from hypothesis.stateful import (
 )
 
 import tierstore
-from consistency.gc import Retention, collect
+from consistency.gc import Retention
 from consistency.twophase import StepProtocol
 from tierstore import ShardKey
 from tierstore.delta import xor_delta
 from tierstore.errors import FencedError
-from tierstore.migration import MigrationError
+from tierstore.errors import MigrationError
 
 M = "sm"
 WORLD = 2
@@ -178,7 +178,7 @@ class Protocol(RuleBasedStateMachine):
     @rule(keep_last=st.integers(1, 3), every=st.integers(0, 3))
     def gc(self, keep_last, every):
         before = dict(self.store.steps.steps(M))
-        collect(self.store, M, Retention(keep_last=keep_last, keep_durable_every=every), dry_run=False)
+        self.store.gc(M, Retention(keep_last=keep_last, keep_durable_every=every), dry_run=False)
         committed = self.committed()
         kept = set(committed[-keep_last:])
         if every:

@@ -40,7 +40,7 @@ def test_rebuild_restores_durable_steps_and_reports_memory_only_ones(store, tmp_
     store.flush()
     memory_only_step(store, tmp_path, redis_url, 4)
     assert store.resolve(M).step == 4
-    store.index.r.flushall()
+    store.index._r.flushall()
     report = store.rebuild_index()
     assert report.restored == {M: [1, 2, 3]} and report.lost_steps == {M: [4]} and report.skipped == {}
     assert report.objects == 12
@@ -65,7 +65,7 @@ def test_rebuild_from_s3_without_host_copies(tmp_path, redis_url, shm_root, s3_b
         s.flush()
         for name in list(s.host.list()):
             s.host.delete(name)
-        s.index.r.flushall()
+        s.index._r.flushall()
         report = s.rebuild_index(M)
         assert report.restored == {M: [1, 2]} and report.lost_steps == {}
         assert set(s.info(ShardKey(M, "b", 2, 0)).tiers) == {"durable"}
@@ -82,7 +82,7 @@ def test_rebuild_follows_delta_chains_through_deps(store):
     store.vote(M, 2, 0, [put_delta(store, k1.with_step(2), k1, shard("a", 2, 0), shard("a", 1, 0))])
     store.flush()
     store.durable.delete(durable_manifest_name(M, 1))  # as gc does once step 1 is dropped
-    store.index.r.flushall()
+    store.index._r.flushall()
     report = store.rebuild_index(M)
     assert report.restored == {M: [2]}
     assert store.info(k1).kind == "full"
@@ -98,7 +98,7 @@ def test_bad_or_incomplete_manifests_are_skipped(store):
     store.flush()
     store.durable.put(durable_manifest_name(M, 3), b'{"version": 42}')
     store.durable.delete(str(ShardKey(M, "b", 2, 1)))
-    store.index.r.flushall()
+    store.index._r.flushall()
     report = store.rebuild_index(M)
     assert report.restored == {M: [1]}
     assert "version 42" in report.skipped[durable_manifest_name(M, 3)]
@@ -111,7 +111,7 @@ def test_rebuild_raises_epoch_for_zombies(store):
     e = store.open_epoch(M)
     save_step(store, 1, 2, epoch=e)
     store.flush()
-    store.index.r.flushall()
+    store.index._r.flushall()
     store.rebuild_index(M)
     with pytest.raises(FencedError):
         store.put(ShardKey(M, "a", 2, 0), shard("a", 2, 0), epoch=e - 1)

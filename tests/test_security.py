@@ -232,10 +232,10 @@ def test_rediss_url_is_accepted_and_verified(tmp_path, redis_proc):
 
 
 def test_rediss_is_documented():
-    from tierstore import config, store
+    from tierstore import config, connect
 
     assert "rediss://" in (Index.__doc__ or "") + (Index.__init__.__doc__ or "")
-    assert "rediss://" in (config.__doc__ or "") and "rediss://" in (store.open.__doc__ or "")
+    assert "rediss://" in (config.__doc__ or "") and "rediss://" in (connect.open.__doc__ or "")
 
 
 # -- S3 credentials only from boto3's standard chain -------------------------------------------------------------

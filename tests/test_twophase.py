@@ -103,8 +103,8 @@ def test_bad_votes_are_refused(store):
 
 
 def test_events_are_published(store):
-    p = store.index.r.pubsub()
-    p.subscribe(store.index.k(M, "events"))
+    p = store.index._r.pubsub()
+    p.subscribe(store.index._k(M, "events"))
     p.get_message(timeout=1)
     save_step(store, 8, 2)
     msg = None

@@ -8,9 +8,14 @@ Quick start::
     store.put(key, {"w": torch.randn(4, 4)})
     shard = store.get(key)
 
-Heavy modules are imported lazily, so ``import tierstore`` stays cheap and the
-leaf modules (:mod:`tierstore.errors`, :mod:`tierstore.keys`) can be used by
-every layer without import cycles.
+Heavy modules (torch, redis, boto3) are imported lazily on first use of a name
+that needs them, so ``import tierstore`` stays cheap for the command line and
+the leaf modules (:mod:`tierstore.errors`, :mod:`tierstore.keys`) can be used
+by every layer without import cycles.
+
+Layout: the data path lives here at the top level; :mod:`tierstore.train` is
+what a trainer touches; :mod:`tierstore.cli` the processes (never imported by
+the library); :mod:`tierstore.testing` fault injection and the demo's model.
 """
 
 from __future__ import annotations
@@ -18,8 +23,28 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from tierstore.errors import *  # noqa: F401,F403
-from tierstore.errors import __all__ as _errors_all
+from tierstore.errors import (
+    AccessDeniedError,
+    AuthenticationError,
+    CommitError,
+    ConfigError,
+    CorruptObjectError,
+    FencedError,
+    InvalidKeyError,
+    InvalidValueError,
+    KeyExistsError,
+    ManifestError,
+    MigrationError,
+    MissingDependencyError,
+    NoValidCopyError,
+    ProtocolError,
+    RestoreMismatchError,
+    StepAbortedError,
+    TierFullError,
+    TierStoreError,
+    TierUnavailableError,
+    UnknownError,
+)
 from tierstore.keys import ShardKey
 
 __version__ = "0.1.0"
@@ -30,9 +55,39 @@ _LAZY = {
     "StoreConfig": ("tierstore.config", "StoreConfig"),
     "Shard": ("tierstore.codec", "Shard"),
     "Checkpointer": ("tierstore.train.checkpointer", "Checkpointer"),
+    "ObjectRecord": ("consistency.index", "ObjectRecord"),
 }
 
-__all__ = ["ShardKey", "__version__", *_errors_all, *_LAZY]
+__all__ = [
+    "AccessDeniedError",
+    "AuthenticationError",
+    "Checkpointer",
+    "CommitError",
+    "ConfigError",
+    "CorruptObjectError",
+    "FencedError",
+    "InvalidKeyError",
+    "InvalidValueError",
+    "KeyExistsError",
+    "ManifestError",
+    "MigrationError",
+    "MissingDependencyError",
+    "NoValidCopyError",
+    "ObjectRecord",
+    "ProtocolError",
+    "RestoreMismatchError",
+    "Shard",
+    "ShardKey",
+    "StepAbortedError",
+    "StoreConfig",
+    "TierFullError",
+    "TierStore",
+    "TierStoreError",
+    "TierUnavailableError",
+    "UnknownError",
+    "__version__",
+    "open",
+]
 
 
 def __getattr__(name: str) -> Any:

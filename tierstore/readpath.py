@@ -1,6 +1,7 @@
 """The read path: resolve the freshest consistent set of layers of a model.
 
-``resolve(store, model, max_staleness=S)``:
+``resolve(protocol, tiers, model, max_staleness=S)`` (the store's
+:meth:`~tierstore.store.TierStore.resolve` passes its protocol and tiers):
 
 - the resume step R is the newest committed (or durable) step that can be
   rebuilt;
@@ -20,16 +21,16 @@ step while they do: they agree.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from backends.base import Backend
+from consistency.index import ObjectRecord
 from consistency.manifest import manifest_layers
-
-from tierstore.errors import NoValidCopyError
+from consistency.twophase import StepProtocol
+from tierstore.errors import NoValidCopyError, TierStoreError
 from tierstore.keys import ShardKey
-
-if TYPE_CHECKING:
-    from tierstore.store import ObjectInfo, TierStore
 
 __all__ = ["Resolution", "resolve"]
 
@@ -42,7 +43,7 @@ class Resolution:
     step: int
     world_size: int
     layers: dict[str, int]
-    objects: dict[tuple[str, int], ObjectInfo]
+    objects: dict[tuple[str, int], ObjectRecord]
     extra: dict[int, Any] = field(default_factory=dict)
     state: str = "committed"
 
@@ -53,21 +54,23 @@ class Resolution:
 class _Reach:
     """Caches which objects are reachable (recorded, held by a tier, chain intact)."""
 
-    def __init__(self, store: TierStore):
-        self.store = store
+    def __init__(self, protocol: StepProtocol, tiers: Sequence[Backend], max_chain: int):
+        self.index = protocol.index
+        self.tiers = tiers
+        self.max_chain = max_chain
         self.cache: dict[ShardKey, str | None] = {}
 
     def why_not(self, key: ShardKey, depth: int = 0) -> str | None:
         if key in self.cache:
             return self.cache[key]
         reason: str | None = None
-        if depth > self.store.config.max_delta_chain:
+        if depth > self.max_chain:
             reason = f"{key}: chain too long"
         else:
-            rec = self.store.index.get_object(key)
+            rec = self.index.get_object(key)
             if rec is None:
                 reason = f"{key} is not in the index"
-            elif not any(self._holds(t, key) for t in self.store.tiers if t.tier in rec.tiers):
+            elif not any(self._holds(t, key) for t in self.tiers if t.tier in rec.tiers):
                 reason = f"{key}: no live tier holds it (index says {sorted(rec.tiers)})"
             elif rec.kind == "delta" and rec.base is not None:
                 reason = self.why_not(rec.base, depth + 1)
@@ -77,26 +80,31 @@ class _Reach:
         return reason
 
     @staticmethod
-    def _holds(tier, key: ShardKey) -> bool:
+    def _holds(tier: Backend, key: ShardKey) -> bool:
         try:
             return tier.exists(str(key))
-        except Exception:
+        except TierStoreError:  # an unreachable tier does not hold it for this restore
             return False
 
 
-def resolve(store: TierStore, model: str, max_staleness: int = 0) -> Resolution:
-    """Resolve ``model``'s resume step and the version of each layer; see the module docstring."""
-    from tierstore.store import ObjectInfo
+def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_staleness: int = 0, *,
+            max_chain: int = 64) -> Resolution:
+    """Resolve ``model``'s resume step and the version of each layer; see the module docstring.
 
-    steps = [(s, st) for s, st in store.steps.steps(model) if st in ("committed", "durable")]
+    Args:
+        protocol: the commit protocol (manifests, object records).
+        tiers: the live tiers, fastest first.
+        max_chain: the longest delta/ref chain a read follows.
+    """
+    steps = [(s, st) for s, st in protocol.steps(model) if st in ("committed", "durable")]
     if not steps:
         raise NoValidCopyError(f"model {model!r} has no committed step", model=model)
-    reach = _Reach(store)
+    reach = _Reach(protocol, tiers, max_chain)
     manifests: dict[int, dict | None] = {}
 
     def manifest(step: int) -> dict | None:
         if step not in manifests:
-            manifests[step] = store.steps.manifest(model, step)
+            manifests[step] = protocol.manifest(model, step)
         return manifests[step]
 
     committed = [s for s, _ in steps]
@@ -107,7 +115,7 @@ def resolve(store: TierStore, model: str, max_staleness: int = 0) -> Resolution:
             continue
         world = m_r["world"]
         chosen: dict[str, int] = {}
-        objects: dict[tuple[str, int], ObjectInfo] = {}
+        objects: dict[tuple[str, int], ObjectRecord] = {}
         failure = None
         for layer in manifest_layers(m_r):
             found = False
@@ -130,12 +138,7 @@ def resolve(store: TierStore, model: str, max_staleness: int = 0) -> Resolution:
                     continue
                 chosen[layer] = v
                 for rank, (k, o) in entries.items():
-                    objects[(layer, rank)] = ObjectInfo(
-                        k, o["kind"], o["size"], o["checksum"],
-                        ShardKey.parse(o["base"]) if o.get("base") else None,
-                        ShardKey.parse(o["target"]) if o.get("target") else None,
-                        tuple(o.get("tiers") or ()),
-                    )
+                    objects[(layer, rank)] = ObjectRecord.from_json(o)
                 found = True
                 break
             if not found:

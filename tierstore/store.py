@@ -8,27 +8,33 @@ falls back to the next tier on a miss, an unreachable tier or a mismatch; refs
 and delta chains are resolved into full tensors.
 
 The commit protocol (:meth:`TierStore.begin_step`, :meth:`vote`,
-:meth:`wait_step`, :meth:`resolve`, :meth:`open_epoch`) is delegated to
-:mod:`consistency`; see ``DESIGN.md``.
+:meth:`wait_step`, :meth:`open_epoch`), garbage collection (:meth:`gc`) and
+index rebuilds (:meth:`rebuild_index`) are delegated to :mod:`consistency`;
+the read path (:meth:`resolve`) to :mod:`tierstore.readpath`. See ``DESIGN.md``.
 """
 
 from __future__ import annotations
 
+import builtins  # TierStore.list shadows the builtin inside the class
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 from backends.base import Backend
 from backends.host import HostBackend
-from consistency.index import Index, ObjectRecord
+from consistency.gc import GCReport, Retention, collect
+from consistency.index import KINDS, Index, ObjectRecord
+from consistency.rebuild import RebuildReport, rebuild_index
+from consistency.twophase import StepProtocol
 from tierstore import codec
 from tierstore.background import lower_priority
 from tierstore.config import StoreConfig
+from tierstore.delta import apply_xor_delta
 from tierstore.errors import (
     CorruptObjectError,
     FencedError,
@@ -43,42 +49,13 @@ from tierstore.errors import (
 from tierstore.keys import ShardKey, validate_name
 from tierstore.migration import Migrator
 from tierstore.placement import Placement
+from tierstore.readpath import Resolution, resolve
 
-__all__ = ["TierStore", "ObjectInfo", "PendingObject", "KINDS"]
+__all__ = ["KINDS", "ObjectRecord", "PendingObject", "TierStore"]
 
 log = logging.getLogger(__name__)
-
-KINDS = ("full", "delta", "ref")
 _INTERNAL = "_ts"  # metadata entry holding kind/base/target, so objects describe themselves
 _UNREAD = object()  # _get's record argument when the caller has not read the index yet
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """An object as written: what a vote carries for it."""
-
-    key: ShardKey
-    kind: str
-    size: int
-    checksum: str
-    base: ShardKey | None = None
-    target: ShardKey | None = None
-    tiers: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": str(self.key),
-            "kind": self.kind,
-            "size": self.size,
-            "checksum": self.checksum,
-            "base": str(self.base) if self.base else None,
-            "target": str(self.target) if self.target else None,
-            "tiers": list(self.tiers),
-        }
-
-    @classmethod
-    def from_record(cls, rec: ObjectRecord) -> ObjectInfo:
-        return cls(rec.key, rec.kind, rec.size, rec.checksum, rec.base, rec.target, tuple(sorted(rec.tiers)))
 
 
 @dataclass
@@ -99,7 +76,7 @@ class PendingObject:
     epoch: int | None
     _done: bool = field(default=False, repr=False)
 
-    def finish(self) -> ObjectInfo:
+    def finish(self) -> ObjectRecord:
         if self._done:
             raise RuntimeError(f"{self.key} already finished")
         self._done = True
@@ -168,8 +145,6 @@ class TierStore:
         self._lock = threading.Lock()
         self._closed = False
         self._sealer: ThreadPoolExecutor | None = None  # finish_async's thread, started on first use
-        from consistency.twophase import StepProtocol
-
         self.steps = StepProtocol(index, durable)
 
     # -- writing -------------------------------------------------------------------
@@ -242,13 +217,11 @@ class TierStore:
         try:
             return self.host.reserve(str(key), nbytes)
         except TierFullError:
-            from consistency.gc import evict_host
-
-            freed = evict_host(self, nbytes)
+            freed = self.evict_host(nbytes)
             log.info("host tier full: evicted %d bytes for %s", freed, key)
             return self.host.reserve(str(key), nbytes)
 
-    def _publish(self, p: PendingObject) -> ObjectInfo:
+    def _publish(self, p: PendingObject) -> ObjectRecord:
         checksum = p.plan.seal(p.reservation.buffer)
         size = p.plan.nbytes
         if p.epoch is not None and p.epoch >= 0:
@@ -269,9 +242,10 @@ class TierStore:
             self._replicator.enqueue(p.key, checksum)
         if self._migrator is not None and self.placement.to_durable(p.kind, p.key.step):
             self._migrator.enqueue(p.key, checksum)
-        return ObjectInfo(p.key, p.kind, size, checksum, p.base, p.target, (self.host.tier,))
+        return ObjectRecord(p.key, p.kind, size, checksum, p.base, p.target, p.epoch if p.epoch is not None else 0,
+                            tiers=frozenset((self.host.tier,)))
 
-    def finish_async(self, pendings: Sequence[PendingObject]) -> Future[list[ObjectInfo]]:
+    def finish_async(self, pendings: Sequence[PendingObject]) -> Future[list[ObjectRecord]]:
         """Seal, publish and index ``pendings`` in order on the store's background thread.
 
         The thread runs ``config.background_nice`` nicer than the trainer
@@ -287,8 +261,8 @@ class TierStore:
             return self._sealer.submit(self._finish_all, items)
 
     @staticmethod
-    def _finish_all(items: list[PendingObject]) -> list[ObjectInfo]:
-        done: list[ObjectInfo] = []
+    def _finish_all(items: list[PendingObject]) -> list[ObjectRecord]:
+        done: list[ObjectRecord] = []
         try:
             for p in items:
                 done.append(p.finish())
@@ -309,7 +283,7 @@ class TierStore:
         target: ShardKey | None = None,
         epoch: int | None = None,
         compress: str = "auto",
-    ) -> ObjectInfo:
+    ) -> ObjectRecord:
         """Store one shard; it is in the host tier when this returns, durable later (see :meth:`flush`)."""
         return self.snapshot(key, tensors, metadata, kind=kind, base=base, target=target, epoch=epoch,
                              compress=compress).finish()
@@ -423,6 +397,7 @@ class TierStore:
         if found is None:
             return None
         (kind, internal, stored), _tier = found
+        shard: codec.Shard | None
         if raw or kind == "full":
             shard = stored
         elif kind == "ref":
@@ -437,8 +412,6 @@ class TierStore:
         return shard
 
     def _apply_delta(self, key: ShardKey, stored: codec.Shard, base_key: ShardKey, out, depth: int) -> codec.Shard:
-        from tierstore.delta import apply_xor_delta
-
         base = self._get(base_key, None, False, depth + 1)
         if base is None:
             raise NoValidCopyError(f"{key} is a delta on {base_key}, which is gone", key=str(key))
@@ -464,10 +437,9 @@ class TierStore:
         meta = {k: v for k, v in stored.metadata.items() if k != "_delta"}
         return codec.Shard(result, meta)
 
-    def info(self, key: ShardKey | str) -> ObjectInfo | None:
+    def info(self, key: ShardKey | str) -> ObjectRecord | None:
         """What the index records of ``key`` (kind, size, checksum, tiers), or ``None``."""
-        rec = self.index.get_object(_check_key(key))
-        return ObjectInfo.from_record(rec) if rec else None
+        return self.index.get_object(_check_key(key))
 
     def exists(self, key: ShardKey | str) -> bool:
         key = _check_key(key)
@@ -502,7 +474,7 @@ class TierStore:
             raise InvalidKeyError(f"step must be a non-negative int, got {step!r}", field="step")
         return self.index.list_objects(model, layer, step)
 
-    def models(self) -> list[str]:
+    def models(self) -> builtins.list[str]:
         return self.index.models()
 
     # -- steps (two-phase commit), delegated -------------------------------------
@@ -514,7 +486,7 @@ class TierStore:
                    epoch: int | None = None) -> None:
         self.steps.begin(model, step, world_size, layout=layout, epoch=epoch)
 
-    def vote(self, model: str, step: int, rank: int, objects: list[ObjectInfo], *, extra: dict | None = None,
+    def vote(self, model: str, step: int, rank: int, objects: builtins.list[ObjectRecord], *, extra: dict | None = None,
              ok: bool = True, epoch: int | None = None) -> str:
         """Vote for ``step`` with this rank's objects; the last vote of the world commits it."""
         state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
@@ -528,18 +500,103 @@ class TierStore:
     def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:
         return self.steps.wait(model, step, timeout=timeout)
 
-    def resolve(self, model: str, max_staleness: int = 0):
-        from tierstore.readpath import resolve
+    def resolve(self, model: str, max_staleness: int = 0) -> Resolution:
+        """The freshest consistent layer set of ``model``; see :mod:`tierstore.readpath`."""
+        return resolve(self.steps, self.tiers, model, max_staleness=max_staleness,
+                       max_chain=self.config.max_delta_chain)
 
-        return resolve(self, model, max_staleness=max_staleness)
-
-    def rebuild_index(self, model: str | None = None):
+    def rebuild_index(self, model: str | None = None) -> RebuildReport:
         """Rebuild a lost index from the durable manifests; see :mod:`consistency.rebuild`."""
-        from consistency.rebuild import rebuild_index
+        return rebuild_index(self.steps, model, host=self.host)
 
-        return rebuild_index(self, model)
+    def gc(self, model: str, retention: Retention | None = None, *, dry_run: bool = True,
+           max_staleness: int = 0) -> GCReport:
+        """Collect what ``retention`` does not keep of ``model``; see :mod:`consistency.gc`.
+
+        Objects still queued for migration are left for a later pass (reported as deferred).
+        """
+        durable_tier = self.durable.tier if self._migrator is not None and self.durable is not None else None
+
+        def still_migrating(rec: ObjectRecord) -> bool:
+            return durable_tier not in rec.tiers
+
+        return collect(self.steps, model, retention or Retention(), delete=self.delete, dry_run=dry_run,
+                       max_staleness=max_staleness,
+                       still_migrating=still_migrating if durable_tier is not None else None)
+
+    # -- host-tier eviction ----------------------------------------------------------
+    def _durable_copy_valid(self, key: ShardKey) -> bool:
+        """Whether the durable tier's copy of ``key`` is there and matches the index's checksum."""
+        rec = self.index.get_object(key)
+        try:
+            blob = self.durable.get(str(key)) if self.durable is not None else None
+            return blob is not None and rec is not None and codec.verify(blob) == rec.checksum
+        except TierStoreError:
+            return False
+
+    def evict_host(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` in the host tier by dropping host copies that are durable.
+
+        Never drops the only copy of anything (the durable copy must verify
+        first), nor a copy of a model's newest committed step. Raises
+        :class:`TierFullError` when not enough can be freed.
+        """
+        freed = 0
+        candidates: builtins.list[tuple[float, ShardKey, int]] = []
+        durable_tier = self.durable.tier if self.durable is not None else None
+        for model in self.index.models():
+            committed = [s for s, st in self.steps.steps(model) if st in ("committed", "durable")]
+            newest = committed[-1] if committed else None
+            keys = [k for k in self.index.list_objects(model) if k.step != newest]
+            for key, rec in zip(keys, self.index.get_objects(keys)):
+                if rec and self.host.tier in rec.tiers and durable_tier in rec.tiers:
+                    candidates.append((rec.created, key, rec.size))
+        for _created, key, size in sorted(candidates, key=lambda c: c[0]):
+            if freed >= nbytes:
+                break
+            if not self._durable_copy_valid(key):
+                continue  # the index says durable, but that copy does not verify: the host copy is the last good one
+            if self.host.delete(str(key)):
+                self.index.remove_tier(key, self.host.tier)
+                freed += size
+        freed += self.host.drain_pool()
+        if freed < nbytes:
+            raise TierFullError(
+                f"host tier full: only {freed} of {nbytes} bytes could be freed without dropping the last copy "
+                "of a committed version; raise the host budget or let migration catch up",
+                tier="host", needed=nbytes, freed=freed,
+            )
+        return freed
 
     # -- lifecycle -----------------------------------------------------------------
+    def rewire(
+        self,
+        *,
+        tier: Callable[[Backend], Backend] | None = None,
+        index: Callable[[Index], Index] | None = None,
+        before_migrate: Callable[[ShardKey], None] | None = None,
+    ) -> None:
+        """Wrap this store's tiers and index (fault injection, tracing), before it is used from other threads.
+
+        Args:
+            tier: returns the backend to use in place of each tier.
+            index: returns the index to use in place of the current one.
+            before_migrate: called before each object migrates to the durable tier.
+        """
+        if tier is not None:
+            self.host = tier(self.host)  # type: ignore[assignment]
+            self.peer = tier(self.peer) if self.peer is not None else None
+            self.durable = tier(self.durable) if self.durable is not None else None
+            self.tiers = [t for t in (self.host, self.peer, self.durable) if t is not None]
+        if index is not None:
+            self.index = index(self.index)
+        self.steps = StepProtocol(self.index, self.durable, step_timeout_s=self.steps.step_timeout_s)
+        for mover, target in ((self._migrator, self.durable), (self._replicator, self.peer)):
+            if mover is not None and target is not None:
+                mover.source, mover.target, mover.index = self.host, target, self.index
+        if before_migrate is not None and self._migrator is not None:
+            self._migrator.before_each = before_migrate
+
     def flush(self) -> None:
         """Wait for background migration; raise the first error it met."""
         for mover in (self._replicator, self._migrator):
@@ -567,7 +624,7 @@ class TierStore:
                 t.close()
             self.index.close()
 
-    def __enter__(self) -> TierStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -576,10 +633,3 @@ class TierStore:
     def __repr__(self) -> str:
         return f"<TierStore tiers={[t.tier for t in self.tiers]} node={self.config.node_id!r}>"
 
-
-def __getattr__(name: str):
-    if name == "open":  # tierstore.store.open, kept for callers of the first API
-        from tierstore.connect import open as open_
-
-        return open_
-    raise AttributeError(name)

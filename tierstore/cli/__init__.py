@@ -6,8 +6,14 @@ library never imports this module.
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from importlib import import_module
+from pathlib import Path
+
+from tierstore.embedded import ensure_server, ping, socket_path, stop_server
+from tierstore.errors import TierStoreError
 
 __all__ = ["main"]
 
@@ -29,11 +35,6 @@ def _usage() -> str:
 
 
 def _server(argv: list[str]) -> int:
-    import argparse
-    import os
-
-    from tierstore.embedded import ensure_server, socket_path, stop_server
-
     p = argparse.ArgumentParser(prog="tierstore server", description="the embedded index server")
     p.add_argument("action", choices=["status", "start", "stop"])
     p.add_argument("--home", default=os.environ.get("TIERSTORE_HOME", ".tierstore"))
@@ -43,12 +44,8 @@ def _server(argv: list[str]) -> int:
     elif a.action == "stop":
         print("stopped" if stop_server(a.home) else "not running")
     else:
-        from pathlib import Path
-
-        from tierstore.embedded import _ping
-
         sock = socket_path(Path(a.home).resolve())
-        running = _ping(sock)
+        running = ping(sock)
         print(f"{'running' if running else 'not running'} on unix://{sock}")
         return 0 if running else 1
     return 0
@@ -69,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"tierstore {cmd}: not available: {e}", file=sys.stderr)
         return 2
-    from tierstore.errors import TierStoreError
 
     try:
         return int(fn(rest) or 0)

@@ -39,8 +39,22 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+import tierstore
+from consistency.gc import Retention
 from tierstore.cli import views as V
-from tierstore.errors import TierStoreError
+from tierstore.errors import TierStoreError, UnknownError
+from tierstore.keys import ShardKey
 
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY", "build_parser", "main"]
 
@@ -99,8 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _open(a: argparse.Namespace) -> Any:
-    import tierstore
-
     kw: dict[str, Any] = {"migrate": False}
     if getattr(a, "host_root", None):
         kw["host_root"] = a.host_root
@@ -137,15 +149,11 @@ def human_age(s: float | None) -> str:
 
 
 def _console(stderr: bool = False) -> Any:
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
     return Console(file=stream, width=None if stream.isatty() else 160, highlight=False, soft_wrap=False)
 
 
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
-    from rich.table import Table
-
     t = Table(title=title, title_justify="left")
     for c in columns:
         t.add_column(c, justify="right" if c in _RIGHT else "left", overflow="fold")
@@ -203,8 +211,6 @@ def _cmd_steps(store, a) -> int:
 
 
 def _cmd_show(store, a) -> int:
-    from rich.markup import escape
-
     def render(c, d):
         ranks = [str(r) for r in range(d["world"])]
         rows = []
@@ -236,8 +242,6 @@ def _cmd_layers(store, a) -> int:
 
 
 def _cmd_where(store, a) -> int:
-    from rich.markup import escape
-
     d = V.where_view(store, a.key)
 
     def render(c, d):
@@ -277,15 +281,6 @@ def _cmd_du(store, a) -> int:
 
 
 def _cmd_verify(store, a) -> int:
-    from rich.markup import escape
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     keys = V.verify_keys(store, a.model, a.step)
     results = []
     with Progress(TextColumn("verify {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -310,29 +305,23 @@ def _cmd_verify(store, a) -> int:
 
 def _cmd_watch(store, a) -> int:
     V.require_model(store, a.model)
-    channel = store.index.k(a.model, "events")
-    ps = store.index.r.pubsub(ignore_subscribe_messages=True)
-    ps.subscribe(channel)
+    events = store.steps.subscribe(a.model)
     c = None if getattr(a, "json", False) else _console()
     if c is not None:
-        c.print(f"watching {a.model} ({channel}); Ctrl-C to stop")
+        c.print(f"watching step events of {a.model}; Ctrl-C to stop")
     deadline = None if a.timeout is None else time.monotonic() + a.timeout
     seen = 0
     try:
         while a.count is None or seen < a.count:
             wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            msg = ps.get_message(timeout=wait)
-            if msg is None:
+            got = events.get(timeout=wait)
+            if got is None:
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 continue
-            data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
-            parts = data.split()
-            if len(parts) != 2 or not parts[0].isdigit():
-                continue
-            step, state = int(parts[0]), parts[1]
+            step, state = got
             row = next((r for r in V.steps_view(store, a.model) if r["step"] == step), {})
-            event = {"model": a.model, "step": step, "state": state, "time": V.server_now(store.index),
+            event = {"model": a.model, "step": step, "state": state, "time": store.index.server_time(),
                      "votes": row.get("votes"), "world": row.get("world"), "bytes": row.get("bytes"),
                      "commit_latency_s": row.get("commit_latency_s")}
             seen += 1
@@ -344,18 +333,16 @@ def _cmd_watch(store, a) -> int:
                         f"  votes {event['votes']}/{event['world']}  {human_bytes(event['bytes'])}"
                         + (f"  commit {lat * 1e3:.1f} ms" if lat is not None else ""))
     finally:
-        ps.close()
+        events.close()
     return EXIT_OK
 
 
 def _cmd_gc(store, a) -> int:
-    from consistency.gc import Retention, collect
-
     V.require_model(store, a.model)
     if a.keep_last < 0 or a.keep_durable_every < 0:
         print("tierstore admin gc: --keep-last and --keep-durable-every must be >= 0", file=sys.stderr)
         return EXIT_USAGE
-    report = collect(store, a.model, Retention(a.keep_last, a.keep_durable_every), dry_run=not a.yes)
+    report = store.gc(a.model, Retention(a.keep_last, a.keep_durable_every), dry_run=not a.yes)
 
     def render(c, d):
         verb = "would delete" if d["dry_run"] else "deleted"
@@ -376,19 +363,11 @@ def _cmd_rebuild(store, a) -> int:
         print("tierstore admin rebuild-index rewrites the index from the durable tier: add --yes to proceed",
               file=sys.stderr)
         return EXIT_USAGE
-    fn = getattr(store, "rebuild_index", None)
-    if fn is None:
-        print("tierstore admin rebuild-index: not available yet (this TierStore has no rebuild_index())",
-              file=sys.stderr)
-        return EXIT_ERROR
-    result = fn(a.model) if a.model else fn()
-    data = result.to_json() if hasattr(result, "to_json") else result
-    if not isinstance(data, (dict, list)):
-        data = {"result": str(data)}
+    data = store.rebuild_index(a.model or None).to_json()
 
     def render(c, d):
         c.print("index rebuilt from the durable tier:")
-        for k, v in (d.items() if isinstance(d, dict) else enumerate(d)):
+        for k, v in d.items():
             c.print(f"  {k}: {json.dumps(v, default=str)}")
     _emit(a, data, render)
     return EXIT_OK
@@ -410,8 +389,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     if a.command == "where":
         try:
-            from tierstore.keys import ShardKey
-
             ShardKey.parse(a.key)
         except TierStoreError as e:
             print(f"tierstore admin where: bad key {a.key!r}: {e}", file=sys.stderr)
@@ -423,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     try:
         return _COMMANDS[a.command](store, a)
-    except V.UnknownError as e:
+    except UnknownError as e:
         print(f"tierstore admin {a.command}: {e}", file=sys.stderr)
         return EXIT_ERROR
     except TierStoreError as e:

@@ -41,15 +41,15 @@ from typing import Any
 
 from backends import agent_protocol as P
 from backends.base import Backend
+from backends.host import HostBackend
 from backends.ucx_util import import_ucxx
+from consistency.index import Index
+from consistency.nodes import NodeRegistry
 from tierstore.errors import ConfigError, KeyExistsError, TierFullError, TierStoreError
 
-__all__ = ["NODES_SET", "NODE_KEY", "Agent", "AgentConfig", "NodeRegistration", "main", "run_agent"]
+__all__ = ["Agent", "AgentConfig", "NodeRegistration", "main", "run_agent"]
 
 log = logging.getLogger("tierstore.cli.agent")
-
-NODE_KEY = "ts:node:{node_id}"
-NODES_SET = "ts:nodes"
 
 
 @dataclass(frozen=True)
@@ -95,23 +95,22 @@ class AgentConfig:
 
 
 class NodeRegistration:
-    """This node's entry in Redis: ``ts:node:<id>`` with a TTL, and membership of ``ts:nodes``.
+    """Keeps this node registered in the index: a heartbeat thread over :class:`~consistency.nodes.NodeRegistry`.
 
     Args:
-        client: a ``redis.Redis`` client (redis-py).
+        registry: the node registry of the index.
         node_id: the node id.
-        fields: the hash fields (values str/int).
-        ttl_s: expiry of the hash; :meth:`start` refreshes it every ``heartbeat_s``.
+        fields: the registration's fields (values str/int).
+        ttl_s: expiry of the registration; :meth:`start` refreshes it every ``heartbeat_s``.
         used: optional callable returning the bytes used, written on each heartbeat.
     """
 
-    def __init__(self, client: Any, node_id: str, fields: dict[str, Any], *, ttl_s: float = 10.0,
+    def __init__(self, registry: NodeRegistry, node_id: str, fields: dict[str, Any], *, ttl_s: float = 10.0,
                  heartbeat_s: float = 3.0, used: Any = None) -> None:
-        self.client = client
-        self.key = NODE_KEY.format(node_id=node_id)
+        self.registry = registry
         self.node_id = node_id
         self.fields = {k: str(v) for k, v in fields.items()}
-        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.ttl_s = ttl_s
         self.heartbeat_s = heartbeat_s
         self._used = used
         self._stop = threading.Event()
@@ -121,11 +120,7 @@ class NodeRegistration:
         fields = dict(self.fields)
         if self._used is not None:
             fields["used"] = str(self._used() or 0)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.key, mapping=fields)
-        pipe.pexpire(self.key, self.ttl_ms)
-        pipe.sadd(NODES_SET, self.node_id)
-        pipe.execute()
+        self.registry.beat(self.node_id, fields, self.ttl_s)
 
     def start(self) -> None:
         self.beat()
@@ -137,7 +132,7 @@ class NodeRegistration:
             try:
                 self.beat()
             except Exception as e:  # noqa: BLE001 - keep beating through a Redis blip
-                log.warning("heartbeat for %s failed: %s", self.key, e)
+                log.warning("heartbeat for node %s failed: %s", self.node_id, e)
 
     def stop(self, *, unregister: bool = True) -> None:
         self._stop.set()
@@ -145,15 +140,12 @@ class NodeRegistration:
             self._thread.join(timeout=5)
         if unregister:
             try:
-                self.client.delete(self.key)
-                self.client.srem(NODES_SET, self.node_id)
-            except Exception as e:  # noqa: BLE001 - best effort; the TTL expires it anyway
-                log.warning("could not unregister %s: %s", self.key, e)
+                self.registry.remove(self.node_id)
+            except TierStoreError as e:  # best effort; the TTL expires it anyway
+                log.warning("could not unregister node %s: %s", self.node_id, e)
 
 
 def _default_backend(config: AgentConfig) -> Backend:
-    from backends.host import HostBackend
-
     return HostBackend(config.host_root, capacity_bytes=config.capacity_bytes)
 
 
@@ -164,10 +156,10 @@ class Agent:
     :func:`run_agent` for a whole process with signal handling.
     """
 
-    def __init__(self, config: AgentConfig, backend: Backend | None = None, *, redis_client: Any = None) -> None:
+    def __init__(self, config: AgentConfig, backend: Backend | None = None, *, index: Index | None = None) -> None:
         self.config = config
         self.backend = backend if backend is not None else _default_backend(config)
-        self._redis = redis_client
+        self._index = index
         self.port: int | None = None
         self._listener: Any = None
         self._stopped: asyncio.Event | None = None
@@ -182,14 +174,12 @@ class Agent:
         self._stopped = asyncio.Event()
         self._listener = self._ucxx.create_listener(self._serve_connection, port=self.config.port)
         self.port = int(self._listener.port)
-        client = self._redis
-        if client is None and self.config.redis_url:
-            import redis
-
-            client = redis.Redis.from_url(self.config.redis_url)
-        if client is not None:
+        index = self._index
+        if index is None and self.config.redis_url:
+            index = self._index = Index(self.config.redis_url)
+        if index is not None:
             self._registration = NodeRegistration(
-                client, self.config.node_id,
+                NodeRegistry(index), self.config.node_id,
                 {"node_id": self.config.node_id, "address": f"{self.config.host}:{self.port}",
                  "capacity": self.config.capacity_bytes or 0, "used": 0, "pid": os.getpid(),
                  "started": f"{time.time():.3f}"},
@@ -385,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_object_bytes=args.max_object_bytes, ttl_s=args.ttl, heartbeat_s=max(0.2, args.ttl / 3))
 
     if args.metrics_port is not None:
-        from tierstore.cli.metrics import serve
+        from tierstore.cli.metrics import serve  # lazy: only with --metrics-port
 
         serve(args.metrics_port)
 

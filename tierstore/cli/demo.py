@@ -27,15 +27,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+import tierstore
+from consistency.gc import Retention
+from tierstore.cli import metrics
+from tierstore.cli import views as V
+from tierstore.cli.admin import human_bytes
+from tierstore.errors import ConfigError
+from tierstore.testing import gpt
+from tierstore.train import policies as P
+from tierstore.train.checkpointer import Checkpointer
 
 __all__ = ["build_parser", "main", "make_policy"]
 
@@ -44,8 +68,6 @@ _PHASE_TIMEOUT_S = 600.0
 
 def make_policy(spec: str) -> Any:
     """A policy from ``exact``, ``layerwise``, ``differential``, ``dedup`` or a ``+``-joined mix."""
-    from tierstore.train import policies as P
-    from tierstore.errors import ConfigError
 
     table = {"exact": P.exact, "layerwise": lambda: P.layerwise(tau=0.01, max_staleness=5),
              "differential": lambda: P.differential(base_every=5), "dedup": P.dedup}
@@ -81,8 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- one rank ---------------------------------------------------------------------------------
 def _open_store(cfg: dict[str, Any], **extra: Any) -> Any:
-    import tierstore
-
     kw: dict[str, Any] = dict(extra)
     for opt in ("node_id", "peer_replicas", "peer_secret_file"):  # set by the testbed
         if cfg.get(opt):
@@ -104,24 +124,15 @@ def _restore_tiers(store: Any, model: str, rank: int, staleness: int) -> dict[st
                 if tier.exists(str(key)):
                     counts[tier.tier] = counts.get(tier.tier, 0) + 1
                     break
-            except Exception:  # noqa: BLE001, S112 - an unreachable tier is skipped, as the read path does
+            except Exception:  # noqa: BLE001 - an unreachable tier is skipped, as the read path does
                 continue
     return counts
 
 
 def _worker(cfg: dict[str, Any]) -> int:
-    import logging
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from tierstore.testing import gpt
-    from tierstore.cli import metrics
-    from tierstore.train.checkpointer import Checkpointer
-
     rank, world, phase = cfg["rank"], cfg["world"], cfg["phase"]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
-    events = open(cfg["events"], "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    events = open(cfg["events"], "a", buffering=1)
 
     def emit(**e: Any) -> None:
         events.write(json.dumps(e) + "\n")
@@ -161,11 +172,11 @@ def _worker(cfg: dict[str, Any]) -> int:
                 time.sleep(1)
         prev = ckpt.stats.per_step.get(s - 1)
         if prev is not None:  # the previous save's background work is done now: log it
-            state, decided = store.index.r.hmget(store.index.k(cfg["model"], "step", s - 1), "state", "decided")
-            lat = float(decided) - last_wall if decided else None
+            (srec,) = store.steps.records(cfg["model"], [s - 1])
+            lat = srec.decided - last_wall if srec.decided is not None else None
             m.record_step(metrics.StepFigures(cfg["model"], s - 1, rank, stall_s=last_stall, bytes_by_tier={"host": prev},
                                               commit_latency_s=lat if lat is None or lat >= 0 else None,
-                                              state=state.decode() if state else None))
+                                              state=srec.state or None))
         last_wall, last_stall = wall, stall
     state = ckpt.wait()
     emit(event="done", state=state, stats=ckpt.stats.as_dict(), per_step=ckpt.stats.per_step)
@@ -197,14 +208,14 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
 def _run_phase(base: dict[str, Any], phase: int, out: Path, progress: Any, task: Any) -> list[int]:
     """Run every rank of one phase; return their exit codes (a killed rank: -9)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding the tierstore package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     port = _free_port()
     procs = []
     for r in range(base["world"]):
         cfg = dict(base, rank=r, phase=phase, port=port, events=str(out / f"rank{r}.phase{phase}.jsonl"))
         Path(cfg["events"]).unlink(missing_ok=True)
-        log = open(out / f"rank{r}.phase{phase}.log", "w")  # noqa: SIM115
+        log = open(out / f"rank{r}.phase{phase}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "tierstore.cli.demo", "--worker", json.dumps(cfg)],
                                       stdout=log, stderr=subprocess.STDOUT, env=env))
         log.close()
@@ -216,7 +227,7 @@ def _run_phase(base: dict[str, Any], phase: int, out: Path, progress: Any, task:
             progress.update(task, completed=done[-1]["step"] + 1)
         if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
             failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > 1.0 or time.monotonic() > deadline:
+        if (failed_at is not None and time.monotonic() - failed_at > 1.0) or time.monotonic() > deadline:
             for p in procs:  # the job failed: stop the survivors, as a launcher does
                 if p.poll() is None:
                     p.kill()
@@ -230,9 +241,6 @@ def _tail(path: Path, n: int = 15) -> str:
 
 def _collect(store: Any, model: str, ev: dict[int, list[dict]], world: int, policy: str, kill_at: int,
              out: Path) -> dict[str, Any]:
-    import statistics
-
-    from tierstore.cli import views as V
 
     r0 = [e for e in ev[0] if e["event"] == "step"]
     r1 = [e for e in ev[1] if e["event"] == "step"]
@@ -240,13 +248,12 @@ def _collect(store: Any, model: str, ev: dict[int, list[dict]], world: int, poli
     kill = next((e for e in ev[0] if e["event"] == "kill"), {})
     stalls = [e["stall_s"] for e in r0 + r1]
     steps = {s: st for s, st in store.steps.steps(model)}
-    hashes = dict(zip(steps, V._step_hashes(store.index, model, list(steps))))
     t_save = {e["step"]: e["t_save"] for e in r0 + r1}  # the newest save of each step
     commit = []
-    for s, h in hashes.items():
-        if steps[s] in ("committed", "durable") and h.get("decided") and s in t_save:
-            lat = float(h["decided"]) - t_save[s]
-            commit.append(lat if lat >= 0 else float(h["decided"]) - float(h["started"]))
+    for rec in store.steps.records(model, list(steps)):
+        if rec.state in ("committed", "durable") and rec.decided is not None and rec.step in t_save:
+            lat = rec.decided - t_save[rec.step]
+            commit.append(lat if lat >= 0 else rec.commit_latency_s)
     per_step: dict[int, dict[str, int]] = {}
     for row in V.steps_view(store, model):
         kinds: dict[str, int] = {}
@@ -287,10 +294,10 @@ def _collect(store: Any, model: str, ev: dict[int, list[dict]], world: int, poli
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: optional dependency (tierstore[plot])
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: optional dependency (tierstore[plot])
 
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for phase, style, label in (("phase0", "-", "before the failure"), ("phase1", "--", "after restore")):
@@ -320,11 +327,6 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from tierstore.cli.admin import human_bytes
-
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.1f} ms"
 
@@ -388,15 +390,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tierstore demo: --kill-at must be in 1..{a.steps - 2}", file=sys.stderr)
         return 2
     make_policy(a.policy)  # fail early on a bad name
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    from consistency.gc import Retention, collect
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -428,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             summary["plot"] = "not drawn: matplotlib is not installed (pip install 'tierstore[plot]')"
         if not a.keep_all:
-            summary["gc"] = collect(store, base["model"], Retention(keep_last=2), dry_run=False).to_json()
+            summary["gc"] = store.gc(base["model"], Retention(keep_last=2), dry_run=False).to_json()
             summary["gc"].pop("deleted")
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         _print_summary(summary)

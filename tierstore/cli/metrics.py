@@ -25,7 +25,7 @@ Protocol (who calls what):
   :class:`~tierstore.train.checkpointer.Checkpointer`) calls :meth:`Metrics.record_step`
   once per saved step, :meth:`Metrics.record_restore` after a restore.
 * Anything holding a store (the agent, ``tierstore admin``) may call
-  :meth:`Metrics.update_migration_lag` with the index, periodically.
+  :meth:`Metrics.update_migration_lag` with ``store.steps``, periodically.
 * A process that wants a scrape endpoint calls :func:`serve` once (the agent
   does it for ``--metrics-port``); it returns the bound port, or ``None``
   without ``prometheus_client``.
@@ -53,7 +53,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 def _prom() -> Any:
     try:
-        import prometheus_client
+        import prometheus_client  # lazy: optional dependency (tierstore[metrics])
 
         return prometheus_client
     except ImportError:
@@ -140,13 +140,16 @@ class Metrics:
             self.restore.labels(model, tier).observe(seconds)
         self.log.info("restore model=%s step=%s tier=%s seconds=%.3f", model, step, tier, seconds)
 
-    def update_migration_lag(self, index: Any, model: str) -> tuple[int, float]:
-        """Read the lag of ``model`` from the index (see :func:`migration_lag`) and set the gauges."""
-        steps, seconds = migration_lag(index, model)
+    def update_migration_lag(self, steps: Any, model: str) -> tuple[int, float]:
+        """Read the lag of ``model`` from the index (see :func:`migration_lag`) and set the gauges.
+
+        ``steps`` is the store's :class:`~consistency.twophase.StepProtocol` (``store.steps``).
+        """
+        lag, seconds = migration_lag(steps, model)
         if self.enabled:
-            self.lag_steps.labels(model).set(steps)
+            self.lag_steps.labels(model).set(lag)
             self.lag_seconds.labels(model).set(seconds)
-        return steps, seconds
+        return lag, seconds
 
     def exposition(self) -> bytes:
         """The text exposition of this registry (empty without ``prometheus_client``)."""
@@ -156,32 +159,23 @@ class Metrics:
         return prom.generate_latest(self.registry)
 
 
-def migration_lag(index: Any, model: str) -> tuple[int, float]:
+def migration_lag(steps: Any, model: str) -> tuple[int, float]:
     """``(steps, seconds)`` the durable tier lags the memory tiers for ``model``.
 
-    ``steps``: newest committed-or-durable step minus newest durable step (all
-    of them if none is durable); ``seconds``: server time now minus the commit
-    time of the oldest step that is committed but not durable (0 if none).
+    ``steps`` is the store's :class:`~consistency.twophase.StepProtocol`.
+    Lag in steps: newest committed-or-durable step minus newest durable step
+    (all of them if none is durable); in seconds: server time now minus the
+    commit time of the oldest step that is committed but not durable (0 if none).
     """
-    from consistency.index import translate_redis_errors
-
-    r = index.r
-    k = index.k
-    with translate_redis_errors(f"migration lag of {model}", index.url):
-        steps = [int(s) for s in r.zrange(k(model, "steps"), 0, -1)]
-        pipe = r.pipeline(transaction=False)
-        for s in steps:
-            pipe.hmget(k(model, "step", s), "state", "decided")
-        rows = pipe.execute()
-        sec, usec = r.time()
-    now = sec + usec / 1e6
-    committed = [(s, row) for s, row in zip(steps, rows) if row[0] in (b"committed", b"durable")]
+    records = steps.records(model)
+    now = steps.index.server_time()
+    committed = [r for r in records if r.state in ("committed", "durable")]
     if not committed:
         return 0, 0.0
-    durable = [s for s, row in committed if row[0] == b"durable"]
-    newest = committed[-1][0]
+    durable = [r.step for r in committed if r.state == "durable"]
+    newest = committed[-1].step
     lag_steps = newest - durable[-1] if durable else len(committed)
-    pending = [float(row[1] or now) for s, row in committed if row[0] == b"committed"]
+    pending = [r.decided if r.decided is not None else now for r in committed if r.state == "committed"]
     return max(0, lag_steps), max(0.0, now - min(pending)) if pending else 0.0
 
 

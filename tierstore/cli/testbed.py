@@ -45,7 +45,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from consistency.index import Index
+from consistency.nodes import NodeRegistry
 from tierstore.cli.demo import _free_port, _read_events, _tail
+from tierstore.config import StoreConfig
+from tierstore.embedded import server_binary
+from tierstore.errors import TierUnavailableError
 
 __all__ = ["Testbed", "main", "peer_supported"]
 
@@ -54,7 +62,6 @@ _FAKE_S3_ENV = {"AWS_ACCESS_KEY_ID": "testbed", "AWS_SECRET_ACCESS_KEY": "testbe
 
 def peer_supported() -> tuple[bool, str]:
     """Whether ranks can use the peer tier here, and why not."""
-    from tierstore.config import StoreConfig
 
     if "peer_replicas" not in StoreConfig.__dataclass_fields__:
         return False, "TierStore has no peer tier option (peer_replicas) yet"
@@ -65,7 +72,7 @@ def peer_supported() -> tuple[bool, str]:
 
 def _ucxx_ok() -> bool:
     try:
-        from backends.ucx_util import import_ucxx
+        from backends.ucx_util import import_ucxx  # lazy: the testbed runs without ucxx (--no-peer)
 
         import_ucxx()
         return True
@@ -99,7 +106,7 @@ class Testbed:
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", UCXX_LOG_LEVEL=os.environ.get("UCXX_LOG_LEVEL", "FATAL"),
                         **_FAKE_S3_ENV)
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding the tierstore package
         self.env["PYTHONPATH"] = root + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
         self.secret_file = self.work / "secret"
         self.redis_url = ""
@@ -109,7 +116,7 @@ class Testbed:
                                          "batch_size": 8, "model": "testbed", "hold_after": kill_at}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.work / f"{name}.log", "a")  # noqa: SIM115
+        log = open(self.work / f"{name}.log", "a")
         p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(self.work))
         log.close()
         self.procs[name] = p
@@ -117,10 +124,7 @@ class Testbed:
 
     # -- services ------------------------------------------------------------------------
     def start_services(self) -> None:
-        import boto3
-        import redis
-
-        from tierstore.embedded import server_binary
+        import boto3  # lazy: boto3 is slow to import and only the testbed's own S3 set-up needs it
 
         self.work.mkdir(parents=True, exist_ok=True)
         self.shm.mkdir(parents=True)
@@ -131,10 +135,14 @@ class Testbed:
         self.redis_url = f"redis://127.0.0.1:{port}/0"
 
         def redis_up() -> bool:
+            index = Index(self.redis_url, socket_timeout=1)
             try:
-                return bool(redis.Redis.from_url(self.redis_url, socket_timeout=1).ping())
-            except redis.exceptions.RedisError:
+                index.ping()
+                return True
+            except TierUnavailableError:
                 return False
+            finally:
+                index.close()
 
         _wait(redis_up, 30, "redis", p)
         port = _free_port()
@@ -156,27 +164,21 @@ class Testbed:
                              s3_endpoint=self.s3_endpoint)
 
     def start_agent(self, node: str) -> None:
-        import redis
-
         (self.shm / node).mkdir(parents=True, exist_ok=True)
         p = self._spawn(f"agent-{node}", [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node,
                                           "--host-root", str(self.shm / node), "--secret-file", str(self.secret_file),
                                           "--redis", self.redis_url, "--ttl", "5", "--log-level", "INFO"])
-        r = redis.Redis.from_url(self.redis_url)
-        _wait(lambda: r.exists(f"ts:node:{node}") == 1, 60, f"agent {node}", p)
+        registry = NodeRegistry(Index(self.redis_url))
+        _wait(lambda: registry.is_registered(node), 60, f"agent {node}", p)
 
     def kill_node(self, node: str) -> None:
         """SIGKILL the node's agent and ranks, wipe its shared memory, drop its registration."""
-        import redis
-
         for name, p in self.procs.items():
             if (name == f"agent-{node}" or name.startswith(f"{node}-rank")) and p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(30)
         shutil.rmtree(self.shm / node, ignore_errors=True)
-        r = redis.Redis.from_url(self.redis_url)
-        r.delete(f"ts:node:{node}")  # what its TTL would do a few seconds later
-        r.srem("ts:nodes", node)
+        NodeRegistry(Index(self.redis_url)).remove(node)  # what its TTL would do a few seconds later
 
     # -- ranks ---------------------------------------------------------------------------
     def start_ranks(self, phase: int) -> dict[int, subprocess.Popen]:
@@ -272,9 +274,6 @@ def run(tb: Testbed, kill_at: int, say=print, timeout: float = 300.0) -> dict[st
 
 
 def _print_report(rep: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=f"testbed: {rep['killed']} lost after step {rep['kill_at']}; restored step {rep['restored_step']}",
               title_justify="left")
     for c in ("rank", "node", "restored step", "restore time", "tiers read", "trained to", "last save"):

@@ -13,42 +13,28 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from consistency.index import Index, ObjectRecord, translate_redis_errors
+from consistency.index import Index, ObjectRecord
+from consistency.manifest import manifest_layers, manifest_objects
+from consistency.nodes import NodeRegistry
 from tierstore import codec
-from tierstore.errors import CorruptObjectError, TierStoreError
+from tierstore.errors import CorruptObjectError, TierStoreError, UnknownError
 from tierstore.keys import ShardKey
 
 if TYPE_CHECKING:
     from tierstore.store import TierStore
 
 __all__ = [
-    "UnknownError",
     "du_view",
     "layers_view",
     "models_view",
     "nodes_view",
     "require_model",
-    "server_now",
     "show_view",
     "steps_view",
     "verify_keys",
     "verify_objects",
     "where_view",
 ]
-
-
-class UnknownError(TierStoreError, LookupError):
-    """The model, step or key asked about is not in the index (``what`` names it)."""
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else ("" if v is None else str(v))
-
-
-def server_now(index: Index) -> float:
-    with translate_redis_errors("read server time", index.url):
-        sec, usec = index.r.time()
-    return sec + usec / 1e6
 
 
 def require_model(store: TierStore, model: str) -> None:
@@ -61,21 +47,6 @@ def require_model(store: TierStore, model: str) -> None:
 
 def _records(store: TierStore, keys: list[ShardKey]) -> list[ObjectRecord]:
     return [r for r in store.index.get_objects(keys) if r is not None] if keys else []
-
-
-def _step_hashes(index: Index, model: str, steps: list[int]) -> list[dict[str, str]]:
-    with translate_redis_errors(f"steps of {model}", index.url):
-        pipe = index.r.pipeline(transaction=False)
-        for s in steps:
-            pipe.hgetall(index.k(model, "step", s))
-            pipe.hlen(index.k(model, "votes", s))
-        rows = pipe.execute()
-    out = []
-    for i in range(0, len(rows), 2):
-        h = {_s(k): _s(v) for k, v in rows[i].items()}
-        h["_votes"] = str(rows[i + 1])
-        out.append(h)
-    return out
 
 
 def models_view(store: TierStore) -> list[dict[str, Any]]:
@@ -113,22 +84,20 @@ def _bytes_per_tier(recs: list[ObjectRecord]) -> dict[str, int]:
 def steps_view(store: TierStore, model: str) -> list[dict[str, Any]]:
     """One row per step: state, age, votes of world, epoch, bytes per tier (index placement)."""
     require_model(store, model)
-    steps = store.steps.steps(model)
-    now = server_now(store.index)
-    hashes = _step_hashes(store.index, model, [s for s, _ in steps])
+    now = store.index.server_time()
     rows = []
-    for (step, state), h in zip(steps, hashes):
-        recs = _records(store, store.index.list_objects(model, step=step))
-        started = float(h.get("started") or 0) or None
+    for rec in store.steps.records(model):
+        recs = _records(store, store.index.list_objects(model, step=rec.step))
+        lat = rec.commit_latency_s
         rows.append({
-            "step": step,
-            "state": state,
-            "age_s": round(now - started, 3) if started else None,
-            "commit_latency_s": round(float(h["decided"]) - started, 6) if started and h.get("decided") else None,
-            "votes": int(h["_votes"]),
-            "world": int(h.get("world") or 0),
-            "epoch": int(h.get("epoch") or 0),
-            "reason": h.get("reason") or None,
+            "step": rec.step,
+            "state": rec.state,
+            "age_s": round(now - rec.started, 3) if rec.started else None,
+            "commit_latency_s": round(lat, 6) if lat is not None else None,
+            "votes": rec.votes,
+            "world": rec.world,
+            "epoch": rec.epoch,
+            "reason": rec.reason,
             "objects": len(recs),
             "bytes": sum(r.size for r in recs),
             "bytes_per_tier": _bytes_per_tier(recs),
@@ -147,8 +116,6 @@ def show_view(store: TierStore, model: str, step: int) -> dict[str, Any]:
     layers: list[str] = []
     world = 0
     if manifest is not None:
-        from consistency.manifest import manifest_layers
-
         world = manifest["world"]
         layers = manifest_layers(manifest)
         entries = [(int(r), o) for r, vote in manifest["ranks"].items() for o in vote["objects"]]
@@ -194,8 +161,6 @@ def layers_view(store: TierStore, model: str) -> list[dict[str, Any]]:
     sizes: dict[tuple[str, int], int] = defaultdict(int)
     all_bytes: dict[str, int] = defaultdict(int)
     kinds: dict[tuple[str, int], set[str]] = defaultdict(set)
-    from consistency.manifest import manifest_layers, manifest_objects
-
     declared: set[str] = set()
     for s in committed:
         m = store.steps.manifest(model, s)
@@ -283,7 +248,7 @@ def verify_objects(store: TierStore, keys: list[ShardKey]) -> Iterator[dict[str,
         copies = [_check_copy(t, key, rec.checksum if rec else None) for t in store.tiers]
         problems = []
         for c in copies:
-            if c["present"] and not c["ok"] or c["error"] and not c["present"]:
+            if (c["present"] and not c["ok"]) or (c["error"] and not c["present"]):
                 problems.append(f"{c['tier']}: {c['error']}")
             elif rec is not None and c["tier"] in rec.tiers and not c["present"]:
                 problems.append(f"{c['tier']}: the index says it holds a copy, but it does not")
@@ -296,31 +261,19 @@ def verify_objects(store: TierStore, keys: list[ShardKey]) -> Iterator[dict[str,
 
 
 def nodes_view(index: Index) -> list[dict[str, Any]]:
-    """The agents registered in ``ts:nodes``: address, capacity, used, pid, uptime, TTL left."""
-    with translate_redis_errors("list nodes", index.url):
-        ids = sorted(_s(n) for n in index.r.smembers("ts:nodes"))
-        pipe = index.r.pipeline(transaction=False)
-        for n in ids:
-            pipe.hgetall(f"ts:node:{n}")
-            pipe.pttl(f"ts:node:{n}")
-        rows = pipe.execute()
-    now = server_now(index)
-    out = []
-    for i, n in enumerate(ids):
-        h = {_s(k): _s(v) for k, v in rows[2 * i].items()}
-        ttl_ms = rows[2 * i + 1]
-        started = float(h.get("started") or 0) or None
-        out.append({
-            "node_id": n,
-            "alive": bool(h),
-            "address": h.get("address"),
-            "capacity": int(h["capacity"]) if h.get("capacity") else None,
-            "used": int(h["used"]) if h.get("used") else None,
-            "pid": int(h["pid"]) if h.get("pid") else None,
-            "uptime_s": round(now - started, 1) if started else None,
-            "ttl_left_s": round(ttl_ms / 1000, 2) if isinstance(ttl_ms, int) and ttl_ms >= 0 else None,
-        })
-    return out
+    """The registered node agents: address, capacity, used, pid, uptime, TTL left."""
+    nodes = NodeRegistry(index).nodes()
+    now = index.server_time()
+    return [{
+        "node_id": n.node_id,
+        "alive": n.alive,
+        "address": n.address,
+        "capacity": n.capacity,
+        "used": n.used,
+        "pid": n.pid,
+        "uptime_s": round(now - n.started, 1) if n.started else None,
+        "ttl_left_s": n.ttl_left_s,
+    } for n in nodes]
 
 
 def du_view(store: TierStore, model: str | None = None) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ __all__ = [
     "MAX_NDIM",
     "MAX_TABLE_LEN",
     "TRAILER_SIZE",
-    "ObjectInfo",
+    "BlobInfo",
     "Shard",
     "TensorInfo",
     "compute_checksum",
@@ -77,7 +77,7 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-class ObjectInfo:
+class BlobInfo:
     """What :func:`inspect` reports about an encoded object."""
 
     version: int

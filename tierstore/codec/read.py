@@ -27,7 +27,7 @@ from tierstore.codec.format import (
     MAX_NDIM,
     MAX_TABLE_LEN,
     TRAILER_SIZE,
-    ObjectInfo,
+    BlobInfo,
     Shard,
     TensorInfo,
     align,
@@ -359,7 +359,7 @@ def decode(
     return EncodedObject(blob).decode(out=out, copy=copy, strict=strict, verify=verify)
 
 
-def inspect(blob: Any, *, verify: bool = True) -> ObjectInfo:
+def inspect(blob: Any, *, verify: bool = True) -> BlobInfo:
     """Verify ``blob`` (header, checksum, table) and describe it without decoding data.
 
     ``verify=False`` skips the checksum pass (see :func:`decode`).
@@ -367,7 +367,7 @@ def inspect(blob: Any, *, verify: bool = True) -> ObjectInfo:
     obj = EncodedObject(blob)
     mv = obj._mv
     digest = _verify_trailer(mv) if verify else obj.stored_checksum
-    return ObjectInfo(
+    return BlobInfo(
         version=FORMAT_VERSION, flags=obj.flags, compressed=bool(obj.flags & FLAGS), table_len=obj.table_len,
         data_len=len(mv) - HEADER.size - obj.table_len - TRAILER_SIZE, raw_len=obj.raw_len, nbytes=len(mv),
         checksum=digest, metadata=obj.metadata, tensors=obj.tensors,

@@ -52,11 +52,22 @@ import redis
 import xxhash
 
 from backends.base import Backend, Buffer, Reservation, as_buffers
+from backends.peer import PeerBackend
 from tierstore.errors import ConfigError, TierUnavailableError
 
 __all__ = [
-    "POINTS", "KINDS", "FaultRule", "FaultPlan", "InjectedFault", "FaultyBackend", "FaultyReservation",
-    "FaultyRedis", "FaultyEndpoint", "install", "parse_rules", "plan_from_env",
+    "KINDS",
+    "POINTS",
+    "FaultPlan",
+    "FaultRule",
+    "FaultyBackend",
+    "FaultyEndpoint",
+    "FaultyRedis",
+    "FaultyReservation",
+    "InjectedFault",
+    "install",
+    "parse_rules",
+    "plan_from_env",
 ]
 
 POINTS = ("backend.put", "backend.get", "backend.delete", "index.script", "ucx.send", "ucx.recv",
@@ -317,7 +328,7 @@ class FaultyRedis(redis.Redis):
     meaningful for commands and is treated as ``exception``.
     """
 
-    def __init__(self, inner: redis.Redis, plan: FaultPlan) -> None:  # noqa: D107 - no super().__init__
+    def __init__(self, inner: redis.Redis, plan: FaultPlan) -> None:
         self.__dict__.update(inner.__dict__)
         self._faults = plan
 
@@ -339,7 +350,8 @@ class FaultyRedis(redis.Redis):
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
         pipe = redis.Redis.pipeline(self, transaction, shard_hint)
         run = pipe.execute
-        pipe.execute = lambda raise_on_error=True: self._fault("pipeline", lambda: run(raise_on_error))
+        pipe.execute = lambda raise_on_error=True: self._fault(  # type: ignore[method-assign]
+            "pipeline", lambda: run(raise_on_error))
         return pipe
 
 
@@ -409,35 +421,22 @@ def install(store: Any, plan: FaultPlan) -> FaultPlan:
     peer tier's UCX endpoints are wrapped too (``ucx.send``/``ucx.recv``).
     Install once per store, before it is used from other threads.
     """
-    from consistency.index import Index
-    from consistency.twophase import StepProtocol
-
-    def wrap(b: Backend | None) -> Backend | None:
-        if b is None or isinstance(b, FaultyBackend):
+    def wrap(b: Backend) -> Backend:
+        if isinstance(b, FaultyBackend):
             return b
-        if hasattr(b, "_ucxx"):
-            b._ucxx = _FaultyUCXX(b._ucxx, plan)  # type: ignore[attr-defined]
+        if isinstance(b, PeerBackend):
+            b.wrap_transport(lambda ucxx: _FaultyUCXX(ucxx, plan))
         return FaultyBackend(b, plan)
 
-    store.host, store.peer, store.durable = wrap(store.host), wrap(store.peer), wrap(store.durable)
-    store.tiers = [t for t in (store.host, store.peer, store.durable) if t is not None]
-    index = Index(store.index.url, client=FaultyRedis(store.index.r, plan))
-    store.index = index
-    store.steps = StepProtocol(index, store.durable, step_timeout_s=store.steps.step_timeout_s)
-    mig = getattr(store, "_migrator", None)
-    if mig is not None:
-        mig.source, mig.target, mig.index = store.host, store.durable, index
-        step = mig._migrate
+    def before_migrate(key: Any) -> None:
+        rule = plan.decide("migration", "durable")
+        if rule is not None:
+            if rule.kind in ("corrupt", "partial"):
+                rule = FaultRule(rule.point, "exception")
+            plan.act(rule, "migration", "durable", str(key))
 
-        def migrate(key: Any, checksum: str) -> None:
-            rule = plan.decide("migration", "durable")
-            if rule is not None:
-                if rule.kind in ("corrupt", "partial"):
-                    rule = FaultRule(rule.point, "exception")
-                plan.act(rule, "migration", "durable", str(key))
-            step(key, checksum)
-
-        mig._migrate = migrate
+    store.rewire(tier=wrap, index=lambda index: index.wrapped(lambda client: FaultyRedis(client, plan)),
+                 before_migrate=before_migrate)
     vote = store.vote
 
     def faulty_vote(model: str, step: int, rank: int, objects: list, **kw: Any) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -173,8 +174,6 @@ def train_step(
     loss = model(x, y)
     loss.backward()
     if world_size > 1:
-        import torch.distributed as dist
-
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)

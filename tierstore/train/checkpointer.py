@@ -43,8 +43,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from tierstore.train.dedup import DedupPlanner, part_of
+from consistency.gc import reachable
+from tierstore import codec
 from tierstore.delta import xor_delta
 from tierstore.errors import (
     CommitError,
@@ -53,8 +55,10 @@ from tierstore.errors import (
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
+from tierstore.train.dedup import DedupPlanner, part_of
 from tierstore.train.layers import PARAM, StateMap
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
+from tierstore.train.stagger import balanced_slots, shifted
 
 __all__ = ["Checkpointer", "SaveStats", "rank_from_env"]
 
@@ -139,7 +143,6 @@ class Checkpointer:
         keep_last: int | None = 3,
         preallocate: bool = True,
     ) -> None:
-        import torch.distributed as dist
 
         self.store = store
         self.model = validate_name(model_name, "model")
@@ -171,7 +174,6 @@ class Checkpointer:
 
     def _stagger(self) -> None:
         """Give each layer a slot so forced saves and bases spread over steps (LayerCheck's smoothed I/O)."""
-        from tierstore.train.stagger import balanced_slots, shifted
 
         layers = sorted(self.map.layers)
         sizes = [_nbytes(self.map.layer_tensors(ln)) for ln in layers]
@@ -183,8 +185,6 @@ class Checkpointer:
                                 for ln, s in zip(layers, slots)}
 
     def _preallocate(self) -> None:
-        from tierstore import codec
-
         sizes = [codec.plan(self.map.layer_tensors(ln), {**self.map.layer_meta(ln), "_ts": {}}).nbytes
                  for ln in sorted(self.map.layers)]
         try:
@@ -196,8 +196,6 @@ class Checkpointer:
         """Delete this rank's objects that the last ``keep_last`` committed steps no longer reach."""
         if self.keep_last is None:
             return
-        from consistency.gc import reachable
-
         steps = self.store.steps.steps(self.model)
         committed = [s for s, st in steps if st in ("committed", "durable")]
         if len(committed) < self.keep_last:
@@ -209,7 +207,7 @@ class Checkpointer:
         horizon = kept[0]
         if horizon <= self._retained_below and not aborted:
             return
-        keep = reachable(self.store, self.model, kept)
+        keep = reachable(self.store.steps, self.model, kept)
         for key in self.store.list(self.model):
             if key.rank != self.rank or key in keep:
                 continue
@@ -227,8 +225,6 @@ class Checkpointer:
             [int(self._lw.want(step, ln, self.map.param_tensors(ln))) for ln in layers], dtype=torch.int32
         )
         if self.group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(want, op=dist.ReduceOp.MAX, group=self.group)
         return [ln for ln, w in zip(layers, want.tolist()) if w]
 
@@ -381,7 +377,6 @@ class Checkpointer:
     def _new_epoch(self) -> int | None:
         if self.group is None:
             return self.store.open_epoch(self.model) if self.world_size == 1 else None
-        import torch.distributed as dist
 
         t = torch.zeros(1, dtype=torch.int64)
         if self.rank == 0:

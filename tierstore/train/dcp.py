@@ -37,6 +37,8 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -168,8 +170,6 @@ def _parse_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
 
 
 def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -300,8 +300,6 @@ class TierStoreReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
-
         cache: dict[str, Any] = {}
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO:

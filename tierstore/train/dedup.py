@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tierstore.train.hashing import tensor_digest
 
@@ -105,7 +106,7 @@ def assign_owners(
                     continue
                 key = (ln, tuple(members))
                 parts, nb = units.get(key, ([], 0))
-                units[key] = (parts + [part], nb + nbytes)
+                units[key] = ([*parts, part], nb + nbytes)
     for (uln, umembers), (uparts, unbytes) in sorted(units.items(), key=lambda kv: (-kv[1][1], kv[0])):
         owner = min(umembers, key=lambda r: (load[r], r))
         load[owner] += unbytes
@@ -143,7 +144,6 @@ class DedupPlanner:
         Every rank of the group must call it with the same layer names, in
         the same save order.
         """
-        import torch.distributed as dist
 
         rank = dist.get_rank(self.group)
         world = dist.get_world_size(self.group)

@@ -25,7 +25,7 @@ import xxhash
 
 from tierstore.errors import InvalidValueError
 
-__all__ = ["ALGORITHMS", "tensor_digest", "digest_many"]
+__all__ = ["ALGORITHMS", "digest_many", "tensor_digest"]
 
 ALGORITHMS = ("xxh3", "blake2s")
 _DOMAIN = b"tierstore.tensor.v1\0"
@@ -50,7 +50,7 @@ def _raw_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # a size-1 slice keeps its odd stride
         flat = flat.as_strided((1,), (1,))
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def tensor_digest(t: torch.Tensor, algo: str = "xxh3") -> str:

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from tierstore.train.stagger import forced_save, is_base_step
-
 from tierstore.errors import ConfigError
+from tierstore.train.stagger import forced_save, is_base_step
 
 __all__ = [
     "DiffTracker",

@@ -71,9 +71,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import xxhash
 
-from tierstore.train.checkpointer import SaveStats
 from tierstore.errors import (
     CommitError,
     ConfigError,
@@ -81,8 +81,9 @@ from tierstore.errors import (
     RestoreMismatchError,
     TierStoreError,
 )
-from tierstore.train.hashing import tensor_digest
 from tierstore.keys import ShardKey, validate_name
+from tierstore.train.checkpointer import SaveStats
+from tierstore.train.hashing import tensor_digest
 from tierstore.train.layers import StateMap
 
 __all__ = [
@@ -200,7 +201,6 @@ class ReplayCheckpointer:
                  base_every: int = 20, rank: int | None = None, world_size: int | None = None,
                  layer_fn: Callable[[str], str] | None = None, group: Any = None, timeout: float = 120.0,
                  base_offset: int = 0) -> None:
-        import torch.distributed as dist
 
         name = type(optimizer).__name__
         if SUPPORTED_OPTIMIZERS.get(name) is not type(optimizer):
@@ -286,7 +286,8 @@ class ReplayCheckpointer:
                     pendings.append(self.store.snapshot(key, live, self.map.layer_meta(ln), epoch=self.epoch))
                     self.stats.logical_bytes += sum(t.numel() * t.element_size() for t in live.values())
             else:
-                grads = {GRAD + self._names[i]: t for i, t in self._captured.items()}
+                captured = self._captured or {}  # _due_base() made a base when nothing was captured
+                grads = {GRAD + self._names[i]: t for i, t in captured.items()}
                 meta = {"scalars": self._scalars, "optimizer": self.opt_name}
                 key = ShardKey(self.model, LOG_LAYER, step, self.rank)
                 pendings.append(self.store.snapshot(key, grads, meta, epoch=self.epoch))
@@ -369,7 +370,6 @@ class ReplayCheckpointer:
     def _all_min(self, value: int) -> int:
         if self.group is None:
             return value
-        import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
@@ -378,7 +378,6 @@ class ReplayCheckpointer:
     def _new_epoch(self) -> int | None:
         if self.group is None:
             return self.store.open_epoch(self.model) if self.world_size == 1 else None
-        import torch.distributed as dist
 
         t = torch.zeros(1, dtype=torch.int64)
         if self.rank == 0:
@@ -492,14 +491,14 @@ class ReplayCheckpointer:
         first_error: TierStoreError | None = None
         for b, chain in plans:
             t0 = time.perf_counter()
-            ok, why = 1, f"base {b}: unreadable on another rank"
+            ok, failed = 1, f"base {b}: unreadable on another rank"
             try:
                 self._load_base(mans[b])
             except TierStoreError as e:
-                ok, why = 0, f"base {b}: {e}"
+                ok, failed = 0, f"base {b}: {e}"
                 first_error = first_error or e
             if self._all_min(ok) == 0:
-                reasons.append(why)
+                reasons.append(failed)
                 continue
             report.base_s = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -552,20 +551,9 @@ class _Mismatch(Exception):
 
 def _retire_after(store: Any, model: str, step: int) -> None:
     """Delete every recorded step of ``model`` newer than ``step``: objects, durable manifests, records."""
-    from consistency.index import translate_redis_errors
-    from consistency.manifest import durable_manifest_name
-
     later = [s for s, _ in store.steps.steps(model) if s > step]
+    store.steps.delete_durable_manifests(model, later)
     for key in store.list(model):
         if key.step > step:
             store.delete(key)
-    idx = store.index
-    for s in later:
-        if store.durable is not None:
-            store.durable.delete(durable_manifest_name(model, s))
-    with translate_redis_errors(f"retire steps of {model}", idx.url):
-        pipe = idx.r.pipeline(transaction=False)
-        for s in later:
-            pipe.delete(idx.k(model, "manifest", s), idx.k(model, "votes", s), idx.k(model, "step", s))
-            pipe.zrem(idx.k(model, "steps"), s)
-        pipe.execute()
+    store.steps.drop_steps(model, later, keep_aborted_state=False)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tierstore.cli.bench import systems as S
+from tierstore.cli.bench.report import merge_and_write
 from tierstore.cli.bench.workload import Peak, make_workload, matmul_step, rss_bytes, rss_shmem_bytes, shm_used_bytes
 
 __all__ = ["rank_main"]
@@ -227,7 +228,5 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         json.dump(out, f, indent=1)
     S.barrier()
     if rank == 0:
-        from tierstore.cli.bench.report import merge_and_write
-
         merge_and_write(cfg)
     S.barrier()

@@ -24,11 +24,11 @@ from tierstore.cli.bench.workload import dir_bytes
 
 __all__ = [
     "CopyBound",
-    "TorchSaveShm",
-    "TorchSaveDisk",
-    "DcpSave",
     "DcpAsync",
     "DcpAsyncStaged",
+    "DcpSave",
+    "TorchSaveDisk",
+    "TorchSaveShm",
 ]
 
 
@@ -62,7 +62,7 @@ class CopyBound(System):
         """xxh3-128 hashing speed and copy_ speed over the state, in GiB/s."""
         flat = self.ctx.work.flat
         nbytes = self.ctx.work.nbytes
-        views = [memoryview(t.numpy()).cast("B") for t in flat.values()]
+        views = [t.numpy().data.cast("B") for t in flat.values()]
         t0 = time.perf_counter()
         for v in views:
             xxhash.xxh3_128(v).digest()
@@ -181,7 +181,7 @@ class DcpSave(_Dcp):
 class _DcpAsyncBase(_Dcp):
     background = True
 
-    def _track(self, fut: Future) -> None:
+    def _track(self, fut: Any) -> None:  # a Future, or an AsyncSaveResponse on newer torch
         self._fut = fut
         self._t_done: float | None = None
         self._ev = threading.Event()
@@ -232,7 +232,7 @@ class DcpAsyncStaged(_DcpAsyncBase):
     def setup(self) -> None:
         super().setup()
         try:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # lazy: newer torch only
         except ImportError as e:  # older torch
             raise SystemUnavailable(f"torch {torch.__version__} has no DefaultStager: {e}") from e
         self.stager = DefaultStager(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["merge_and_write", "render_markdown", "machine_info", "summarize"]
+__all__ = ["machine_info", "merge_and_write", "render_markdown", "summarize"]
 
 
 def machine_info() -> dict[str, Any]:
@@ -116,15 +116,15 @@ def render_markdown(res: dict[str, Any]) -> str:
     lines = [
         f"# tierstore bench, {res['date']}",
         "",
-        f"{cfg['ranks']} ranks (gloo), {gib:.3f} GiB fp32 params + AdamW state per rank in "
-        f"{cfg['tensors']} tensors, {cfg['repeats']} rounds (systems alternate), "
-        f"{cfg['threads']} torch thread(s) per rank; torch {res['machine']['torch']}, "
-        f"{res['machine']['cpus']} CPUs ({res['machine']['cpu_model']}), load at start "
-        f"{res['machine']['loadavg'][0]:.2f}, at end {res['loadavg_end'][0]:.2f}.",
+        (f"{cfg['ranks']} ranks (gloo), {gib:.3f} GiB fp32 params + AdamW state per rank in "
+         f"{cfg['tensors']} tensors, {cfg['repeats']} rounds (systems alternate), "
+         f"{cfg['threads']} torch thread(s) per rank; torch {res['machine']['torch']}, "
+         f"{res['machine']['cpus']} CPUs ({res['machine']['cpu_model']}), load at start "
+         f"{res['machine']['loadavg'][0]:.2f}, at end {res['loadavg_end'][0]:.2f}."),
         "Times in ms, median (min–max) of the slowest rank per round. Memory per rank in GiB.",
         "",
-        "| system | stall | × copy | × best peer | complete | committed | durable | restore (× copy) "
-        "| extra RSS (private) | /dev/shm | training slowdown |",
+        ("| system | stall | × copy | × best peer | complete | committed | durable | restore (× copy) "
+         "| extra RSS (private) | /dev/shm | training slowdown |"),
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, f in summ.items():
@@ -143,8 +143,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         lines.append(f"- `{name}`: {f['describe']}.")
     ex = summ.get("copy", {}).get("extras", {})
     if "xxh3_128_gib_s" in ex:
-        lines += ["", f"Hashing: xxh3-128 over the state at {ex['xxh3_128_gib_s']:.2f} GiB/s per rank "
-                      f"(both ranks at once); copy_ at {ex['copy_gib_s']:.2f} GiB/s per rank."]
+        lines += ["", (f"Hashing: xxh3-128 over the state at {ex['xxh3_128_gib_s']:.2f} GiB/s per rank "
+                       f"(both ranks at once); copy_ at {ex['copy_gib_s']:.2f} GiB/s per rank.")]
     modes = {f["slowdown_mode"] for f in summ.values() if f["slowdown_mode"]}
     lines += [
         "",

@@ -17,7 +17,13 @@ import sys
 import tempfile
 from typing import Any
 
-__all__ = ["main", "build_parser", "DEFAULT_SYSTEMS"]
+import torch.multiprocessing as mp
+
+from tierstore.cli.bench.harness import rank_main
+from tierstore.cli.bench.report import machine_info
+from tierstore.embedded import stop_server
+
+__all__ = ["DEFAULT_SYSTEMS", "build_parser", "main"]
 
 DEFAULT_SYSTEMS = [
     "copy", "torch_save_shm", "torch_save_disk", "dcp_save", "dcp_async", "dcp_async_staged",
@@ -52,8 +58,6 @@ def _stop_embedded(home: str) -> None:
     if not os.path.isdir(home):
         return
     try:
-        from tierstore.embedded import stop_server
-
         stop_server(home)
     except Exception as e:  # noqa: BLE001 - best effort on the way out
         print(f"could not stop the embedded server in {home}: {e}", file=sys.stderr)
@@ -64,15 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     size = args.size_gib if args.size_gib is not None else (1 / 16 if args.quick else 1.0)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   now.strftime("%Y%m%dT%H%M%SZ"))
+    now = datetime.datetime.now(datetime.UTC)
+    out = args.out or os.path.join("bench", "results", now.strftime("%Y%m%dT%H%M%SZ"))
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     # Freed large blocks go straight back to the OS, so RSS shows what a system really holds.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-
-    from tierstore.cli.bench.report import machine_info
 
     shm_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir="/dev/shm")
     disk_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir=args.disk_dir)
@@ -96,9 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"],
         "command": "tierstore bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    import torch.multiprocessing as mp
-
-    from tierstore.cli.bench.harness import rank_main
 
     try:
         mp.spawn(rank_main, args=(cfg,), nprocs=args.ranks, join=True)

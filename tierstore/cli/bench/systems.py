@@ -25,21 +25,22 @@ in other modules and are added by :func:`load_builtin` when importable.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch.distributed as dist
 
 from tierstore.cli.bench.workload import Workload
 
 __all__ = [
+    "SKIPPED",
+    "SYSTEMS",
     "BenchContext",
     "System",
     "SystemUnavailable",
-    "SYSTEMS",
-    "SKIPPED",
-    "register",
     "load_builtin",
+    "register",
 ]
 
 
@@ -172,8 +173,8 @@ def register(name: str) -> Callable[[S], S]:
 
 def load_builtin() -> None:
     """Import the built-in systems: the bound, the peers and, where importable, tierstore's."""
-    import tierstore.cli.bench.peers  # noqa: F401
-    import tierstore.cli.bench.tierstore_systems  # noqa: F401
+    import tierstore.cli.bench.peers  # lazy: the systems register themselves and import this module (cycle)
+    import tierstore.cli.bench.tierstore_systems  # noqa: F401  # lazy: same cycle
 
 
 def barrier() -> None:

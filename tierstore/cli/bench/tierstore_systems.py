@@ -27,7 +27,10 @@ from typing import Any
 
 import torch
 
+from tierstore import codec
 from tierstore.cli.bench.systems import SKIPPED, System, SystemUnavailable, barrier, register
+from tierstore.embedded import stop_server
+from tierstore.keys import ShardKey
 
 __all__ = ["TierstoreHost", "shard_tensors"]
 
@@ -44,13 +47,12 @@ def shard_tensors(shard: Any) -> Mapping[str, torch.Tensor]:
     raise TypeError(f"cannot find tensors in {type(shard).__name__}")
 
 
+_open: Any
 try:
-    from tierstore import store as _store_mod
-
-    _open = getattr(_store_mod, "open")
+    from tierstore.connect import open as _open
 except Exception as e:  # noqa: BLE001 - any import failure means: skip, with the reason
     _open = None
-    SKIPPED["tierstore_host"] = f"tierstore.store.open is not importable ({type(e).__name__}: {e})"
+    SKIPPED["tierstore_host"] = f"tierstore.open is not importable ({type(e).__name__}: {e})"
 
 
 if _open is not None:
@@ -64,8 +66,6 @@ if _open is not None:
         describe = "tierstore: snapshot straight into host-tier shared memory, seal+publish in background"
 
         def setup(self) -> None:
-            from tierstore.keys import ShardKey
-
             self._key = ShardKey
             given = self.ctx.options.get("tierstore_open")
             kwargs = dict(given or self.default_open_kwargs())
@@ -90,7 +90,6 @@ if _open is not None:
             self.staging = dict(self.ctx.work.layers)  # snapshots go straight into the host tier
             self.keys: list[Any] = []
             self._pending: list[Any] = []
-            from tierstore import codec
 
             sizes = [codec.plan(group, {"_ts": {}}).nbytes for group in self.staging.values()]
             self.store.host.preallocate(sizes)  # pre-faulted segments, reused after each round's cleanup
@@ -180,7 +179,7 @@ if _open is not None:
             for key in self.keys:
                 try:
                     self.store.delete(key)
-                except Exception:  # noqa: BLE001 - best effort, untimed
+                except Exception:  # noqa: BLE001, S110 - best effort, untimed
                     pass
 
         def teardown(self) -> None:
@@ -193,6 +192,4 @@ if _open is not None:
                 self.staging = {}
                 barrier()
                 if self.ctx.rank == 0 and self._own_home is not None:
-                    from tierstore.embedded import stop_server
-
                     stop_server(self._own_home)

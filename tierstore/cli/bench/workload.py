@@ -15,6 +15,7 @@ by walking a directory or, where a system cannot name its files, from
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,14 +23,14 @@ from typing import Any
 import torch
 
 __all__ = [
+    "Peak",
     "Workload",
+    "dir_bytes",
     "make_workload",
+    "matmul_step",
     "rss_bytes",
     "rss_shmem_bytes",
-    "Peak",
-    "dir_bytes",
     "shm_used_bytes",
-    "matmul_step",
 ]
 
 _COLS = 1024
@@ -131,15 +132,13 @@ class Peak:
         self._max = 0
         self.method = "VmHWM"
 
-    def start(self) -> "Peak":
+    def start(self) -> Peak:
         self.base = rss_bytes()
         self.shmem_base = rss_shmem_bytes()
         try:
             with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
                 f.write("5")
         except OSError:
-            import threading
-
             self.method = "sampled"
             self._max = self.base
             self._stop = False

@@ -7,14 +7,19 @@ it. Placement is recorded in the Redis index by the tier manager, not here
 
 Writes go through :meth:`HostBackend.reserve`: the caller gets a writable
 memoryview of a segment, writes the object in place (the snapshot copy *is*
-the host-tier copy), and :meth:`_HostReservation.commit` publishes it with an
-atomic rename. Fresh shared memory is slow to write (every page faults:
-~0.5 GB/s here against ~13 GB/s into mapped, faulted pages), so deleted
-segments go to a pool (``root/.pool``) and are reused for objects of the same
-size, and this process keeps their mappings. A segment enters the pool only
-after ``recycle_grace_s`` so a reader that mapped the object just before its
-deletion finishes first; readers copy out of a mapping and must not keep
-views of objects that may be deleted.
+the host-tier copy) in a temporary file of ``root/.tmp``, and
+:meth:`_HostReservation.commit` publishes it with an atomic rename (making the
+object's directory then, off the snapshot's path). Deleted segments go to a bounded reuse pool and the writing
+process keeps their mappings (see :mod:`backends.host_pool`): fresh shared
+memory is ~20x slower to write than mapped, faulted pages.
+
+Reads (:meth:`HostBackend.get`) return a read-only view of the object that
+holds a shared ``flock`` on its file for as long as the view (or anything made
+from it) is alive: a segment is never recycled while a reader still has it,
+so a view stays valid and unchanged even if the object is deleted meanwhile.
+An object this process wrote is read through its kept mapping (no page
+faults); any other is mapped with ``MAP_POPULATE`` (page tables filled once,
+not page by page). Views pin shared memory: release them when done.
 
 Capacity: ``capacity_bytes`` bounds the bytes of published objects and
 reservations; a write past it raises :class:`TierFullError` (the tier manager
@@ -24,6 +29,7 @@ dropped first when room is needed.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import threading
@@ -32,30 +38,46 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from backends.base import Backend, Buffer, Reservation, as_buffers, total_size, validate_object_name
+from backends.base import (
+    Backend,
+    Buffer,
+    Reservation,
+    as_buffers,
+    total_size,
+    validate_object_name,
+)
+from backends.host_pool import DEFAULT_SEGMENTS, SegmentPool
 from tierstore.errors import KeyExistsError, TierFullError, TierUnavailableError
 
 __all__ = ["HostBackend"]
 
 _POOL = ".pool"
+_TMPDIR = ".tmp"  # reservations are written here, then renamed into place by commit
 _TMP = ".tmp-"
+_OPEN_RETRIES = 8
 
 
-def _mmap_writable(fd: int, nbytes: int, populate: bool) -> mmap.mmap:
-    flags = mmap.MAP_SHARED
-    if populate and hasattr(mmap, "MAP_POPULATE"):
-        flags |= mmap.MAP_POPULATE
-    return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+class _ReadPin:
+    """A reader's open file (holding its shared lock), closed when the last view of it goes."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        os.close(self.fd)
 
 
 class _HostReservation(Reservation):
-    def __init__(self, backend: HostBackend, name: str, tmp: Path, mm: mmap.mmap | None, nbytes: int):
+    def __init__(self, backend: HostBackend, name: str, tmp: str, view: memoryview | None, nbytes: int,
+                 ident: tuple[int, int]):
         self.name = name
         self._backend = backend
         self._tmp = tmp
-        self._mm = mm
+        self._ident = ident
         self.nbytes = nbytes
-        self.buffer = memoryview(mm)[:nbytes] if mm is not None else memoryview(bytearray())
+        self.buffer = view if view is not None else memoryview(bytearray())
         self._done = False
 
     def commit(self, *, if_absent: bool = False) -> None:
@@ -63,6 +85,7 @@ class _HostReservation(Reservation):
             raise RuntimeError(f"reservation for {self.name!r} already finished")
         final = self._backend._path(self.name)
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)  # here, not in reserve: off the snapshot's path
             if if_absent:
                 try:
                     os.link(self._tmp, final)
@@ -78,17 +101,29 @@ class _HostReservation(Reservation):
             self.abort()
             raise TierUnavailableError(f"cannot publish host object {self.name!r}: {e}", key=self.name) from e
         self._done = True
-        self._backend._release_reservation(self, published=True)
+        self._release_buffer()
+        self._backend._pool.moved(*self._ident, str(final))
+        self._backend._release_reservation(self.nbytes)
 
     def abort(self) -> None:
         if self._done:
             return
         self._done = True
+        self._release_buffer()
         try:
             os.unlink(self._tmp)
         except FileNotFoundError:
             pass
-        self._backend._release_reservation(self, published=False)
+        self._backend._pool.discard(*self._ident)
+        self._backend._release_reservation(self.nbytes)
+
+
+    def _release_buffer(self) -> None:
+        """Let go of the mapping (so the pool may unmap it under its budget), unless the caller still uses it."""
+        try:
+            self.buffer.release()
+        except BufferError:
+            pass  # an array over the buffer is alive: the mapping stays until it goes
 
 
 class HostBackend(Backend):
@@ -97,8 +132,11 @@ class HostBackend(Backend):
     Args:
         root: the directory (created if missing), e.g. ``/dev/shm/tierstore/node0``.
         capacity_bytes: the tier's budget; ``None`` means unbounded.
-        pool_bytes: at most this many bytes of freed segments are kept for reuse.
-        recycle_grace_s: a deleted segment is reused only after this many seconds.
+        pool_bytes: at most this many bytes of freed segments are kept for reuse (node-wide).
+        pool_segments: at most this many freed segments wait in the pool (node-wide), and at most this
+            many mappings are kept by this process (default 1024). Neither holds a file descriptor.
+        recycle_grace_s: a deleted segment is reused only after this many seconds (readers are protected
+            by their locks whatever this is; a grace only spreads reuse).
         populate: pre-fault new segments' pages when mapping them (faster writes).
     """
 
@@ -114,21 +152,25 @@ class HostBackend(Backend):
         *,
         capacity_bytes: int | None = None,
         pool_bytes: int = 8 << 30,
-        recycle_grace_s: float = 0.5,
+        pool_segments: int = DEFAULT_SEGMENTS,
+        recycle_grace_s: float = 0.0,
         populate: bool = True,
     ) -> None:
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self.pool_bytes = pool_bytes
+        self.pool_segments = pool_segments
         self.recycle_grace_s = recycle_grace_s
         self.populate = populate
         try:
             (self.root / _POOL).mkdir(parents=True, exist_ok=True)
+            (self.root / _TMPDIR).mkdir(exist_ok=True)
         except OSError as e:
             raise TierUnavailableError(f"cannot create host tier directory {self.root}: {e}") from e
+        self._tmpdir = str(self.root / _TMPDIR)
+        self._pool = SegmentPool(self.root / _POOL, max_bytes=pool_bytes, max_segments=pool_segments,
+                                 max_maps=pool_segments, grace_s=recycle_grace_s, populate=populate)
         self._lock = threading.Lock()
-        # mappings this process holds, by (dev, inode): reused when a pooled segment comes back
-        self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._reserved = 0
         self._closed = False
 
@@ -137,8 +179,8 @@ class HostBackend(Backend):
         validate_object_name(name)
         return self.root / name
 
-    def _tmp_path(self, final: Path) -> Path:
-        return final.parent / f"{_TMP}{final.name}.{uuid.uuid4().hex[:12]}"
+    def _tmp_path(self) -> str:
+        return f"{self._tmpdir}/{_TMP}{uuid.uuid4().hex}"  # a str: pathlib costs more than the syscalls here
 
     # -- capacity ----------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -152,32 +194,15 @@ class HostBackend(Backend):
                     pass
         return total
 
-    def _pool_entries(self) -> list[tuple[float, int, Path]]:
-        out = []
-        for entry in os.scandir(self.root / _POOL):
-            try:
-                st = entry.stat()
-            except FileNotFoundError:
-                continue
-            out.append((st.st_mtime, st.st_size, Path(entry.path)))
-        return sorted(out)
-
-    def _make_room(self, nbytes: int, reuse: Path | None) -> None:
+    def _make_room(self, nbytes: int) -> None:
+        """Check a fresh segment of ``nbytes`` fits the capacity, freeing pooled segments if needed."""
         if self.capacity_bytes is None:
             return
         used = self.used_bytes()
-        if reuse is not None:
-            return  # reusing a segment adds nothing
+        if used + nbytes > self.capacity_bytes:
+            used -= self._pool.free(used + nbytes - self.capacity_bytes)
         if used + nbytes <= self.capacity_bytes:
             return
-        for _mtime, size, path in self._pool_entries():
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            used -= size
-            if used + nbytes <= self.capacity_bytes:
-                return
         raise TierFullError(
             f"host tier at {self.root} is full: {used} of {self.capacity_bytes} bytes used, "
             f"{nbytes} more needed",
@@ -187,82 +212,41 @@ class HostBackend(Backend):
             capacity=self.capacity_bytes,
         )
 
-    # -- the pool ----------------------------------------------------------------
-    def _take_from_pool(self, nbytes: int) -> Path | None:
-        now = time.time()
-        pool = self.root / _POOL
-        for entry in os.scandir(pool):
-            if not entry.name.startswith(f"{nbytes}."):
-                continue
-            try:
-                if now - entry.stat().st_mtime < self.recycle_grace_s:
-                    continue
-                claimed = pool / f".claimed-{uuid.uuid4().hex}"
-                os.rename(entry.path, claimed)  # atomic: only one process wins a segment
-            except FileNotFoundError:
-                continue
-            return claimed
-        return None
-
-    def _map(self, fd: int, nbytes: int) -> mmap.mmap:
-        st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino)
-        with self._lock:
-            mm = self._maps.get(key)
-            if mm is not None and len(mm) == nbytes:
-                return mm
-        mm = _mmap_writable(fd, nbytes, self.populate)
-        with self._lock:
-            self._maps[key] = mm
-            self._prune_maps()
-        return mm
-
-    def _prune_maps(self) -> None:
-        """Drop mappings of segments that no longer exist anywhere (called with the lock)."""
-        if len(self._maps) < 64:
-            return
-        live = set()
-        for dirpath, _dirs, files in os.walk(self.root):
-            for f in files:
-                try:
-                    st = os.stat(os.path.join(dirpath, f))
-                except FileNotFoundError:
-                    continue
-                live.add((st.st_dev, st.st_ino))
-        for key in [k for k in self._maps if k not in live]:
-            mm = self._maps.pop(key)
-            try:
-                mm.close()
-            except BufferError:
-                self._maps[key] = mm  # still exported somewhere; keep it
+    def _fresh(self, path: str | Path, nbytes: int, *, name: str) -> int:
+        """Create a segment of ``nbytes`` at ``path``; return its open fd."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # FileNotFoundError: no directory
+        try:
+            os.ftruncate(fd, nbytes)
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            raise TierFullError(
+                f"no shared memory left for {nbytes} bytes in {self.root}: {e}", tier="host", key=name
+            ) from e
+        return fd
 
     # -- the interface -------------------------------------------------------------
     def reserve(self, name: str, nbytes: int) -> Reservation:
-        final = self._path(name)
+        validate_object_name(name)  # before anything is allocated
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._tmp_path(final)
-            reuse = self._take_from_pool(nbytes) if nbytes else None
-            self._make_room(nbytes, reuse)
-            if reuse is not None:
-                os.rename(reuse, tmp)
-                fd = os.open(tmp, os.O_RDWR)
-            else:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.ftruncate(fd, nbytes)
-                    if nbytes:
-                        os.posix_fallocate(fd, 0, nbytes)
-                except OSError as e:
-                    os.close(fd)
-                    os.unlink(tmp)
-                    raise TierFullError(
-                        f"no shared memory left for {nbytes} bytes in {self.root}: {e}", tier="host", key=name
-                    ) from e
+            tmp = self._tmp_path()
             try:
-                mm = self._map(fd, nbytes) if nbytes else None
+                fd = self._segment(tmp, nbytes, name)
+            except FileNotFoundError:  # the directory went away (a node's tier wiped): make it again
+                (self.root / _TMPDIR).mkdir(parents=True, exist_ok=True)
+                (self.root / _POOL).mkdir(parents=True, exist_ok=True)
+                fd = self._segment(tmp, nbytes, name)
+            try:
+                st = os.fstat(fd)
+                ident = (st.st_dev, st.st_ino)
+                view = self._pool.mapping(fd, nbytes, tmp, ident) if nbytes else None
+            except BaseException:
+                os.unlink(tmp)
+                raise
             finally:
                 os.close(fd)
         except (TierFullError, KeyExistsError):
@@ -271,11 +255,19 @@ class HostBackend(Backend):
             raise TierUnavailableError(f"host tier at {self.root} failed: {e}", key=name, tier="host") from e
         with self._lock:
             self._reserved += nbytes
-        return _HostReservation(self, name, tmp, mm, nbytes)
+        return _HostReservation(self, name, tmp, view, nbytes, ident)
 
-    def _release_reservation(self, res: _HostReservation, published: bool) -> None:
+    def _segment(self, tmp: str, nbytes: int, name: str) -> int:
+        """An open fd of a segment of exactly ``nbytes`` at ``tmp``: a pooled one, else fresh."""
+        fd = self._pool.take(nbytes, tmp)
+        if fd is None:  # nothing to reuse: fresh shared memory (slow to write: every page faults)
+            self._make_room(nbytes)
+            fd = self._fresh(tmp, nbytes, name=name)
+        return fd
+
+    def _release_reservation(self, nbytes: int) -> None:
         with self._lock:
-            self._reserved -= res.nbytes
+            self._reserved -= nbytes
 
     def put(self, name: str, data: Buffer | Sequence[Buffer], *, if_absent: bool = False) -> None:
         parts = as_buffers(data)
@@ -294,21 +286,44 @@ class HostBackend(Backend):
         res.commit(if_absent=if_absent)
 
     def get(self, name: str) -> memoryview | bytes | None:
+        """A read-only view of the object, holding a shared lock on it while alive; ``None`` if absent."""
         path = self._path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
-        try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                return b""
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        return memoryview(mm)
+        for _ in range(_OPEN_RETRIES):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            pinned = False
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a writer is claiming this segment: the object was deleted; look again
+                st = os.fstat(fd)
+                try:
+                    now = os.stat(path)
+                except FileNotFoundError:
+                    return None
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    continue  # replaced between open and lock; look again
+                size = st.st_size
+                if size == 0:
+                    return b""
+                kept = self._pool.kept(st.st_dev, st.st_ino, size)
+                if kept is not None:  # no page faults: the pages are mapped in this process already
+                    pinned = True
+                    return kept.view(size, keep=_ReadPin(fd)).toreadonly()
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)  # holds a dup of fd: the lock lives on
+                return memoryview(mm)
+            except OSError as e:
+                raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            finally:
+                if not pinned:
+                    os.close(fd)
+        raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
 
     def size(self, name: str) -> int | None:
         try:
@@ -325,54 +340,42 @@ class HostBackend(Backend):
             size = path.stat().st_size
         except FileNotFoundError:
             return False
-        if 0 < size and self._pool_size() + size <= self.pool_bytes:
-            target = self.root / _POOL / f"{size}.{uuid.uuid4().hex}"
-            try:
-                os.rename(path, target)
-                os.utime(target)  # the grace period starts now
-                return True
-            except FileNotFoundError:
-                return False
-        try:
-            path.unlink()
+        if self._pool.give(path, size):
             return True
+        try:
+            st = path.stat()
+            path.unlink()
         except FileNotFoundError:
             return False
-
-    def _pool_size(self) -> int:
-        return sum(size for _m, size, _p in self._pool_entries())
+        self._pool.discard(st.st_dev, st.st_ino)
+        return True
 
     def drain_pool(self) -> int:
         """Free every pooled segment; return the bytes freed."""
-        freed = 0
-        for _m, size, path in self._pool_entries():
-            try:
-                path.unlink()
-                freed += size
-            except FileNotFoundError:
-                pass
-        return freed
+        return self._pool.free(-1)
 
-    def preallocate(self, sizes: Sequence[int]) -> None:
-        """Put fresh, pre-faulted segments of these sizes into the pool (warm-up before training)."""
-        for nbytes in sizes:
-            if nbytes <= 0:
-                continue
-            self._make_room(nbytes, None)
-            path = self.root / _POOL / f"{nbytes}.{uuid.uuid4().hex}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def preallocate(self, sizes: Sequence[int]) -> int:
+        """Make sure this process has fresh, mapped segments of ``sizes`` in the pool (warm-up before training).
+
+        Bounded by the pool's budget (``pool_segments`` segments, ``pool_bytes``);
+        segments this process already pooled count, so repeating a call adds
+        nothing. Returns the number of segments added.
+        """
+
+        def make(path: Path, nbytes: int) -> None:
+            self._make_room(nbytes)
+            fd = self._fresh(path, nbytes, name=path.name)
             try:
-                os.ftruncate(fd, nbytes)
-                os.posix_fallocate(fd, 0, nbytes)
-                self._map(fd, nbytes)
+                self._pool.mapping(fd, nbytes, str(path))
             finally:
                 os.close(fd)
-            os.utime(path, (0, 0))  # immediately reusable
+
+        return self._pool.preallocate(sizes, make)
 
     def list(self, prefix: str = "") -> Iterator[str]:
         names = []
         for dirpath, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if d != _POOL]
+            dirs[:] = [d for d in dirs if d not in (_POOL, _TMPDIR)] if dirpath == str(self.root) else dirs
             rel = os.path.relpath(dirpath, self.root)
             for f in files:
                 if f.startswith(_TMP):
@@ -402,13 +405,7 @@ class HostBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            maps, self._maps = self._maps, {}
-        for mm in maps.values():
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes with it
+        self._pool.close()
 
     def __repr__(self) -> str:
         return f"<HostBackend root={str(self.root)!r} capacity={self.capacity_bytes}>"

@@ -87,7 +87,7 @@ def test_roundtrip(tensors, metadata, compress, copy):
     info = codec.inspect(blob)
     assert info.nbytes == len(blob)
     assert info.checksum == codec.checksum(blob) == codec.verify(blob) == xxhash.xxh3_128(blob[:-16]).hexdigest()
-    assert info.compressed == bool(info.flags & codec.FLAG_LZ4)
+    assert info.compressed == bool(info.flags & (codec.FLAG_LZ4 | codec.FLAG_ZSTD))
     if compress == "always":
         assert info.compressed
     if compress == "never":

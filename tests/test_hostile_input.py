@@ -19,6 +19,7 @@ import lz4.frame
 import pytest
 import torch
 import xxhash
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -79,19 +80,21 @@ json_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_n
 
 @FUZZ
 @given(rows=st.lists(row, max_size=4), meta=st.dictionaries(st.text(max_size=4), json_leaf, max_size=3),
-       data=st.binary(max_size=512), flags=st.sampled_from([0, 1, 2, 0xFFFF]),
+       data=st.binary(max_size=512), flags=st.sampled_from([0, 1, 2, 3, 0xFFFF]),
        raw_len=st.one_of(st.none(), st.sampled_from(BIG)), data_len=st.one_of(st.none(), st.sampled_from(BIG)),
        table_len=st.one_of(st.none(), st.sampled_from(BIG)), version=st.sampled_from([1, 1, 1, 0, 2]))
 def test_forged_objects_fail_typed(rows, meta, data, flags, raw_len, data_len, table_len, version):
     table = pad(json.dumps({"tensors": rows, "meta": meta}).encode())
     if flags & 1 and data:
         data = lz4.frame.compress(data, store_size=True)
+    elif flags == 2 and data:
+        data = zstandard.ZstdCompressor(write_content_size=True).compress(data)
     check_decode(forge(flags, table, data, table_len=table_len, data_len=data_len, raw_len=raw_len,
                        version=version))
 
 
 @FUZZ
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 8), compress=st.sampled_from(["never", "always"]))
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 8), compress=st.sampled_from(["never", "always", "lz4", "zstd"]))
 def test_mutated_valid_objects_fail_typed_or_decode(seed, n, compress):
     """Flip bytes of a real object and recompute the trailer: typed error or a self-consistent decode."""
     import random
@@ -109,7 +112,7 @@ def test_mutated_valid_objects_fail_typed_or_decode(seed, n, compress):
 def test_header_claiming_2_to_60_bytes_fails_fast(field):
     table = pad(json.dumps({"tensors": [], "meta": {}}).encode())
     kw = {field: 2**60}
-    for flags in (0, 1):
+    for flags in (0, 1, 2):
         with pytest.raises(CorruptObjectError):
             codec.decode(forge(flags, table, b"x" * 64, **kw))
         check_decode(forge(flags, table, b"x" * 64, **kw))

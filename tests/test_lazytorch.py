@@ -20,9 +20,9 @@ def test_the_stand_in_is_torch_once_used():
 
 
 def test_the_static_dtype_table_matches_torch():
-    assert set(codec.DTYPES) == set(codec._ITEMSIZE)
+    assert set(codec.DTYPES) == set(codec.ITEMSIZE)
     for name, dtype in codec.DTYPES.items():
-        assert dtype is getattr(torch, name) and dtype.itemsize == codec._ITEMSIZE[name], name
+        assert dtype is getattr(torch, name) and dtype.itemsize == codec.ITEMSIZE[name], name
 
 
 def test_the_data_path_imports_and_verifies_objects_without_torch(tmp_path):

@@ -20,6 +20,7 @@ variable                       field
 ``TIERSTORE_PEER_SECRET_FILE`` ``peer_secret_file``
 ``TIERSTORE_SHM_DIR``          ``shm_dir`` (where derived host roots go; default ``/dev/shm``)
 ``TIERSTORE_REBUILD_INDEX``    ``rebuild_index_on_loss`` (``1``/``true``: rebuild a lost index)
+``TIERSTORE_BACKGROUND_NICE``  ``background_nice``
 =============================  ===============================================
 """
 
@@ -52,6 +53,7 @@ _ENV = {
     "peer_secret_file": "TIERSTORE_PEER_SECRET_FILE",
     "shm_dir": "TIERSTORE_SHM_DIR",
     "rebuild_index_on_loss": "TIERSTORE_REBUILD_INDEX",
+    "background_nice": "TIERSTORE_BACKGROUND_NICE",
 }
 _VERIFY = ("auto", "full", "trailer")
 
@@ -85,7 +87,10 @@ class StoreConfig:
         host_root: the host tier's shared-memory directory; ``None`` derives
             one in ``/dev/shm`` from ``home`` and ``node_id``.
         host_capacity_bytes: host tier budget; ``None`` is unbounded.
-        host_pool_bytes: freed segments kept for reuse (fast snapshots).
+        host_pool_bytes: freed segments kept for reuse (fast snapshots), node-wide.
+        host_pool_segments: at most this many freed segments wait in the pool
+            (node-wide), and at most this many mappings are kept per process;
+            neither holds a file descriptor.
         node_id: this node's name (agents, peer placement).
         migrate: migrate every put to the durable tier in the background.
         migration_queue: at most this many objects wait for migration; a put
@@ -110,6 +115,11 @@ class StoreConfig:
             and compares the stored trailer with the index's checksum in remote
             ones (S3, peers); ``"full"`` hashes every copy; ``"trailer"`` reads
             only trailers.
+        background_nice: the store's background threads (migration,
+            replication, :meth:`~tierstore.store.TierStore.finish_async`) run this
+            much nicer than the thread that opened the store (Linux, per thread;
+            0 keeps the trainer's priority). Default 10: on a node whose ranks use
+            every core, the trainer gets ~90% of a contended core.
     """
 
     home: str = ".tierstore"
@@ -122,6 +132,7 @@ class StoreConfig:
     host_root: str | None = None
     host_capacity_bytes: int | None = None
     host_pool_bytes: int = 8 << 30
+    host_pool_segments: int = 1024
     node_id: str = ""
     migrate: bool = True
     migration_queue: int = 1024
@@ -136,6 +147,7 @@ class StoreConfig:
     migration_backoff_max_s: float = 5.0
     rebuild_index_on_loss: bool = False
     restore_verify: str = "auto"
+    background_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:
@@ -153,6 +165,10 @@ class StoreConfig:
         if self.restore_verify not in _VERIFY:
             raise ConfigError(f"restore_verify must be one of {_VERIFY}, got {self.restore_verify!r}",
                               field="restore_verify")
+        if not 0 <= self.background_nice <= 19:
+            raise ConfigError(f"background_nice must be within 0..19, got {self.background_nice}")
+        if self.host_pool_segments < 0:
+            raise ConfigError("host_pool_segments must be >= 0")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:
@@ -173,7 +189,7 @@ class StoreConfig:
                 values["index_ack_timeout_s"] = float(values["index_ack_timeout_s"])
             except ValueError as e:
                 raise ConfigError(f"{_ENV['index_ack_timeout_s']} must be a number: {e}") from e
-        for name in ("host_capacity_bytes", "peer_replicas", "index_replicas"):
+        for name in ("host_capacity_bytes", "peer_replicas", "index_replicas", "background_nice"):
             if name in values:
                 try:
                     values[name] = int(values[name])

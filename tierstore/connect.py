@@ -156,9 +156,11 @@ def open(
         if cfg.host_root is None:  # resolved() always derives one
             raise ConfigError("no host tier directory", field="host_root")
         if create:
-            host = _HeldHost(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes)
+            host = _HeldHost(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes,
+                             pool_segments=cfg.host_pool_segments)
         elif Path(cfg.host_root).is_dir():  # a read-only tool neither holds the tier nor frees its pool
-            host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes)
+            host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes,
+                             pool_segments=cfg.host_pool_segments)
         else:
             host = cast(HostBackend, _MissingHost(cfg.host_root))
         dur: Backend | None = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from backends.base import Backend
 from consistency.index import Index
 from tierstore import codec
+from tierstore.background import lower_priority
 from tierstore.errors import (
     CorruptObjectError,
     FencedError,
@@ -44,6 +45,8 @@ __all__ = ["Migrator"]
 
 log = logging.getLogger(__name__)
 
+_DELETE_SETTLE_S = (0.05, 0.2, 0.5)  # pauses between index checks for an object gone from the host tier
+
 
 @dataclass
 class _Group:
@@ -56,6 +59,9 @@ class _Group:
 class Migrator:
     """Moves objects from ``source`` (host tier) to ``target`` (durable tier).
 
+    Workers run ``nice`` nicer than the thread that builds the Migrator
+    (:mod:`tierstore.background`).
+
     Protocol: :meth:`enqueue` after an object is published and indexed;
     :meth:`when_done` to learn when a set of objects has migrated;
     :meth:`flush` to wait for everything queued so far; :meth:`close` at the end.
@@ -63,7 +69,7 @@ class Migrator:
 
     def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1,
                  name: str = "migrate", retries: int = 5, backoff_s: float = 0.05, backoff_max_s: float = 5.0,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, nice: int = 0):
         self.source = source
         self.target = target
         self.before_each: Callable[[ShardKey], None] | None = None  # called before each object migrates
@@ -79,12 +85,16 @@ class Migrator:
         self._done: set[str] = set()  # physical names migrated
         self._failed: dict[str, BaseException] = {}  # physical names that gave up
         self._groups: list[_Group] = []
+        self.nice = nice
+        self.bytes_migrated = 0
+        started = threading.Barrier(workers + 1)
         self._threads = [
-            threading.Thread(target=self._run, name=f"tierstore-{name}-{i}", daemon=True) for i in range(workers)
+            threading.Thread(target=self._run, args=(started,), name=f"tierstore-{name}-{i}", daemon=True)
+            for i in range(workers)
         ]
         for t in self._threads:
             t.start()
-        self.bytes_migrated = 0
+        started.wait()  # every worker runs at its background priority before the first enqueue
 
     def enqueue(self, key: ShardKey, checksum: str, name: str | None = None) -> None:
         """Queue the copy ``name`` of ``key`` (default: the plain key) for migration."""
@@ -164,8 +174,7 @@ class Migrator:
             self.before_each(key)
         blob = self.source.get(name)
         if blob is None:
-            rec = self.index.get_object(key)
-            if rec is None or rec.name != name:
+            if self._gone(key, name):
                 return  # deleted (garbage-collected) or replaced by a newer write before its turn
             raise TierUnavailableError(f"{key} vanished from the {self.source.tier} tier before migration",
                                        key=str(key))
@@ -202,23 +211,53 @@ class Migrator:
                 log.info("migration of %s failed (%s); retry %d of %d in %.2f s", key, e, attempt, self.retries, delay)
                 self.sleep(delay)
 
-    def _run(self) -> None:
+    def _gone(self, key: ShardKey, name: str) -> bool:
+        """Whether the copy ``name`` of ``key`` is gone: deleted, or replaced by a newer write. A delete
+        removes the tiers' copies before the index record, so a migration that found its source gone (or
+        its target directory removed) gives it a moment."""
+        try:
+            for pause in (*_DELETE_SETTLE_S, None):
+                rec = self.index.get_object(key)
+                if rec is None or rec.name != name:
+                    return True
+                if pause is not None:
+                    time.sleep(pause)
+        except TierStoreError as e:  # the index cannot say: the migration's own error stands
+            log.debug("could not tell whether %s was deleted: %s", key, e)
+        return False
+
+    def _forget_target(self, key: ShardKey, name: str) -> None:
+        try:  # a copy written after the delete removed the target's would be an orphan
+            self.target.delete(name)
+        except Exception as e:  # noqa: BLE001 - best effort: the worker must outlive any tier's failure
+            log.debug("could not remove the target copy of deleted %s: %s", key, e)
+
+    def _run(self, started: threading.Barrier) -> None:
+        lower_priority(self.nice)
+        started.wait()
         while True:
             item = self._q.get()
             try:
                 if item is None:
                     return
                 key, checksum, name = item
+                error: Exception | None = None
                 try:
                     self._migrate_with_retries(key, checksum, name)
-                    self._finish(key, name, None)
                 except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
-                    log.warning("migration of %s failed: %s", key, e)
+                    error = e
+                if isinstance(error, TierStoreError) and self._gone(key, name):
+                    # deleted while it migrated (e.g. its durable directory went with it): not a failure
+                    log.debug("%s was deleted while migrating (%s)", key, error)
+                    self._forget_target(key, name)
+                    error = None
+                if error is not None:
+                    log.warning("migration of %s failed: %s", key, error)
                     try:
-                        self.index.set_object_field(key, "migration_error", str(e)[:500])
+                        self.index.set_object_field(key, "migration_error", str(error)[:500])
                     except TierStoreError:
                         pass
-                    self._finish(key, name, e)
+                self._finish(key, name, error)
             finally:
                 self._q.task_done()
 

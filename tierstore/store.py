@@ -25,7 +25,8 @@ import builtins  # TierStore.list shadows the builtin inside the class
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
@@ -36,6 +37,7 @@ from consistency.index import KINDS, Index, ObjectRecord
 from consistency.rebuild import RebuildReport, rebuild_index
 from consistency.twophase import StepProtocol
 from tierstore import codec
+from tierstore.background import lower_priority
 from tierstore.chains import ChainDepths
 from tierstore.config import StoreConfig
 from tierstore.errors import (
@@ -64,6 +66,7 @@ __all__ = ["KINDS", "ObjectRecord", "PendingObject", "TierStore"]
 
 log = logging.getLogger(__name__)
 _INTERNAL = "_ts"  # metadata entry holding kind/base/target, so objects describe themselves
+_UNREAD = object()  # _get's record argument when the caller has not read the index yet
 
 
 @dataclass
@@ -147,7 +150,7 @@ class TierStore:
         self._migrator = (
             Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers,
                      retries=config.migration_retries, backoff_s=config.migration_backoff_s,
-                     backoff_max_s=config.migration_backoff_max_s)
+                     backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice)
             if durable is not None and config.migrate
             else None
         )
@@ -155,12 +158,13 @@ class TierStore:
         self._replicator = (
             Migrator(host, peer, index, maxsize=config.migration_queue, workers=1, name="replicate",
                      retries=config.migration_retries, backoff_s=config.migration_backoff_s,
-                     backoff_max_s=config.migration_backoff_max_s)
+                     backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice)
             if peer is not None
             else None
         )
         self._lock = threading.Lock()
         self._closed = False
+        self._sealer: ThreadPoolExecutor | None = None  # finish_async's thread, started on first use
         self.chains = ChainDepths(index, config.max_delta_chain)
         self.steps = StepProtocol(index, durable, on_lost=self._on_lost if config.rebuild_index_on_loss else None)
 
@@ -187,8 +191,9 @@ class TierStore:
         this returns. Nothing is visible to readers until ``finish()``.
 
         ``compress``: ``"auto"`` copies full objects raw (dense floats do not
-        compress; the copy is the whole stall) and lz4-compresses other kinds
-        where a sample shows it pays; ``"always"`` / ``"never"`` force it.
+        compress; the copy is the whole stall) and compresses other kinds with
+        lz4 or zstd where a sample shows it pays (:mod:`tierstore.codec.compression`);
+        ``"always"`` / ``"never"`` force it.
 
         Raises:
             InvalidKeyError, InvalidValueError: bad key, kind or values.
@@ -309,6 +314,33 @@ class TierStore:
             except TierStoreError as e:
                 log.warning("could not delete %s from the %s tier: %s", name, tier.tier, e)
 
+    def finish_async(self, pendings: Sequence[PendingObject]) -> Future[list[ObjectRecord]]:
+        """Seal, publish and index ``pendings`` in order on the store's background thread.
+
+        The thread runs ``config.background_nice`` nicer than the trainer
+        (:mod:`tierstore.background`). The future holds the objects' infos; if
+        one fails, the rest are aborted and the future holds its error.
+        """
+        self._check_open()
+        items = list(pendings)
+        with self._lock:
+            if self._sealer is None:
+                self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-seal",
+                                                  initializer=lower_priority, initargs=(self.config.background_nice,))
+            return self._sealer.submit(self._finish_all, items)
+
+    @staticmethod
+    def _finish_all(items: list[PendingObject]) -> list[ObjectRecord]:
+        done: list[ObjectRecord] = []
+        try:
+            for p in items:
+                done.append(p.finish())
+        except BaseException:
+            for p in items[len(done):]:
+                p.abort()
+            raise
+        return done
+
     def put(
         self,
         key: ShardKey | str,
@@ -347,9 +379,17 @@ class TierStore:
             out: preallocated tensors to read into in place (shape and dtype must match).
             raw: return delta/ref objects as stored instead of resolving them.
 
+        A copy is verified in the same pass that copies it into ``out`` (or
+        into new tensors): 1 MiB chunks are hashed, then copied while in the
+        cache. If the checksum then fails, ``out`` holds some of that bad copy;
+        the next tier's copy is read into it in full, and the call returns
+        only once a copy verified. If none does, :class:`NoValidCopyError` is
+        raised and the contents of ``out`` are unspecified: never a success
+        with bad bytes.
+
         Raises:
             NoValidCopyError: the object is known but no tier has a copy that passes its checksum.
-            RestoreMismatchError: ``out`` does not fit the stored tensors.
+            RestoreMismatchError: ``out`` does not fit the stored tensors (nothing was copied).
         """
         key = _check_key(key)
         self._check_open()
@@ -371,8 +411,38 @@ class TierStore:
         """``key in store``: :meth:`exists` (a malformed key is an error, not ``False``)."""
         return self.exists(key)  # type: ignore[arg-type]  # _check_key names what is wrong
 
-    def _read_blob(self, key: ShardKey, rec: ObjectRecord | None):
-        """The first valid copy of ``key`` as (blob, tier); ``None`` if no tier has any copy."""
+    def get_many(
+        self,
+        keys: Sequence[ShardKey | str],
+        *,
+        outs: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+        raw: bool = False,
+    ) -> list[codec.Shard | None]:
+        """:meth:`get` of each key (into ``outs[i]`` where given), with one index round trip for all.
+
+        Raises:
+            InvalidValueError: ``outs`` is not as long as ``keys``.
+            NoValidCopyError, RestoreMismatchError: as :meth:`get`, for the first key that fails.
+        """
+        parsed = [_check_key(k) for k in keys]
+        self._check_open()
+        targets = list(outs) if outs is not None else [None] * len(parsed)
+        if len(targets) != len(parsed):
+            raise InvalidValueError(f"outs has {len(targets)} entries for {len(parsed)} keys")
+        records = self.index.get_objects(parsed)
+        return [self._get(k, o, raw, depth=0, rec=r) for k, o, r in zip(parsed, targets, records)]
+
+    def _read_blob(self, key: ShardKey, rec: ObjectRecord | None, consume):
+        """``consume(copy)`` of the first valid copy of ``key``, as (result, tier); ``None`` if no tier has any.
+
+        Per tier, fastest first: the copy's trailer is compared with the
+        index's checksum (header and trailer only), then ``consume`` reads it,
+        verifying the checksum over the whole copy as it goes (it raises
+        :class:`CorruptObjectError` for a bad copy, possibly after writing part
+        of it into the caller's ``out`` tensors: the next tier's copy then
+        overwrites them). A miss, an unreachable tier or a bad copy falls back
+        to the next tier.
+        """
         failures: list[str] = []
         name = rec.name if rec is not None else str(key)
         for tier in self.tiers:
@@ -384,14 +454,17 @@ class TierStore:
             if blob is None:
                 continue
             try:
-                stored = codec.verify(blob)
-                if rec is not None and rec.checksum and stored != rec.checksum:
-                    raise CorruptObjectError(f"checksum {stored} differs from the index's {rec.checksum}")
+                if rec is not None and rec.checksum:
+                    stored = codec.checksum(blob)
+                    if stored != rec.checksum:
+                        raise CorruptObjectError(f"checksum {stored} differs from the index's {rec.checksum}")
+                return consume(blob), tier.tier
             except CorruptObjectError as e:
                 log.warning("%s: bad copy in the %s tier (%s); trying the next tier", key, tier.tier, e)
                 failures.append(f"{tier.tier}: {e}")
                 continue
-            return blob, tier.tier
+            finally:
+                del blob  # a host-tier view pins its segment until released
         if failures or rec is not None:
             raise NoValidCopyError(
                 f"no valid copy of {key} in any tier ({'; '.join(failures) or 'no tier holds it'})",
@@ -400,38 +473,44 @@ class TierStore:
             )
         return None
 
-    def _get(self, key: ShardKey, out, raw: bool, depth: int) -> codec.Shard | None:
+    def _get(self, key: ShardKey, out, raw: bool, depth: int, rec: Any = _UNREAD) -> codec.Shard | None:
         if depth > self.config.max_delta_chain:
             raise CorruptObjectError(f"{key}: delta/ref chain longer than {self.config.max_delta_chain}", key=str(key))
-        rec = self.index.get_object(key)
-        found = self._read_blob(key, rec)
+        if rec is _UNREAD:
+            rec = self.index.get_object(key)
+
+        def consume(blob):
+            obj = codec.open_object(blob)  # header and table, bounded; verified by decode below
+            internal = obj.metadata.get(_INTERNAL) or {}
+            kind = internal.get("kind", "full")
+            if raw or kind == "full":  # verified in the same pass as the copy into out / new tensors
+                return kind, internal, obj.decode(out=out if not raw or kind == "full" else None)
+            return kind, internal, obj.decode()  # a delta or ref: verified before its fields are used
+
+        found = self._read_blob(key, rec, consume)
         if found is None:
             return None
-        blob, _tier = found  # verified against its checksum by _read_blob: no second hash pass below
-        info = codec.inspect(blob, verify=False)
-        internal = info.metadata.get(_INTERNAL) or {}
-        kind = internal.get("kind", "full")
+        (kind, internal, stored), _tier = found
         shard: codec.Shard | None
         if raw or kind == "full":
-            shard = codec.decode(blob, out=out if not raw or kind == "full" else None, verify=False)
+            shard = stored
         elif kind == "ref":
             shard = self._get(ShardKey.parse(internal["target"]), out, False, depth + 1)
             if shard is None:
                 raise NoValidCopyError(f"{key} refers to {internal['target']}, which is gone", key=str(key))
         elif kind == "delta":
-            shard = self._apply_delta(key, blob, ShardKey.parse(internal["base"]), out, depth)
+            shard = self._apply_delta(key, stored, ShardKey.parse(internal["base"]), out, depth)
         else:
             raise CorruptObjectError(f"{key}: unknown object kind {kind!r}", key=str(key))
         shard.metadata.pop(_INTERNAL, None)
         return shard
 
-    def _apply_delta(self, key: ShardKey, blob, base_key: ShardKey, out, depth: int) -> codec.Shard:
+    def _apply_delta(self, key: ShardKey, stored: codec.Shard, base_key: ShardKey, out, depth: int) -> codec.Shard:
         from tierstore.delta import apply_xor_delta  # lazy: delta imports torch; the admin commands run without it
 
         base = self._get(base_key, None, False, depth + 1)
         if base is None:
             raise NoValidCopyError(f"{key} is a delta on {base_key}, which is gone", key=str(key))
-        stored = codec.decode(blob, verify=False)
         layout = stored.metadata.get("_delta") or {}
         result: dict[str, torch.Tensor] = {}
         for name, delta in stored.tensors.items():
@@ -629,6 +708,8 @@ class TierStore:
             self.flush()
         finally:
             self._closed = True
+            if self._sealer is not None:
+                self._sealer.shutdown(wait=True)
             for mover in (self._replicator, self._migrator):
                 if mover is not None:
                     mover.close()

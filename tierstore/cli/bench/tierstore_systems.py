@@ -3,10 +3,12 @@
 ``tierstore_host``: the save copies every layer once, straight into its
 host-tier shared-memory object (``store.snapshot``: the stall), then a
 background thread seals (xxh3-128), publishes and indexes each shard keyed
-``bench/<layer>/<step>/<rank>``; it is *committed* when the last one is.
+``bench/<layer>/<step>/<rank>`` (``store.finish_async``: the store's sealing
+thread, at its background priority); it is *committed* when the last one is.
 Segments are pre-allocated in setup and recycled after each round's cleanup,
 as the Checkpointer does. Restore gets every shard back into
-the live tensors (``store.get(key, out=...)`` where the store has it). The
+the live tensors (``store.get_many(keys, outs=...)``: one index round trip,
+each shard verified in the same pass that copies it). The
 store is opened with ``home`` in the run's disk directory, ``host_root`` in its
 /dev/shm directory and ``durable="none"`` unless ``options["tierstore_open"]``
 says otherwise; rank 0 opens first, and stops the embedded server it started at
@@ -114,9 +116,19 @@ if _open is not None:
             self._t_done: float | None = None
             self._err: BaseException | None = None
             self._ev = threading.Event()
-            self._thread = threading.Thread(target=self._put_all, name="bench-tierstore-put", daemon=True)
-            self._thread.start()
+            finish_async = getattr(self.store, "finish_async", None)
+            if finish_async is not None:  # the store's own sealing thread, at its background priority
+                fut = finish_async(self._pending)
+                fut.add_done_callback(self._sealed)
+            else:
+                self._thread = threading.Thread(target=self._put_all, name="bench-tierstore-put", daemon=True)
+                self._thread.start()
             return {}
+
+        def _sealed(self, fut: Any) -> None:
+            self._t_done = time.perf_counter()
+            self._err = fut.exception()
+            self._ev.set()
 
         def _put_all(self) -> None:
             try:
@@ -135,12 +147,20 @@ if _open is not None:
             self._ev.wait()
             if self._thread is not None:
                 self._thread.join()
+                self._thread = None
             if self._err is not None:
                 raise self._err
             return {"complete": self._t_done, "committed": self._t_done, "durable": None}
 
         def restore(self) -> None:
-            for key, group in zip(self.keys, self.ctx.work.layers.values()):
+            groups = list(self.ctx.work.layers.values())
+            get_many = getattr(self.store, "get_many", None)
+            if get_many is not None:  # one index round trip for every shard, each verified as it is copied
+                for key, got in zip(self.keys, get_many(self.keys, outs=groups)):
+                    if got is None:
+                        raise RuntimeError(f"tierstore lost shard {key}")
+                return
+            for key, group in zip(self.keys, groups):
                 if self._get_out:
                     if self.store.get(key, out=group) is None:
                         raise RuntimeError(f"tierstore lost shard {key}")

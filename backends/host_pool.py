@@ -1,0 +1,371 @@
+"""The host tier's reuse pool of shared-memory segments, and this process's mappings of them.
+
+Fresh shared memory is slow to write: every page faults (~0.5 GB/s here,
+against ~8-13 GB/s into mapped, faulted pages), and even re-mapping a
+segment whose pages exist costs ~0.1 s per GiB to populate the page tables.
+So a deleted object's segment goes to the pool (``root/.pool``, shared by
+every process of the node) instead of being freed, and the process that
+wrote it keeps its mapping; the next object of a similar size reuses both.
+
+Pool entries are named ``<size>.<t_ns>.<rand>``: the size and the time the
+segment entered the pool are read from the name, so no ``stat`` is needed to
+choose or age one. Claiming an entry is an atomic ``rename`` out of the pool
+(one process wins), then a non-blocking exclusive ``flock``: readers hold a
+shared lock on every object they have mapped (see
+:meth:`backends.host.HostBackend.get`), so a segment still being read is put
+back instead of being overwritten. A segment is reused by *size class* (sizes
+within 1/8 of a power of two share a class): it is truncated or grown to the
+new object's exact size (objects are files of their exact length).
+
+Budget: the pool holds at most ``max_segments`` segments and ``max_bytes``
+bytes (node-wide; oldest entries are freed first; concurrent deleters may
+overshoot by one segment each), and each process keeps at most ``max_maps``
+mappings (least recently used first to go; one still in use is unmapped when
+its last view goes). Neither holds a file descriptor: pooled segments are
+files in a directory, and kept mappings are :class:`backends.shm_mapping.Mapping`
+(the descriptor is closed once mapped). A kept mapping of a segment that
+another process freed would keep its memory alive unseen, so mappings whose
+file is no longer where this process left it are dropped every
+``_SWEEP_EVERY`` new mappings.
+
+Protocol: :class:`HostBackend` calls :meth:`SegmentPool.take` to claim a
+segment into a reservation's temporary path, :meth:`SegmentPool.mapping` to
+map it (reusing a kept mapping), :meth:`SegmentPool.give` when an object is
+deleted, and :meth:`SegmentPool.close` at the end.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from backends.shm_mapping import Mapping
+
+__all__ = ["DEFAULT_SEGMENTS", "SegmentPool", "size_class"]
+
+DEFAULT_SEGMENTS = 1024
+_SWEEP_EVERY = 64
+
+_CLASS_BITS = 3  # 8 classes per power of two: a reused segment is within 12.5% of the object's size
+
+
+def size_class(nbytes: int) -> int:
+    """The size class of ``nbytes``: the smallest multiple of ``2**(bit_length - 4)`` at least ``nbytes``."""
+    if nbytes <= 1 << (_CLASS_BITS + 1):
+        return nbytes
+    step = 1 << (nbytes.bit_length() - _CLASS_BITS - 1)
+    return -(-nbytes // step) * step
+
+
+@dataclass
+class _Entry:
+    name: str
+    size: int
+    t_ns: int
+
+
+def _parse(name: str) -> _Entry | None:
+    parts = name.split(".")
+    try:
+        size = int(parts[0])
+        t_ns = int(parts[1]) if len(parts) == 3 else 0  # "<size>.<uuid>": an older layout, oldest
+    except (ValueError, IndexError):
+        return None
+    return _Entry(name, size, t_ns)
+
+
+def _map_class(fd: int, nbytes: int, populate: bool) -> Mapping:
+    """Map the segment ``fd`` (``nbytes`` long) for its whole size class.
+
+    The segment can later be regrown within its class and keep this mapping
+    (until then, bytes past the file's end must not be touched: SIGBUS).
+    ``populate`` fills the page tables up to the file's end.
+    """
+    return Mapping(fd, size_class(nbytes), populate=populate)
+
+
+def try_lock_exclusive(fd: int) -> bool:
+    """Whether no reader holds the file open under a shared lock (the lock is not kept)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+class SegmentPool:
+    """The ``.pool`` directory of one host tier root plus this process's kept mappings.
+
+    Args:
+        directory: the pool directory (created by the backend).
+        max_bytes: at most this many bytes of segments wait in the pool.
+        max_segments: at most this many segments wait in the pool.
+        max_maps: at most this many mappings kept by this process.
+        grace_s: a segment is reused only this long after it entered the pool.
+        populate: pre-fault the pages of new mappings (faster writes).
+    """
+
+    def __init__(self, directory: Path, *, max_bytes: int, max_segments: int, max_maps: int, grace_s: float,
+                 populate: bool) -> None:
+        self.dir = directory
+        self._dir_s = str(directory)
+        self.max_bytes = max_bytes
+        self.max_segments = max_segments
+        self.max_maps = max(1, max_maps)
+        self.grace_ns = int(grace_s * 1e9)
+        self.populate = populate
+        self._lock = threading.Lock()
+        # (dev, ino) -> (mapping, the path it was last seen at); least recently used first
+        self._maps: OrderedDict[tuple[int, int], tuple[Mapping, str]] = OrderedDict()
+        self._new_maps = 0
+        # pool entries this process put there (their mapping is likely kept): size -> names
+        self._own: dict[int, list[str]] = {}
+
+    # -- naming ------------------------------------------------------------------
+    def _new_name(self, size: int, t_ns: int | None = None) -> str:
+        return f"{size}.{time.time_ns() if t_ns is None else t_ns}.{uuid.uuid4().hex[:12]}"
+
+    def entries(self) -> list[_Entry]:
+        """The pool's entries, oldest first."""
+        out = []
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        for n in names:
+            e = _parse(n)
+            if e is not None:
+                out.append(e)
+        out.sort(key=lambda e: e.t_ns)
+        return out
+
+    def pooled_bytes(self) -> int:
+        return sum(e.size for e in self.entries())
+
+    # -- mappings ------------------------------------------------------------------
+    def mapping(self, fd: int, nbytes: int, path: str, key: tuple[int, int] | None = None) -> memoryview:
+        """A writable view of the first ``nbytes`` of the file ``fd``, through a mapping kept for reuse.
+
+        ``key`` is the file's (st_dev, st_ino) where the caller has it; ``fd``
+        may be closed once this returns.
+        """
+        if key is None:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+        with self._lock:
+            kept = self._maps.get(key)
+            if kept is not None and len(kept[0]) >= nbytes:
+                self._maps[key] = (kept[0], path)
+                self._maps.move_to_end(key)
+                return kept[0].view(nbytes)
+        m = _map_class(fd, nbytes, self.populate)
+        with self._lock:
+            self._maps.pop(key, None)
+            self._maps[key] = (m, path)
+            self._new_maps += 1
+            if self._new_maps % _SWEEP_EVERY == 0:
+                self._drop_stale()
+            while len(self._maps) > self.max_maps:
+                self._maps.popitem(last=False)  # unmapped when its last view goes
+        return m.view(nbytes)
+
+    def kept(self, dev: int, ino: int, nbytes: int) -> Mapping | None:
+        """The kept mapping of file (dev, ino) if it covers ``nbytes``, else ``None``."""
+        with self._lock:
+            kept = self._maps.get((dev, ino))
+            if kept is None or len(kept[0]) < nbytes:
+                return None
+            self._maps.move_to_end((dev, ino))
+            return kept[0]
+
+    def moved(self, dev: int, ino: int, path: str) -> None:
+        """Record that file (dev, ino) is now at ``path`` (it was renamed by this process)."""
+        with self._lock:
+            kept = self._maps.get((dev, ino))
+            if kept is not None:
+                self._maps[(dev, ino)] = (kept[0], path)
+
+    def discard(self, dev: int, ino: int) -> None:
+        """Forget the kept mapping of a file that was freed (unmapped when its last view goes)."""
+        with self._lock:
+            self._maps.pop((dev, ino), None)
+
+    def _drop_stale(self) -> None:
+        """Forget mappings whose file is not where this process last saw it (called with the lock)."""
+        for key, (_m, path) in list(self._maps.items()):
+            try:
+                st = os.stat(path)
+                live = (st.st_dev, st.st_ino) == key
+            except OSError:
+                live = False
+            if not live:
+                del self._maps[key]
+
+    # -- taking and giving -------------------------------------------------------------
+    def _claim(self, name: str, tmp: str) -> int | None:
+        """Move pool entry ``name`` to ``tmp`` and open it; ``None`` if gone or still being read."""
+        src = f"{self._dir_s}/{name}"
+        try:
+            os.rename(src, tmp)  # atomic: one process wins a segment
+        except FileNotFoundError:
+            if not os.path.isdir(os.path.dirname(tmp)):
+                raise  # the caller's directory is gone, not the segment
+            return None
+        fd = os.open(tmp, os.O_RDWR)
+        if try_lock_exclusive(fd):
+            return fd
+        os.close(fd)  # a reader still holds a view of the object this segment was: put it back
+        try:
+            os.rename(tmp, src)
+        except OSError:
+            os.unlink(tmp)
+        return None
+
+    def take(self, nbytes: int, tmp: str) -> int | None:
+        """Claim a pooled segment for an object of ``nbytes`` into ``tmp``; return an open fd, or ``None``.
+
+        Exact sizes first (this process's entries, then anyone's), then the same
+        size class; the segment is resized to exactly ``nbytes``.
+        """
+        if nbytes <= 0:
+            return None
+        cls = size_class(nbytes)
+        now = time.time_ns()
+        tried: set[str] = set()
+        for exact in (True, False):
+            for name in self._candidates(nbytes if exact else None, cls):
+                if name in tried:
+                    continue
+                tried.add(name)
+                e = _parse(name)
+                if e is None or now - e.t_ns < self.grace_ns:
+                    continue
+                self._forget_own(e)
+                fd = self._claim(name, tmp)
+                if fd is None:
+                    continue
+                if e.size != nbytes:
+                    try:
+                        os.ftruncate(fd, nbytes)
+                        if nbytes > e.size:
+                            os.posix_fallocate(fd, 0, nbytes)
+                    except OSError:
+                        os.close(fd)
+                        os.unlink(tmp)
+                        raise
+                return fd
+        return None
+
+    def _candidates(self, exact: int | None, cls: int) -> Iterator[str]:
+        """Names of pooled segments that fit: this process's first (their mappings are kept), then anyone's."""
+        with self._lock:
+            if exact is not None:
+                own = list(self._own.get(exact, ()))
+            else:
+                own = [n for s, names in self._own.items() if size_class(s) == cls for n in names]
+        yield from own
+        for e in self.entries():
+            if (e.size == exact) if exact is not None else (size_class(e.size) == cls):
+                yield e.name
+
+    def _forget_own(self, e: _Entry) -> None:
+        with self._lock:
+            names = self._own.get(e.size)
+            if names and e.name in names:
+                names.remove(e.name)
+                if not names:
+                    del self._own[e.size]
+
+    def give(self, path: Path, size: int) -> bool:
+        """Move the deleted object at ``path`` into the pool; ``False`` if it does not fit (caller unlinks).
+
+        Older entries are freed to make room within the budget.
+        """
+        if size <= 0 or size > self.max_bytes or self.max_segments <= 0:
+            return False
+        entries = self.entries()
+        total = sum(e.size for e in entries)
+        count = len(entries)
+        for e in entries:  # oldest first
+            if count < self.max_segments and total + size <= self.max_bytes:
+                break
+            if self._drop(e):
+                count -= 1
+                total -= e.size
+        if count >= self.max_segments or total + size > self.max_bytes:
+            return False
+        name = self._new_name(size)
+        try:
+            st = os.stat(path)
+            os.rename(path, self.dir / name)
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            if (st.st_dev, st.st_ino) in self._maps:
+                self._own.setdefault(size, []).append(name)
+        self.moved(st.st_dev, st.st_ino, str(self.dir / name))
+        return True
+
+    def _drop(self, e: _Entry) -> bool:
+        path = self.dir / e.name
+        try:
+            st = os.stat(path)
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        self._forget_own(e)
+        self.discard(st.st_dev, st.st_ino)  # its memory goes back to the system now, not when swept
+        return True
+
+    def free(self, nbytes: int) -> int:
+        """Free pooled segments, oldest first, until ``nbytes`` are freed (all with ``nbytes < 0``)."""
+        freed = 0
+        for e in self.entries():
+            if 0 <= nbytes <= freed:
+                break
+            if self._drop(e):
+                freed += e.size
+        return freed
+
+    def preallocate(self, sizes: Sequence[int], make: Callable[[Path, int], None]) -> int:
+        """Top the pool up so this process holds pooled segments of ``sizes`` (a multiset), within budget.
+
+        ``make(path, nbytes)`` creates a fresh, mapped segment at ``path``.
+        Segments this process already pooled count; so calling it again with
+        the same sizes adds nothing. Returns the number of segments added.
+        """
+        with self._lock:
+            have = {s: len(n) for s, n in self._own.items()}
+        entries = self.entries()
+        count, total = len(entries), sum(e.size for e in entries)
+        added = 0
+        for nbytes in sizes:
+            if nbytes <= 0:
+                continue
+            if have.get(nbytes, 0) > 0:
+                have[nbytes] -= 1
+                continue
+            if count + 1 > self.max_segments or total + nbytes > self.max_bytes:
+                break
+            name = self._new_name(nbytes, time.time_ns() - self.grace_ns)  # reusable at once
+            make(self.dir / name, nbytes)
+            with self._lock:
+                self._own.setdefault(nbytes, []).append(name)
+            count += 1
+            total += nbytes
+            added += 1
+        return added
+
+    def close(self) -> None:
+        """Forget every kept mapping (each is unmapped when its last view goes)."""
+        with self._lock:
+            self._maps.clear()
+            self._own.clear()

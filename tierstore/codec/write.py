@@ -1,0 +1,270 @@
+"""Writing objects: :class:`EncodePlan` (the snapshot copy), :func:`plan` and :func:`encode`."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from tierstore.codec.compression import FLAG_LZ4, NAMES, PAYS_RATIO
+from tierstore.codec.compression import choose as _choose
+from tierstore.codec.compression import compress as _compress
+from tierstore.codec.format import (
+    ALIGN,
+    DTYPE_NAMES,
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    MAX_METADATA_LEN,
+    MAX_NAME_LEN,
+    MAX_TABLE_LEN,
+    TRAILER_SIZE,
+    TensorInfo,
+    align,
+    typed_view,
+)
+from tierstore.errors import InvalidValueError
+
+if TYPE_CHECKING:
+    import torch
+else:  # torch is imported on first use (see tierstore.lazytorch)
+    from tierstore.lazytorch import torch
+
+__all__ = ["EncodePlan", "encode", "plan"]
+
+_ZEROS = bytes(ALIGN)  # the longest padding after a tensor
+
+
+def _check_metadata(metadata: dict | None) -> bytes:
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise InvalidValueError(f"metadata must be a dict, got {type(metadata).__name__}", entry="metadata")
+
+    def keys_are_str(o: Any) -> bool:
+        if isinstance(o, dict):
+            return all(isinstance(k, str) and keys_are_str(v) for k, v in o.items())
+        if isinstance(o, (list, tuple)):
+            return all(keys_are_str(v) for v in o)
+        return True
+
+    try:
+        text = json.dumps(metadata, allow_nan=False)
+        ok = keys_are_str(metadata)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise InvalidValueError(f"metadata is not JSON-serialisable: {e}", entry="metadata") from e
+    if not ok:
+        raise InvalidValueError("metadata dict keys must be str (JSON would rename them)", entry="metadata")
+    if len(text) > MAX_METADATA_LEN:
+        raise InvalidValueError(
+            f"metadata is {len(text)} bytes as JSON, over the {MAX_METADATA_LEN} limit", entry="metadata"
+        )
+    return text.encode("ascii")
+
+
+def _check_tensor(name: Any, t: Any) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+        raise InvalidValueError(
+            f"tensor name {name!r} must be a non-empty str of at most {MAX_NAME_LEN} chars", entry=name
+        )
+    if not isinstance(t, torch.Tensor):
+        raise InvalidValueError(f"value of {name!r} is a {type(t).__name__}, not a torch.Tensor", entry=name)
+    if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
+        raise InvalidValueError(f"tensor {name!r} must be a dense strided tensor with data", entry=name)
+    dtype = DTYPE_NAMES.get(t.dtype)
+    if dtype is None:
+        raise InvalidValueError(f"tensor {name!r} has unsupported dtype {t.dtype}", entry=name)
+    return dtype
+
+
+class _Layout:
+    """Where everything of an object goes, for one (metadata, names, dtypes, shapes): shared by plans."""
+
+    def __init__(self, meta_json: bytes, sig: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> None:
+        rows: list[dict[str, Any]] = []
+        offset = 0
+        for name, dtype, shape, nbytes in sig:
+            rows.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset, "nbytes": nbytes})
+            offset = align(offset + nbytes)
+        self.raw_len = offset
+        head = json.dumps({"tensors": rows}, separators=(",", ":"))[:-1].encode("ascii")
+        table = head + b',"meta":' + meta_json + b"}"
+        self.table = table + b" " * (align(len(table)) - len(table))
+        if len(self.table) > MAX_TABLE_LEN:
+            raise InvalidValueError(f"table of {len(self.table)} bytes exceeds {MAX_TABLE_LEN}", entry="table")
+        self.entries = tuple(
+            TensorInfo(r["name"], r["dtype"], tuple(r["shape"]), r["offset"], r["nbytes"]) for r in rows
+        )
+        self.index = {e.name: i for i, e in enumerate(self.entries)}
+        self.data_offset = HEADER.size + len(self.table)
+        self.nbytes = self.data_offset + self.raw_len + TRAILER_SIZE
+        self.header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(self.table), self.raw_len, self.raw_len)
+        self.slots: list[tuple[int, int, int]] = []  # (start, nbytes, zero padding after) per tensor
+        for i, e in enumerate(self.entries):
+            start = self.data_offset + e.offset
+            pad_end = self.data_offset + (self.entries[i + 1].offset if i + 1 < len(self.entries) else self.raw_len)
+            self.slots.append((start, e.nbytes, pad_end - start - e.nbytes))
+
+
+_LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
+_LAYOUTS_MAX = 1024  # a trainer saves the same layers with the same metadata every step
+_LAYOUT_CACHED_TABLE = 16 << 10  # larger tables are not kept: the cache stays within 16 MiB
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _layout(meta_json: bytes, sig: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> _Layout:
+    key = (meta_json, sig)
+    with _LAYOUTS_LOCK:
+        layout = _LAYOUTS.get(key)
+        if layout is not None:
+            _LAYOUTS.move_to_end(key)
+            return layout
+    layout = _Layout(meta_json, sig)
+    if len(layout.table) > _LAYOUT_CACHED_TABLE:
+        return layout
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[key] = layout
+        if len(_LAYOUTS) > _LAYOUTS_MAX:
+            _LAYOUTS.popitem(last=False)
+    return layout
+
+
+class EncodePlan:
+    """The layout of one object for a fixed set of tensors; see the module docstring.
+
+    Attributes:
+        nbytes: total encoded size of the uncompressed layout, trailer included.
+        data_offset: where the data section starts in the encoded object.
+        raw_len: size of the data section.
+        entries: the table rows, in order.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: dict | None = None) -> None:
+        meta_json = _check_metadata(metadata)
+        self._tensors: list[torch.Tensor] = []
+        sig = []
+        for name, t in tensors.items():
+            sig.append((name, _check_tensor(name, t), tuple(t.shape), t.numel() * t.element_size()))
+            self._tensors.append(t)
+        layout = _layout(meta_json, tuple(sig))
+        self.raw_len = layout.raw_len
+        self._table = layout.table
+        self.entries = layout.entries
+        self._index = layout.index
+        self.data_offset = layout.data_offset
+        self.nbytes = layout.nbytes
+        self._header = layout.header
+        # per tensor: where its bytes go and the zero padding after them (precomputed: write() is the stall)
+        self._slots = [(t, *slot) for t, slot in zip(self._tensors, layout.slots)]
+
+    def _check_buf(self, buf: memoryview) -> memoryview:
+        mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+        if mv.readonly:
+            raise InvalidValueError("encode buffer is read-only", entry="buf")
+        if len(mv) < self.nbytes:
+            raise InvalidValueError(f"encode buffer holds {len(mv)} bytes, plan needs {self.nbytes}", entry="buf")
+        return mv
+
+    def write_header(self, buf: memoryview) -> None:
+        """Write the header and table into ``buf`` (the first ``data_offset`` bytes)."""
+        mv = self._check_buf(buf)
+        mv[: HEADER.size] = self._header
+        mv[HEADER.size : self.data_offset] = self._table
+
+    @staticmethod
+    def _write_slot(mv: memoryview, t: torch.Tensor, start: int, nbytes: int, pad: int) -> None:
+        if nbytes:
+            typed_view(mv, t.dtype, nbytes, start).view(t.shape).copy_(t)
+        if pad:
+            end = start + nbytes
+            mv[end : end + pad] = _ZEROS[:pad]
+
+    def write_tensor(self, buf: memoryview, name: str) -> None:
+        """Copy the current contents of tensor ``name`` (and its zero padding) into ``buf``."""
+        mv = self._check_buf(buf)
+        with torch.no_grad():
+            self._write_slot(mv, *self._slots[self._index[name]])
+
+    def write(self, buf: memoryview) -> None:
+        """Write header, table and every tensor's bytes into ``buf[:nbytes]``: the stall.
+
+        One copy per tensor, straight from the (possibly non-contiguous or
+        device) tensor into ``buf``; the trailer is left to :meth:`seal`.
+        """
+        mv = self._check_buf(buf)
+        mv[: HEADER.size] = self._header
+        mv[HEADER.size : self.data_offset] = self._table
+        with torch.no_grad():
+            for slot in self._slots:
+                self._write_slot(mv, *slot)
+
+    def seal(self, buf: memoryview) -> str:
+        """Write the xxh3-128 trailer over ``buf[:nbytes - 16]``; return it as 32 hex chars."""
+        mv = self._check_buf(buf)
+        end = self.nbytes - TRAILER_SIZE
+        h = xxhash.xxh3_128(mv[:end])
+        mv[end : self.nbytes] = h.digest()
+        return h.hexdigest()
+
+
+def plan(tensors: Mapping[str, torch.Tensor], metadata: dict | None = None) -> EncodePlan:
+    """Validate ``tensors`` and ``metadata`` and lay out their encoded object.
+
+    Raises:
+        InvalidValueError: a bad name, a non-tensor value, an unsupported dtype,
+            or metadata that is not JSON-serialisable within 1 MiB; ``entry``
+            names the culprit.
+    """
+    if not isinstance(tensors, Mapping):
+        raise InvalidValueError(f"tensors must be a mapping, got {type(tensors).__name__}", entry="tensors")
+    return EncodePlan(tensors, metadata)
+
+
+_COMPRESS_MODES = ("auto", "always", "never", *NAMES)
+
+
+def encode(
+    tensors: Mapping[str, torch.Tensor], metadata: dict | None = None, *, compress: str = "auto"
+) -> bytes:
+    """Encode ``tensors`` and ``metadata`` into one object.
+
+    Args:
+        compress: ``"never"``; ``"auto"``: compress with the codec that 3 sampled
+            64 KiB slices show pays (:func:`tierstore.compression.choose`), and keep
+            the result only if the whole section shrinks below 0.8; ``"always"``:
+            the codec the samples prefer (lz4 where none pays), kept whatever the
+            ratio; ``"lz4"`` / ``"zstd"``: that codec, kept whatever the ratio.
+
+    Returns:
+        The encoded object as bytes.
+    """
+    if compress not in _COMPRESS_MODES:
+        raise InvalidValueError(f"compress must be one of {_COMPRESS_MODES}, not {compress!r}", entry="compress")
+    p = plan(tensors, metadata)
+    buf = bytearray(p.nbytes)
+    mv = memoryview(buf)
+    p.write(mv)
+    data = mv[p.data_offset : p.data_offset + p.raw_len]
+    flag: int | None = None
+    if compress in NAMES:
+        flag = NAMES[compress]
+    elif compress == "always":
+        flag = _choose(data) or FLAG_LZ4
+    elif compress == "auto" and p.raw_len:
+        flag = _choose(data)
+    if flag is not None:
+        comp = _compress(flag, data)
+        if compress != "auto" or len(comp) < PAYS_RATIO * p.raw_len:
+            head = HEADER.pack(MAGIC, FORMAT_VERSION, flag, len(p._table), len(comp), p.raw_len)
+            h = xxhash.xxh3_128(head)
+            h.update(p._table)
+            h.update(comp)
+            return b"".join((head, p._table, comp, h.digest()))
+    del data
+    p.seal(mv)
+    del mv
+    return bytes(buf)

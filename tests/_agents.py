@@ -100,26 +100,53 @@ class AgentCluster:
 
 
 class RawClient:
-    """Speaks raw frames to one agent from a private event-loop thread (for the security tests)."""
+    """Speaks raw frames to one agent from the process's ucxx event-loop thread (for the security tests).
 
-    def __init__(self, port: int) -> None:
+    On connect it reads the agent's challenge (``challenge``) and keeps a
+    :class:`~backends.agent_protocol.ClientSession`: :meth:`request` signs the
+    next frame for this connection; :meth:`send` and :meth:`reply` use the
+    session's tags (``slot`` 0: frames, ``i + 1``: payload chunk ``i``).
+    """
+
+    def __init__(self, port: int, *, host: str = "127.0.0.1", secret: bytes = SECRET) -> None:
+        from backends import agent_protocol as P
         from backends.ucx_util import ucx_loop
 
         self.ucxx = require_ucxx()
         self.loop = ucx_loop()
-        self.ep = self.run(self.ucxx.create_endpoint("127.0.0.1", port))
+        self.ep = self.run(self.ucxx.create_endpoint(host, port))
+        frame = bytearray(P.CHALLENGE_FRAME_SIZE)
+        self.run(self.ep.recv(frame))
+        self.challenge = P.unpack_challenge(frame)
+        self.session = P.ClientSession(secret, self.challenge)
+        self.base = self.challenge.tag_base
 
     def run(self, coro, timeout: float = 20.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def send(self, frame, tag=None) -> None:
-        self.run(self.ep.send(bytearray(frame)) if tag is None else self.ep.send(bytearray(frame), tag=tag))
+    def request(self, op: int, key: str, **kw) -> bytearray:
+        """The next signed request frame of this connection (keywords as ``pack_request``)."""
+        return self.session.request(op, key, **kw)[1]
 
-    def reply(self):
+    def send(self, frame, slot: int = 0) -> None:
+        from backends import agent_protocol as P
+
+        self.run(self.ep.send(bytearray(frame), tag=P.tag(self.base, slot), force_tag=True))
+
+    def send_tag(self, data, tag: int) -> None:
+        """Send ``data`` under an arbitrary tag (flooding the agent's unexpected queue)."""
+        self.run(self.ep.send(bytearray(data), tag=tag, force_tag=True))
+
+    def recv(self, buf, slot: int = 0, timeout: float = 20.0):
+        from backends import agent_protocol as P
+
+        return self.run(self.ep.recv(buf, tag=P.tag(self.base, slot, to_client=True), force_tag=True), timeout)
+
+    def reply(self, timeout: float = 20.0):
         from backends import agent_protocol as P
 
         buf = bytearray(P.REPLY_FRAME_SIZE)
-        self.run(self.ep.recv(buf))
+        self.recv(buf, 0, timeout)
         return P.unpack_reply(buf)
 
     def close(self) -> None:

@@ -1,0 +1,343 @@
+"""One connection of the node agent: its session, its request loop and its shared-memory lane.
+
+Protocol: :class:`tierstore.cli.agent.Agent` creates one :class:`Connection`
+per endpoint its listener accepts and awaits :meth:`Connection.serve`, which
+
+1. posts the receive of the first request frame, then sends the challenge
+   (:mod:`backends.agent_protocol`, step 0);
+2. serves requests one at a time until the peer goes, a timeout fires
+   (handshake: no authentic request yet; idle: none for a while; header: a
+   payload stalls), or the agent closes it (:meth:`close`: eviction, stop);
+3. on the way out aborts its endpoints, waits for their posted receives to
+   be cancelled, and only then frees any reservation they were writing into.
+
+Every receive is posted before the message that makes the peer send it
+(the next request frame as soon as one arrives, a payload's chunks before
+``READY``), so nothing a well-behaved peer sends waits in UCX's unexpected
+queue; the agent drains that queue as junk (:func:`backends.ucx_util.drain_unexpected`).
+
+A ``LANE`` request adds a second channel on the same session: requests then
+arrive on an endpoint created from the client's worker address (shared
+memory on one host) and are served by a second loop; the lane dies with the
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from backends import agent_protocol as P
+from backends.ucx_util import post_recv
+from tierstore.errors import KeyExistsError, TierFullError, TierStoreError
+
+if TYPE_CHECKING:  # the agent imports this module; only the type is needed here
+    from tierstore.cli.agent import Agent
+
+__all__ = ["Connection"]
+
+log = logging.getLogger("tierstore.cli.agent")
+
+_CANCEL_WAIT_S = 5.0  # how long aborted receives may take to be cancelled before their buffer is leaked
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved where it matters; silences "exception never retrieved" for the rest
+
+
+class _Closed(Exception):
+    """The connection is over (timeout, eviction, broken payload): stop serving it."""
+
+
+class _Channel:
+    """Where one loop sends and receives: the listener's endpoint, or the lane's endpoint to the client."""
+
+    def __init__(self, ep: Any, base: int, *, lane: bool) -> None:
+        self.ep = ep
+        self.base = base
+        self.lane = lane
+
+    def send(self, buf: Any, slot: int = 0) -> Awaitable[Any]:
+        return self.ep.send(buf, tag=P.tag(self.base, slot, to_client=True, lane=self.lane), force_tag=True)
+
+    def post(self, buf: Any, slot: int = 0) -> asyncio.Future:
+        return post_recv(self.ep, buf, P.tag(self.base, slot, lane=self.lane))
+
+    def reply(self, reply: P.Reply) -> Awaitable[Any]:
+        return self.send(P.pack_reply(reply))
+
+
+class Connection:
+    """One accepted endpoint and its session (see the module docstring)."""
+
+    def __init__(self, agent: Agent, ep: Any, tag_base: int) -> None:
+        self.agent = agent
+        cfg = agent.config
+        self.cfg = cfg
+        self.session = P.Session(cfg.secret, cfg.max_object_bytes, tag_base)
+        self.tcp = _Channel(ep, tag_base, lane=False)
+        self.lane: _Channel | None = None
+        self.accepted = time.monotonic()
+        self.last_active = self.accepted
+        self.closed = False
+        self._posted: set[asyncio.Future] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def authenticated(self) -> bool:
+        return self.session.authenticated
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def serve(self) -> None:
+        try:
+            frame = bytearray(P.REQUEST_FRAME_SIZE)
+            first = self._post(self.tcp, frame, 0)
+            flags = P.CHALLENGE_FLAG_LANE if self.cfg.shm_lanes else 0
+            await asyncio.wait_for(self.tcp.ep.send(self.session.challenge(flags)), self.cfg.handshake_timeout_s)
+            await self._loop(self.tcp, frame, first)
+        except _Closed as e:
+            log.info("connection closed: %s", e)
+        except Exception as e:  # noqa: BLE001 - the peer went away or broke the transport: drop it only
+            log.debug("connection closed: %s: %s", type(e).__name__, e)
+        finally:
+            self.close()
+            for t in list(self._tasks):
+                t.cancel()
+            await self._settle()
+
+    def close(self) -> None:
+        """Abort the endpoints (cancelling their posted receives); :meth:`serve` then returns."""
+        if self.closed:
+            return
+        self.closed = True
+        for ch in (self.lane, self.tcp):
+            if ch is not None and not ch.ep.closed:
+                ch.ep.abort()
+
+    async def _settle(self) -> bool:
+        """Wait until every receive posted on this connection completed or was cancelled."""
+        pending = [f for f in self._posted if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=_CANCEL_WAIT_S)
+        return all(f.done() for f in pending)
+
+    def _post(self, ch: _Channel, buf: Any, slot: int) -> asyncio.Future:
+        fut = ch.post(buf, slot)
+        self._posted.add(fut)
+        fut.add_done_callback(self._posted.discard)
+        return fut
+
+    # -- the request loop --------------------------------------------------------
+    def _deadline(self) -> tuple[float, str]:
+        if not self.session.authenticated:
+            return self.accepted + self.cfg.handshake_timeout_s, "no authentic request within the handshake timeout"
+        return self.last_active + self.cfg.idle_timeout_s, "idle timeout"
+
+    async def _next_frame(self, fut: asyncio.Future, *, timed: bool) -> None:
+        while True:
+            if not timed:
+                await fut
+                return
+            deadline, why = self._deadline()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Closed(why)
+            done, _ = await asyncio.wait([fut], timeout=left)
+            if done:
+                fut.result()
+                return
+
+    async def _loop(self, ch: _Channel, first: bytearray, fut: asyncio.Future) -> None:
+        """Serve the requests of one channel; the listener's channel also enforces the session's timeouts.
+
+        ``first`` is the buffer the posted receive ``fut`` writes the first frame into.
+        """
+        bufs = [first, bytearray(P.REQUEST_FRAME_SIZE)]
+        cur = 0
+        truncated = self.agent.ucxx.exceptions.UCXMsgTruncated
+        while not self.closed:
+            frame = bufs[cur]
+            bad = None
+            try:
+                await self._next_frame(fut, timed=not ch.lane)
+            except truncated:
+                bad = P.Reply(P.Status.BAD_FRAME, "request frame too long")
+            cur ^= 1
+            bufs[cur][:] = bytes(P.REQUEST_FRAME_SIZE)
+            fut = self._post(ch, bufs[cur], 0)  # the next frame's receive, before this one is answered
+            self.last_active = time.monotonic()
+            if bad is not None:
+                await ch.reply(bad)
+                continue
+            await self._handle(ch, frame)
+            self.last_active = time.monotonic()
+
+    async def _handle(self, ch: _Channel, frame: bytearray) -> None:
+        try:
+            req = self.session.accept(frame)
+        except P.RequestRejected as r:
+            log.warning("rejected request: %s", r.message)
+            await ch.reply(P.Reply(r.status, r.message, request_id=r.request_id))
+            return
+        rid = req.request_id
+        backend = self.agent.backend
+        try:
+            if req.op == P.Op.PUT:
+                await self._put(ch, req)
+            elif req.op == P.Op.GET:
+                await self._get(ch, req)
+            elif req.op == P.Op.LANE:
+                await self._open_lane(ch, req)
+            elif req.op == P.Op.LIST:
+                data = "\n".join(backend.list(req.key)).encode()
+                await self._send_payload(ch, P.Reply(P.Status.OK, "", len(data), request_id=rid), memoryview(data),
+                                         req.chunk)
+            else:
+                if req.op == P.Op.DELETE:
+                    found = backend.delete(req.key)
+                    self.agent.digests.forget(req.key)
+                elif req.op == P.Op.EXISTS:
+                    found = backend.exists(req.key)
+                else:  # PING
+                    found = True
+                status = P.Status.OK if found else P.Status.NOT_FOUND
+                await ch.reply(P.Reply(status, self.cfg.node_id, request_id=rid))
+        except TierStoreError as e:
+            await ch.reply(P.Reply(P.Status.INTERNAL, f"{type(e).__name__}: {e}", request_id=rid))
+
+    # -- payloads ----------------------------------------------------------------
+    async def _progress(self, futs: Sequence[Awaitable[Any]], what: str) -> None:
+        """Wait for all ``futs``; each must complete within the header timeout of the previous one."""
+        # Never cancel these: cancelling the asyncio side leaves the UCX request posted. On a stall the
+        # caller closes the connection, which cancels them in UCX; _settle then sees them finish.
+        pending = {asyncio.ensure_future(f) for f in futs}
+        for f in pending:
+            f.add_done_callback(_consume)
+        end = time.monotonic() + self.cfg.io_timeout_s
+        while pending:
+            left = min(self.cfg.header_timeout_s, end - time.monotonic())
+            done, pending = await asyncio.wait(pending, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise _Closed(f"{what} stalled (header timeout {self.cfg.header_timeout_s}s, "
+                              f"I/O timeout {self.cfg.io_timeout_s}s)")
+            for f in done:
+                f.result()
+
+    async def _receive_payload(self, ch: _Channel, req: P.Request, buf: memoryview) -> None:
+        """Post the payload's receives, answer READY, and wait for the payload (header timeout)."""
+        futs = [self._post(ch, buf[a:b], i + 1) for i, (a, b) in enumerate(P.chunk_spans(req.payload_len, req.chunk))]
+        await ch.reply(P.Reply(P.Status.READY, "", request_id=req.request_id))
+        await self._progress(futs, f"payload of {P.Op.NAMES[req.op]} {req.key!r}")
+
+    async def _send_payload(self, ch: _Channel, reply: P.Reply, data: memoryview, chunk: int) -> None:
+        spans = P.chunk_spans(data.nbytes, chunk)
+        if len(spans) > P.MAX_CHUNKS:
+            await ch.reply(P.Reply(P.Status.TOO_LARGE, "object needs too many chunks; use a larger chunk size",
+                                   request_id=reply.request_id))
+            return
+        await ch.reply(reply)
+        await self._progress([ch.send(data[a:b], i + 1) for i, (a, b) in enumerate(spans)], "reply payload")
+
+    async def _get(self, ch: _Channel, req: P.Request) -> None:
+        digests = self.agent.digests
+        before = digests.version(req.key) if req.flags & P.FLAG_CHECKSUM else None
+        data = self.agent.backend.get(req.key)
+        if data is None:
+            await ch.reply(P.Reply(P.Status.NOT_FOUND, "", request_id=req.request_id))
+            return
+        view = memoryview(data).cast("B")
+        digest = bytes(16)
+        if req.flags & P.FLAG_CHECKSUM:
+            digest = digests.digest(req.key, view, before)
+        await self._send_payload(ch, P.Reply(P.Status.OK, "", view.nbytes, digest, req.request_id,
+                                             req.flags & P.FLAG_CHECKSUM), view, req.chunk)
+
+    async def _put(self, ch: _Channel, req: P.Request) -> None:
+        rid = req.request_id
+        backend = self.agent.backend
+        try:
+            if backend.reservable:
+                res = backend.reserve(req.key, req.payload_len)
+                buf = res.buffer
+            else:
+                res, buf = None, memoryview(bytearray(req.payload_len))
+        except TierFullError as e:
+            await ch.reply(P.Reply(P.Status.FULL, str(e), request_id=rid))
+            return
+        published = False
+        try:
+            try:
+                await self._receive_payload(ch, req, buf)
+            except BaseException:
+                self.close()  # cancels the receives still posted into the reservation
+                if res is not None and not await self._settle():
+                    res = None  # a receive may still write into it: leak it rather than free it
+                    log.error("receives into %r not cancelled within %ss; reservation leaked", req.key,
+                              _CANCEL_WAIT_S)
+                raise
+            if req.flags & P.FLAG_CHECKSUM and P.checksum([buf]) != req.checksum:
+                await ch.reply(P.Reply(P.Status.CHECKSUM, "payload checksum mismatch", request_id=rid))
+                return
+            if_absent = bool(req.flags & P.FLAG_IF_ABSENT)
+            try:
+                if res is not None:
+                    res.commit(if_absent=if_absent)
+                else:
+                    backend.put(req.key, buf, if_absent=if_absent)
+                published = True
+            except KeyExistsError as e:
+                published = True  # commit already dropped the reservation
+                await ch.reply(P.Reply(P.Status.EXISTS, str(e), request_id=rid))
+                return
+            if req.flags & P.FLAG_CHECKSUM:
+                self.agent.digests.remember(req.key, req.checksum)
+            else:
+                self.agent.digests.forget(req.key)
+            await ch.reply(P.Reply(P.Status.OK, self.cfg.node_id, request_id=rid))
+        finally:
+            if not published and res is not None:
+                del buf
+                res.abort()
+
+    # -- the shared-memory lane --------------------------------------------------
+    async def _open_lane(self, ch: _Channel, req: P.Request) -> None:
+        rid = req.request_id
+        if not self.cfg.shm_lanes or ch.lane or self.lane is not None:
+            await ch.reply(P.Reply(P.Status.BAD_FRAME, "no lane offered on this connection", request_id=rid))
+            return
+        addr = bytearray(req.payload_len)
+        try:
+            await self._receive_payload(ch, req, memoryview(addr))
+        except BaseException:
+            self.close()
+            raise
+        ucxx = self.agent.ucxx
+        try:
+            ep = await asyncio.wait_for(
+                ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(bytes(addr)),
+                                                         endpoint_error_handling=False),
+                self.cfg.handshake_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a bad address: refuse the lane, keep the connection
+            await ch.reply(P.Reply(P.Status.BAD_FRAME, f"cannot reach the lane address: {e}", request_id=rid))
+            return
+        lane = self.lane = _Channel(ep, self.session.tag_base, lane=True)
+        frame = bytearray(P.REQUEST_FRAME_SIZE)
+        first = self._post(lane, frame, 0)
+        task = asyncio.ensure_future(self._lane_loop(lane, frame, first))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        mine = memoryview(bytes(ucxx.get_worker_address()))
+        await self._send_payload(ch, P.Reply(P.Status.OK, self.cfg.node_id, mine.nbytes, request_id=rid), mine,
+                                 req.chunk)
+
+    async def _lane_loop(self, lane: _Channel, frame: bytearray, first: asyncio.Future) -> None:
+        try:
+            await self._loop(lane, frame, first)
+        except Exception as e:  # noqa: BLE001 - a broken lane ends the whole connection
+            log.debug("lane closed: %s: %s", type(e).__name__, e)
+        finally:
+            self.close()

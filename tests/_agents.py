@@ -33,15 +33,25 @@ def require_ucxx():
         pytest.skip(f"needs ucxx: {e}")
 
 
+def _limit_fds(n: int):
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    return apply
+
+
 class AgentProc:
-    def __init__(self, node_id: str, root: Path, secret_file: Path, extra: list[str]) -> None:
+    def __init__(self, node_id: str, root: Path, secret_file: Path, extra: list[str], *,
+                 nofile: int | None = None) -> None:
         self.node_id = node_id
         self.root = root
         env = dict(os.environ, UCXX_LOG_LEVEL=os.environ.get("UCXX_LOG_LEVEL", "FATAL"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node_id, "--host-root", str(root),
              "--secret-file", str(secret_file), *extra],
-            cwd=REPO, stdout=subprocess.PIPE, env=env)
+            cwd=REPO, stdout=subprocess.PIPE, env=env, preexec_fn=_limit_fds(nofile) if nofile else None)
         self.port = self._wait_ready(30.0)
 
     def _wait_ready(self, timeout: float) -> int:
@@ -58,6 +68,16 @@ class AgentProc:
 
         return PeerAddress(self.node_id, "127.0.0.1", self.port)
 
+    def rss_bytes(self) -> int:
+        """The agent process's resident memory."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
@@ -72,7 +92,8 @@ class AgentProc:
 class AgentCluster:
     """``n`` agents, ``node0..node{n-1}``, each with its own host root below one /dev/shm dir."""
 
-    def __init__(self, n: int, *, extra: list[str] | None = None, secret: bytes = SECRET) -> None:
+    def __init__(self, n: int, *, extra: list[str] | None = None, secret: bytes = SECRET,
+                 nofile: int | None = None) -> None:
         self.base = Path("/dev/shm") / f"ts-test-{uuid.uuid4().hex[:12]}"
         self.base.mkdir(parents=True)
         self.secret = secret
@@ -81,7 +102,8 @@ class AgentCluster:
         self.agents: list[AgentProc] = []
         try:
             for i in range(n):
-                self.agents.append(AgentProc(f"node{i}", self.base / f"node{i}", self.secret_file, extra or []))
+                self.agents.append(AgentProc(f"node{i}", self.base / f"node{i}", self.secret_file, extra or [],
+                                             nofile=nofile))
         except BaseException:
             self.close()
             raise

@@ -337,3 +337,53 @@ def test_same_host_peer_uses_a_lane_unless_disabled(agent):
             peer.close()
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["lane", "tcp"])
+def test_peer_reconnects_after_the_agent_closes_an_idle_connection(quick_agent, shm):
+    """The agent's idle timeout closes a cached session (and its lane); the next request reconnects promptly."""
+    peer = PeerBackend(quick_agent.addresses, secret=SECRET, shm=shm, timeout_s=30)
+    try:
+        peer.put("idle/x", b"1")
+        conn = next(iter(peer._conns.values()))
+        assert (conn.lane is not None) == shm
+        time.sleep(3.0)  # idle timeout 2 s
+        t0 = time.monotonic()
+        peer.put("idle/y", b"2")
+        assert bytes(peer.get("idle/x")) == b"1"
+        assert time.monotonic() - t0 < 10.0
+        assert next(iter(peer._conns.values())) is not conn
+    finally:
+        peer.close()
+
+
+def test_client_killed_mid_put_on_the_lane_frees_the_reservation(agent):
+    """A same-host client (lane: no UCX error handling) SIGKILLed mid-payload: the reservation goes, the agent serves."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests._agents import REPO
+
+    root = agent.agents[0].root
+    script = ("import os, sys; from backends.peer import PeerBackend, PeerAddress as A; "
+              "b = PeerBackend([A('node0', '127.0.0.1', int(sys.argv[1]))], secret=sys.argv[2].encode(), chunk_shift=20); "
+              "b.put('killed/x', os.urandom(1 << 20) * 512)")
+    env = dict(os.environ, UCXX_LOG_LEVEL="FATAL")
+    p = subprocess.Popen([sys.executable, "-c", script, str(agent.agents[0].port), SECRET.decode()], cwd=REPO, env=env)
+    try:
+        assert _wait_until(lambda: bool(_tmp_files(root)) or p.poll() is not None, 60, 0.001)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        assert _wait_until(lambda: not _tmp_files(root), 30), "the dead client's reservation stayed"
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not (root / "killed" / "x").exists()
+    peer = PeerBackend(agent.addresses, secret=SECRET)
+    try:
+        peer.put("killed/y", b"fine")
+        assert bytes(peer.get("killed/y")) == b"fine"
+    finally:
+        peer.close()
+    assert agent.agents[0].proc.poll() is None

@@ -31,6 +31,9 @@ __all__ = ["PeerConn", "connect"]
 log = logging.getLogger("tierstore.peer")
 
 _MMAP_MIN = 1 << 20  # receive buffers from this size are fresh pre-faulted anonymous mappings
+#: chunks on a shared-memory lane are at least this large (256 MiB): each chunk is one UCX rendezvous, whose
+#: fixed cost shows at shared-memory speed; on a network the caller's (smaller) chunk bounds a stall's detection
+LANE_CHUNK_SHIFT = 28
 
 
 def alloc(nbytes: int) -> memoryview:
@@ -105,6 +108,8 @@ class PeerConn:
             InvalidValueError: ``out`` is smaller than the object.
             ProtocolError: a malformed or out-of-order reply.
         """
+        if self.lane is not None:
+            chunk_shift = max(chunk_shift, LANE_CHUNK_SHIFT)
         chunk = 1 << chunk_shift
         nbytes = sum(p.nbytes for p in parts)
         rid, frame = self.session.request(op, key, flags=flags, payload_len=nbytes, digest=digest,

@@ -14,7 +14,10 @@ Run: ``python bench/bench_peer.py [--mib 256] [--reps 5] [--snap-mib 512]``
   Puts are steady state, as in training: each rep writes new names and the
   previous rep's objects were deleted (into the agent's pool) more than the
   pool's grace period before, so a put lands in a pooled, mapped segment.
-  ``get(out=)`` receives into a caller's pre-faulted buffer.
+  ``get(out=)`` receives into a caller's pre-faulted buffer; ``get(out=host
+  reservation)`` into a reservation of the reader's own host tier (a pooled,
+  mapped segment of the size, reused every rep), committed after: the read
+  that also promotes the object to the local host tier on restore.
 * device snapshot: :meth:`backends.device.DeviceBackend.snapshot` against a
   bare ``copy_`` into pre-allocated tensors of the same sizes (the bound).
 
@@ -147,12 +150,15 @@ def bench_peer(mib: int, reps: int) -> None:
     def run(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(600)
 
+    from backends.host import HostBackend
+
     has_shm = "shm" in inspect.signature(PeerBackend.__init__).parameters
     has_out = "out" in inspect.signature(PeerBackend.get).parameters
     modes = ["tcp", "shm"] if has_shm else ["tcp"]
     raws = {m: _Raw(nbytes, m, run) for m in modes}
     cluster = AgentCluster(1)
     try:
+        host = HostBackend(cluster.base / "reader")  # the reading node's own host tier
         sink = bytearray(nbytes)
         out = bytearray(nbytes)  # the caller's buffer for get(out=): pre-faulted like the raw sink
         peers = {}
@@ -186,26 +192,37 @@ def bench_peer(mib: int, reps: int) -> None:
                     if has_out:
                         timed(f"getout_{m}_{'v' if v else 'nv'}",
                               lambda m=m, v=v, name=name: peers[m, v].get(name, out=out), keep)
+                if has_out:
+                    def into_host(m=m, name=f"bench/{m}True/{i}"):
+                        res = host.reserve(f"local/{m}/{i}", nbytes)
+                        view = peers[m, True].get(name, out=res.buffer)
+                        res.commit()
+                        return view
+                    timed(f"getres_{m}_v", into_host, keep)
             for m in modes:
                 for v in (True, False):
                     peers[m, v].delete(f"bench/{m}{v}/{i}")
+                if has_out:
+                    host.delete(f"local/{m}/{i}")
             time.sleep(0.7)  # past the agent pool's grace period: the next rep's puts reuse these segments
         print(f"\n== peer tier, {mib} MiB object, {reps} reps, replication 1, loopback ==")
         for m in modes:
-            for kind, label in (("put", "put"), ("get", "get"), ("getout", "get(out=)")):
+            for kind, label in (("put", "put"), ("get", "get"), ("getout", "get(out=)"),
+                                ("getres", "get(out=host res.)")):
                 bound = t[f"raw_{'put' if kind == 'put' else 'get'}_{m}"]
                 if kind == "put" or kind == "get":
                     raw_label = f"raw ucxx {m} {'send' if kind == 'put' else 'recv'}"
-                    print(f"{raw_label:34s} {_stats(bound)}  {_gbps(nbytes, bound):5.2f} GB/s  x raw 1.00")
+                    print(f"{raw_label:44s} {_stats(bound)}  {_gbps(nbytes, bound):5.2f} GB/s  x raw 1.00")
                 for v in ("v", "nv"):
                     key = f"{kind}_{m}_{v}"
                     if key not in t:
                         continue
                     ratio = statistics.median(bound) / statistics.median(t[key])
                     label2 = f"PeerBackend.{label} {m} ({'xxh3' if v == 'v' else 'no verify'})"
-                    print(f"{label2:34s} {_stats(t[key])}  {_gbps(nbytes, t[key]):5.2f} GB/s  x raw {ratio:4.2f}")
+                    print(f"{label2:44s} {_stats(t[key])}  {_gbps(nbytes, t[key]):5.2f} GB/s  x raw {ratio:4.2f}")
         for p in peers.values():
             p.close()
+        host.close()
     finally:
         cluster.close()
         for r in raws.values():

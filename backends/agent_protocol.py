@@ -66,6 +66,12 @@ on connections and on unauthenticated ones.
 
 Replies are not signed: a client trusts its transport to the agent (a
 ``GET`` payload is still checked against the checksum in the reply).
+
+Mixed versions fail fast or loudly, never half-work: a version-1 client reads
+the challenge as a malformed reply (``ProtocolError``) and its frames, sent
+under tags nobody receives, are dropped; a version-2 client of a version-1
+agent gets no challenge and gives up after its connect timeout; a frame of
+another version is answered ``BAD_FRAME``.
 """
 
 from __future__ import annotations

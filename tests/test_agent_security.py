@@ -387,3 +387,30 @@ def test_client_killed_mid_put_on_the_lane_frees_the_reservation(agent):
     finally:
         peer.close()
     assert agent.agents[0].proc.poll() is None
+
+
+def test_digest_cache_follows_replacement_behind_the_agents_back(agent):
+    """The agent answers a GET's checksum from the digest recorded at its PUT while the object's version
+    (inode, size, change time) holds. An object replaced by the node's own store, not through the agent,
+    even in the very same pooled segment (same inode), is hashed afresh: never a false alarm."""
+    from backends.host import HostBackend
+
+    root = agent.agents[0].root
+    local = HostBackend(root, recycle_grace_s=0.0)
+    peer = PeerBackend(agent.addresses, secret=SECRET)
+    try:
+        data = os.urandom(1 << 20)
+        peer.put("digest/x", data)
+        assert bytes(peer.get("digest/x")) == data  # served with the digest recorded at the put
+        other = os.urandom(1 << 20)
+        local.put("digest/x", other)  # a new segment under the same name
+        assert bytes(peer.get("digest/x")) == other
+        inode = (root / "digest" / "x").stat().st_ino
+        assert local.delete("digest/x")  # into the pool...
+        third = os.urandom(1 << 20)
+        local.put("digest/x", third)  # ...and straight back under the same name: same inode, new bytes
+        assert (root / "digest" / "x").stat().st_ino == inode
+        assert bytes(peer.get("digest/x")) == third
+    finally:
+        peer.close()
+        local.close()

@@ -214,10 +214,12 @@ class DigestCache:
     A get with a checksum then costs the agent no pass over the object: the
     digest recorded when the object was put (verified against the payload)
     or first read is reused while the host tier's ``version`` of the object
-    (inode, size, change time) is the same. The client still checks the
-    payload against it, so a copy changed in memory since is caught, not
-    re-blessed. Only for a :class:`~backends.host.HostBackend`; other
-    backends are hashed on every get. Bounded to ``max_entries`` (LRU).
+    (inode, size, change time) is the same. A republished object (even in a
+    reused pooled segment: the rename changes its change time) is hashed
+    afresh. The client still checks the payload against the digest, so a
+    copy that changed without a new version (a bit flipped in RAM) is caught
+    rather than re-blessed. Only for a :class:`~backends.host.HostBackend`;
+    other backends are hashed on every get. Bounded to ``max_entries`` (LRU).
     """
 
     def __init__(self, backend: Backend, max_entries: int = 1 << 16) -> None:

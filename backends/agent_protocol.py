@@ -49,15 +49,18 @@ A connection is one UCX endpoint from the agent's listener; it carries one
    the reply (``OK`` with ``payload_len`` and checksum) is followed by the
    payload in chunks.
 4. ``LANE`` (same host only: equal :func:`host_id`): a ``PUT``-shaped
-   request whose payload is the client's UCX worker address; the agent
-   answers ``OK`` with its own worker address as a ``GET``-shaped payload.
-   The client then may send its requests on the *lane*: an endpoint created
-   from the agent's worker address with ``endpoint_error_handling=False``
-   (which lets UCX choose its shared-memory transports); the agent answers
-   on an endpoint to the client's worker address. Lane tags carry bit 63
-   (``lane=True``). The lane shares the session (nonce and request ids) and
-   dies with its connection, whose endpoint (error handling on) is what
-   detects a dead peer.
+   request whose payload is the client's UCX worker address, answered ``OK``.
+   From then on the agent sends every reply and payload of the session
+   through an endpoint it created from that address with
+   ``endpoint_error_handling=False`` (which lets UCX use shared memory),
+   under tags with bit 63 set (``lane=True``). The client keeps sending on
+   the listener's endpoint and posts its receives there (tags match per
+   worker, not per endpoint), so a dead agent still fails them at once. The
+   agent never receives over shared memory: a client SIGKILLed halfway
+   through writing into the agent's shared-memory queue could wedge it for
+   every lane, and CMA (``process_vm_readv``) from a dead process aborts the
+   reader without error handling, which is why UCX's CMA transport is off
+   (:data:`backends.ucx_util.UCX_ENV_DEFAULTS`).
 
 Timeouts and caps are the agent's (:class:`tierstore.cli.agent.AgentConfig`):
 a first valid request within the handshake timeout, an idle timeout between

@@ -28,8 +28,10 @@ across replicas (``atomic_create_once = False``).
 Connections (:mod:`backends.peer_conn`): one session per peer, cached, one
 request at a time on it; a transport failure drops it and the request is
 retried once on a new connection. To an agent on this host (same kernel and
-network namespace) the session adds a shared-memory lane (``shm=True``), so
-payloads move through shared memory instead of loopback TCP.
+network namespace) the session adds a shared-memory lane (``shm=True``): the
+agent's replies and get payloads move through shared memory instead of
+loopback TCP (puts still go over the listener's endpoint; see
+:mod:`backends.agent_protocol`).
 
 Bytes: ``put`` hashes the payload once (xxh3-128, bound into the request's
 token) and sends it from the caller's buffers (only chunks that straddle two
@@ -51,7 +53,7 @@ import xxhash
 
 from backends import agent_protocol as P
 from backends.base import Backend, Buffer, as_buffers, validate_object_name
-from backends.peer_conn import PeerConn, connect
+from backends.peer_conn import PeerConn, connect, disable_lanes
 from backends.ucx_util import import_ucxx, ucx_loop
 from tierstore.errors import ConfigError, CorruptObjectError, InvalidValueError, ProtocolError, TierUnavailableError
 
@@ -174,6 +176,9 @@ class PeerBackend(Backend):
                         conn.exchange(op, key, parts, flags=flags, digest=digest, chunk_shift=self.chunk_shift,
                                       out=out), self.timeout_s)
                 except (*self._transport_errors, ProtocolError) as e:
+                    if conn.lane and isinstance(e, asyncio.TimeoutError) and not conn.closed:
+                        # the agent is alive (its endpoint has error handling) yet its lane went silent
+                        disable_lanes(f"a lane exchange with {peer.node_id} timed out")
                     self._drop(peer, conn)
                     if fresh or attempt:
                         raise _Unreachable(peer, e) from e

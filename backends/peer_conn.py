@@ -3,16 +3,21 @@
 Protocol (see :mod:`backends.agent_protocol`): :func:`connect` creates the
 endpoint to the agent's listener, reads the challenge and, when the agent is
 on this host (same :func:`~backends.agent_protocol.host_id`) and offers it,
-opens the shared-memory lane. :meth:`PeerConn.exchange` then runs one request
-(on the lane if there is one, else on the listener's endpoint) and returns
-the reply and any payload. The caller (:class:`backends.peer.PeerBackend`)
-holds ``lock`` around each exchange and aborts the connection on any error
-inside one, since its state is then unknown.
+asks for a shared-memory lane: the agent then sends its replies and payloads
+through an endpoint to this process's worker address (shared memory), while
+this side keeps sending on the listener's endpoint and posts its receives
+there too (tag matching is per worker, not per endpoint). So a dead agent
+still fails every receive at once (the listener's endpoint has error
+handling), and a get's payload moves at shared-memory speed.
+:meth:`PeerConn.exchange` runs one request and returns the reply and any
+payload. The caller (:class:`backends.peer.PeerBackend`) holds ``lock``
+around each exchange and aborts the connection on any error inside one,
+since its state is then unknown.
 
-The lane's endpoints have no error handling (that is what lets UCX use
-shared memory), so they would not notice a dead agent; the listener's
-endpoint does, and its close callback aborts the lane, which fails whatever
-the lane was waiting for.
+An agent that dies in the middle of writing into this process's
+shared-memory queue can leave it wedged (the lane has no error handling); a
+lane exchange that times out therefore turns lanes off for the rest of the
+process (:func:`disable_lanes`).
 """
 
 from __future__ import annotations
@@ -26,14 +31,29 @@ from typing import Any
 from backends import agent_protocol as P
 from tierstore.errors import CorruptObjectError, InvalidValueError, ProtocolError
 
-__all__ = ["PeerConn", "connect"]
+__all__ = ["LANE_CHUNK_SHIFT", "PeerConn", "connect", "disable_lanes", "lanes_enabled"]
 
 log = logging.getLogger("tierstore.peer")
 
 _MMAP_MIN = 1 << 20  # receive buffers from this size are fresh pre-faulted anonymous mappings
-#: chunks on a shared-memory lane are at least this large (256 MiB): each chunk is one UCX rendezvous, whose
+#: payloads sent by lane are chunked at least this coarsely (256 MiB): each chunk is one UCX rendezvous, whose
 #: fixed cost shows at shared-memory speed; on a network the caller's (smaller) chunk bounds a stall's detection
 LANE_CHUNK_SHIFT = 28
+
+
+_lanes_off: str | None = None  # why this process asks for no more lanes
+
+
+def disable_lanes(reason: str) -> None:
+    """Ask no agent for a lane again in this process (see the module docstring)."""
+    global _lanes_off
+    if _lanes_off is None:
+        log.warning("shared-memory lanes off for this process: %s", reason)
+        _lanes_off = reason
+
+
+def lanes_enabled() -> bool:
+    return _lanes_off is None
 
 
 def alloc(nbytes: int) -> memoryview:
@@ -64,31 +84,28 @@ def chunk_views(parts: Sequence[memoryview], chunk: int) -> list[memoryview | by
 
 
 class PeerConn:
-    """A session with one agent: the listener's endpoint, the optional lane, the session and a lock."""
+    """A session with one agent: the listener's endpoint, whether replies come by lane, the session, a lock."""
 
     def __init__(self, ep: Any, session: P.ClientSession) -> None:
         self.ep = ep
-        self.lane: Any = None
+        self.lane = False
         self.session = session
         self.lock = asyncio.Lock()
 
     @property
     def closed(self) -> bool:
-        return self.ep.closed or (self.lane is not None and self.lane.closed)
+        return self.ep.closed
 
     def abort(self) -> None:
-        for ep in (self.lane, self.ep):
-            if ep is not None and not ep.closed:
-                ep.abort()
+        if not self.ep.closed:
+            self.ep.abort()
 
-    # -- one channel -------------------------------------------------------------
     def _send(self, buf: Any, slot: int) -> Any:
-        ep, lane = (self.lane, True) if self.lane is not None else (self.ep, False)
-        return ep.send(buf, tag=P.tag(self.session.tag_base, slot, lane=lane), force_tag=True)
+        return self.ep.send(buf, tag=P.tag(self.session.tag_base, slot), force_tag=True)
 
     def _recv(self, buf: Any, slot: int) -> Any:
-        ep, lane = (self.lane, True) if self.lane is not None else (self.ep, False)
-        return ep.recv(buf, tag=P.tag(self.session.tag_base, slot, to_client=True, lane=lane), force_tag=True)
+        tag = P.tag(self.session.tag_base, slot, to_client=True, lane=self.lane)
+        return self.ep.recv(buf, tag=tag, force_tag=True)
 
     async def _reply(self, rid: int) -> P.Reply:
         frame = bytearray(P.REPLY_FRAME_SIZE)
@@ -101,14 +118,14 @@ class PeerConn:
     async def exchange(self, op: int, key: str, parts: Sequence[memoryview] = (), *, flags: int = 0,
                        digest: bytes = bytes(16), chunk_shift: int = P.DEFAULT_CHUNK_SHIFT,
                        out: memoryview | None = None) -> tuple[P.Reply, memoryview | None]:
-        """Run one request; return the final reply and the payload of an ``OK`` GET/LIST/LANE.
+        """Run one request; return the final reply and the payload of an ``OK`` GET/LIST.
 
         Raises:
             CorruptObjectError: a payload does not match the checksum in its reply.
             InvalidValueError: ``out`` is smaller than the object.
             ProtocolError: a malformed or out-of-order reply.
         """
-        if self.lane is not None:
+        if self.lane and op in (P.Op.GET, P.Op.LIST):
             chunk_shift = max(chunk_shift, LANE_CHUNK_SHIFT)
         chunk = 1 << chunk_shift
         nbytes = sum(p.nbytes for p in parts)
@@ -120,11 +137,9 @@ class PeerConn:
             views = chunk_views(parts, chunk)
             await asyncio.gather(*(self._send(v, i + 1) for i, v in enumerate(views)))
             reply = await self._reply(rid)
-        if op not in (P.Op.GET, P.Op.LIST, P.Op.LANE) or reply.status != P.Status.OK:
+        if op not in (P.Op.GET, P.Op.LIST) or reply.status != P.Status.OK:
             return reply, None
         n = reply.payload_len
-        if op == P.Op.LANE and n > P.MAX_LANE_ADDRESS:
-            raise ProtocolError(f"lane address of {n} bytes from the agent")
         if out is not None and n > out.nbytes:
             raise InvalidValueError(f"{key!r} is {n} bytes; the buffer given holds {out.nbytes}", key=key)
         buf = out[:n] if out is not None else alloc(n)
@@ -134,34 +149,27 @@ class PeerConn:
         return reply, buf
 
     async def open_lane(self, ucxx: Any) -> bool:
-        """Ask for a shared-memory lane and switch to it; ``False`` if the agent refused one."""
+        """Ask the agent to send through shared memory from now on; ``False`` if it refused."""
         mine = memoryview(bytes(ucxx.get_worker_address()))
-        reply, theirs = await self.exchange(P.Op.LANE, "", [mine])
-        if reply.status != P.Status.OK or not theirs:
+        reply, _ = await self.exchange(P.Op.LANE, "", [mine])
+        if reply.status != P.Status.OK:
             log.debug("agent refused a lane: %s", reply.message)
             return False
-        lane = await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(bytes(theirs)),
-                                                              endpoint_error_handling=False)
-        loop = asyncio.get_running_loop()
-
-        def tcp_closed() -> None:  # the agent went away: fail whatever the lane waits for
-            loop.call_soon_threadsafe(lambda: None if lane.closed else lane.abort())
-
-        self.ep.set_close_callback(tcp_closed)
-        self.lane = lane
+        self.lane = True
         return True
 
 
 async def connect(ucxx: Any, host: str, port: int, secret: bytes, *, connect_timeout: float,
                   shm: bool) -> PeerConn:
-    """Connect to the agent at ``host:port``: read its challenge, open a lane when it is on this host."""
+    """Connect to the agent at ``host:port``: read its challenge, ask for a lane when it is on this host."""
     ep = await ucxx.create_endpoint(host, port, connect_timeout=connect_timeout)
     try:
         frame = bytearray(P.CHALLENGE_FRAME_SIZE)
         await ep.recv(frame)
         challenge = P.unpack_challenge(frame)
         conn = PeerConn(ep, P.ClientSession(secret, challenge))
-        if shm and challenge.flags & P.CHALLENGE_FLAG_LANE and challenge.host_id == P.host_id():
+        if (shm and lanes_enabled() and challenge.flags & P.CHALLENGE_FLAG_LANE
+                and challenge.host_id == P.host_id()):
             await conn.open_lane(ucxx)
         return conn
     except BaseException:

@@ -63,7 +63,7 @@ from typing import Any
 from backends import agent_protocol as P
 from backends.base import Backend
 from backends.host import HostBackend
-from backends.ucx_util import drain_unexpected, import_ucxx
+from backends.ucx_util import cma_excluded, drain_unexpected, import_ucxx
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
 from tierstore.cli.agent_conn import Connection
@@ -103,7 +103,8 @@ class AgentConfig:
         max_connections: connections served at once (lowered to what the fd limit fits).
         max_unauthenticated: connections without an authentic request yet; a new one evicts the oldest.
         sweep_interval_s: how often unexpected tag messages are dropped (0: never; only for tests).
-        shm_lanes: offer same-host clients a shared-memory lane (see :mod:`backends.agent_protocol`).
+        shm_lanes: offer same-host clients a shared-memory lane (see :mod:`backends.agent_protocol`);
+            only while UCX's CMA transport is excluded (:func:`backends.ucx_util.cma_excluded`).
         ttl_s / heartbeat_s: registration TTL and its refresh period.
     """
 
@@ -273,6 +274,7 @@ class Agent:
         self._index = index
         self.port: int | None = None
         self.max_connections = config.max_connections
+        self.shm_lanes = config.shm_lanes
         self.stats = {"refused": 0, "evicted": 0, "dropped_messages": 0, "dropped_bytes": 0}
         self._conns: dict[Connection, None] = {}  # in accept order
         self._bases: set[int] = set()
@@ -293,6 +295,10 @@ class Agent:
             log.warning("fd limit fits %d connections; serving at most that many (max_connections %d)", fit,
                         self.config.max_connections)
         self.max_connections = min(self.config.max_connections, fit)
+        self.shm_lanes = self.config.shm_lanes and cma_excluded()
+        if self.config.shm_lanes and not self.shm_lanes:
+            log.warning("UCX_TLS=%s allows CMA: no shared-memory lanes (a client dying mid-transfer would abort "
+                        "this agent); exclude it (UCX_TLS=^cma) to offer them", os.environ.get("UCX_TLS"))
         self._listener = self.ucxx.create_listener(self._serve_connection, port=self.config.port)
         self.port = int(self._listener.port)
         if self.config.sweep_interval_s > 0:

@@ -334,6 +334,18 @@ class HostBackend(Backend):
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
 
+    def version(self, name: str) -> tuple[int, int, int, int] | None:
+        """``(device, inode, size, change time ns)`` of the object, or ``None``; differs once it is replaced.
+
+        Publishing renames a segment into place, which sets its change time, so
+        an object put again (even into a reused pooled segment) gets a new version.
+        """
+        try:
+            st = self._path(name).stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
+
     def delete(self, name: str) -> bool:
         path = self._path(name)
         try:

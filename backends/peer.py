@@ -25,9 +25,21 @@ replies map to typed errors (``AuthenticationError``, ``InvalidKeyError``,
 ``ProtocolError``). ``if_absent`` is checked per replica, not atomically
 across replicas (``atomic_create_once = False``).
 
-Connections: one endpoint per peer, cached, one request at a time on it; a
-transport failure drops the endpoint and the request is retried once on a new
-connection.
+Connections (:mod:`backends.peer_conn`): one session per peer, cached, one
+request at a time on it; a transport failure drops it and the request is
+retried once on a new connection. To an agent on this host (same kernel and
+network namespace) the session adds a shared-memory lane (``shm=True``): the
+agent's replies and get payloads move through shared memory instead of
+loopback TCP (puts still go over the listener's endpoint; see
+:mod:`backends.agent_protocol`).
+
+Bytes: ``put`` hashes the payload once (xxh3-128, bound into the request's
+token) and sends it from the caller's buffers (only chunks that straddle two
+buffers are copied); ``get`` receives into ``out`` when given (no copy
+after the transfer), else into a fresh pre-faulted buffer, and hashes it
+once. The agent receives a put in place into a host-tier reservation (a
+pooled, already mapped segment where one of the size is free) and answers a
+get's checksum from its digest cache without a pass over the object.
 """
 
 from __future__ import annotations
@@ -41,8 +53,9 @@ import xxhash
 
 from backends import agent_protocol as P
 from backends.base import Backend, Buffer, as_buffers, validate_object_name
+from backends.peer_conn import PeerConn, connect, disable_lanes
 from backends.ucx_util import import_ucxx, ucx_loop
-from tierstore.errors import ConfigError, CorruptObjectError, ProtocolError, TierUnavailableError
+from tierstore.errors import ConfigError, CorruptObjectError, InvalidValueError, ProtocolError, TierUnavailableError
 
 __all__ = ["Discovery", "PeerAddress", "PeerBackend", "rank_peers"]
 
@@ -71,12 +84,6 @@ class _Unreachable(Exception):
         self.peer = peer
 
 
-class _Conn:
-    def __init__(self, ep: Any) -> None:
-        self.ep = ep
-        self.lock = asyncio.Lock()
-
-
 class PeerBackend(Backend):
     """Objects replicated to other nodes' host tiers through their agents.
 
@@ -89,6 +96,7 @@ class PeerBackend(Backend):
         connect_timeout_s: limit for connecting to a peer.
         chunk_shift: payload chunk size, ``1 << chunk_shift`` bytes (default 16 MiB).
         verify: send and check xxh3-128 checksums of payloads.
+        shm: use a shared-memory lane to agents on this host (same kernel and network namespace).
     """
 
     tier = "peer"
@@ -99,7 +107,7 @@ class PeerBackend(Backend):
 
     def __init__(self, peers: Sequence[PeerAddress] | Discovery, *, secret: bytes, replication: int = 1,
                  local_node_id: str | None = None, timeout_s: float = 60.0, connect_timeout_s: float = 5.0,
-                 chunk_shift: int = P.DEFAULT_CHUNK_SHIFT, verify: bool = True) -> None:
+                 chunk_shift: int = P.DEFAULT_CHUNK_SHIFT, verify: bool = True, shm: bool = True) -> None:
         if not secret:
             raise ConfigError("PeerBackend needs the agents' shared secret", field="secret")
         if replication < 1:
@@ -115,10 +123,10 @@ class PeerBackend(Backend):
         self.connect_timeout_s = connect_timeout_s
         self.chunk_shift = chunk_shift
         self.verify = verify
+        self.shm = shm
         self._ucxx = import_ucxx()
         self._transport_errors = (self._ucxx.exceptions.UCXError, asyncio.TimeoutError, OSError)
-        self._conns: dict[PeerAddress, _Conn] = {}
-        self._rid = 0
+        self._conns: dict[PeerAddress, PeerConn] = {}
         self._closed = False
         self._loop = ucx_loop()
 
@@ -139,49 +147,23 @@ class PeerBackend(Backend):
     def _ranked(self, name: str) -> list[PeerAddress]:
         return rank_peers(name, list(self._discover()), exclude=self.local_node_id)
 
-    async def _connect(self, peer: PeerAddress) -> tuple[_Conn, bool]:
+    async def _connect(self, peer: PeerAddress) -> tuple[PeerConn, bool]:
         conn = self._conns.get(peer)
-        if conn is not None and not conn.ep.closed:
+        if conn is not None and not conn.closed:
             return conn, False
-        ep = await self._ucxx.create_endpoint(peer.host, peer.port, connect_timeout=self.connect_timeout_s)
-        conn = self._conns[peer] = _Conn(ep)
+        conn = await connect(self._ucxx, peer.host, peer.port, self.secret, connect_timeout=self.connect_timeout_s,
+                             shm=self.shm)
+        self._conns[peer] = conn
         return conn, True
 
-    def _drop(self, peer: PeerAddress, conn: _Conn) -> None:
+    def _drop(self, peer: PeerAddress, conn: PeerConn) -> None:
         if self._conns.get(peer) is conn:
             del self._conns[peer]
-        if not conn.ep.closed:
-            conn.ep.abort()
+        conn.abort()
 
-    async def _recv_reply(self, ep: Any) -> P.Reply:
-        frame = bytearray(P.REPLY_FRAME_SIZE)
-        await ep.recv(frame)
-        return P.unpack_reply(frame)
-
-    async def _exchange(self, ep: Any, op: int, key: str, payload: memoryview | None, flags: int,
-                        digest: bytes) -> tuple[P.Reply, memoryview | None]:
-        self._rid += 1
-        chunk = 1 << self.chunk_shift
-        n = 0 if payload is None else payload.nbytes
-        await ep.send(P.pack_request(self.secret, op, key, flags=flags, payload_len=n, digest=digest,
-                                     request_id=self._rid, chunk_shift=self.chunk_shift))
-        reply = await self._recv_reply(ep)
-        if op == P.Op.PUT and reply.status == P.Status.READY:
-            assert payload is not None
-            spans = P.chunk_spans(n, chunk)
-            await asyncio.gather(*(ep.send(payload[a:b], tag=i + 1) for i, (a, b) in enumerate(spans)))
-            reply = await self._recv_reply(ep)
-        if op in (P.Op.GET, P.Op.LIST) and reply.status == P.Status.OK:
-            buf = memoryview(bytearray(reply.payload_len))
-            spans = P.chunk_spans(reply.payload_len, chunk)
-            await asyncio.gather(*(ep.recv(buf[a:b], tag=i + 1) for i, (a, b) in enumerate(spans)))
-            if reply.flags & P.FLAG_CHECKSUM and P.checksum([buf]) != reply.checksum:
-                raise CorruptObjectError(f"checksum mismatch reading {key!r} from a peer", key=key, tier="peer")
-            return reply, buf
-        return reply, None
-
-    async def _request(self, peer: PeerAddress, op: int, key: str, payload: memoryview | None = None,
-                       flags: int = 0, digest: bytes = bytes(16)) -> tuple[P.Reply, memoryview | None]:
+    async def _request(self, peer: PeerAddress, op: int, key: str, parts: Sequence[memoryview] = (),
+                       flags: int = 0, digest: bytes = bytes(16),
+                       out: memoryview | None = None) -> tuple[P.Reply, memoryview | None]:
         """One request to one peer; a transport failure on a cached connection is retried once."""
         for attempt in (0, 1):
             try:
@@ -190,9 +172,13 @@ class PeerBackend(Backend):
                 raise _Unreachable(peer, e) from e
             async with conn.lock:
                 try:
-                    return await asyncio.wait_for(self._exchange(conn.ep, op, key, payload, flags, digest),
-                                                  self.timeout_s)
+                    return await asyncio.wait_for(
+                        conn.exchange(op, key, parts, flags=flags, digest=digest, chunk_shift=self.chunk_shift,
+                                      out=out), self.timeout_s)
                 except (*self._transport_errors, ProtocolError) as e:
+                    if conn.lane and isinstance(e, asyncio.TimeoutError) and not conn.closed:
+                        # the agent is alive (its endpoint has error handling) yet its lane went silent
+                        disable_lanes(f"a lane exchange with {peer.node_id} timed out")
                     self._drop(peer, conn)
                     if fresh or attempt:
                         raise _Unreachable(peer, e) from e
@@ -210,13 +196,12 @@ class PeerBackend(Backend):
     # -- the interface ---------------------------------------------------------------
     def put(self, name: str, data: Buffer | Sequence[Buffer], *, if_absent: bool = False) -> None:
         validate_object_name(name)
-        bufs = as_buffers(data)
-        payload = bufs[0] if len(bufs) == 1 else memoryview(b"".join(bufs))
-        self._call(self._put(name, payload, if_absent, self._ranked(name)))
+        parts = [b for b in as_buffers(data) if b.nbytes]
+        self._call(self._put(name, parts, if_absent, self._ranked(name)))
 
-    async def _put(self, name: str, payload: memoryview, if_absent: bool, candidates: list[PeerAddress]) -> None:
+    async def _put(self, name: str, parts: list[memoryview], if_absent: bool, candidates: list[PeerAddress]) -> None:
         flags = (P.FLAG_CHECKSUM if self.verify else 0) | (P.FLAG_IF_ABSENT if if_absent else 0)
-        digest = P.checksum([payload]) if self.verify else bytes(16)
+        digest = P.checksum(parts) if self.verify else bytes(16)
         failures: list[_Unreachable] = []
         written = 0
         errors: list[BaseException] = []
@@ -224,7 +209,7 @@ class PeerBackend(Backend):
             batch = candidates[: self.replication - written]
             del candidates[: len(batch)]
             results = await asyncio.gather(
-                *(self._request(p, P.Op.PUT, name, payload, flags, digest) for p in batch), return_exceptions=True)
+                *(self._request(p, P.Op.PUT, name, parts, flags, digest) for p in batch), return_exceptions=True)
             for peer, res in zip(batch, results):
                 if isinstance(res, _Unreachable):
                     failures.append(res)
@@ -239,21 +224,34 @@ class PeerBackend(Backend):
         if written < self.replication:
             raise self._unavailable(f"replicating ({written}/{self.replication} replicas written)", name, failures)
 
-    def get(self, name: str) -> memoryview | None:
+    def get(self, name: str, *, out: Buffer | None = None) -> memoryview | None:
+        """The object's bytes, or ``None``.
+
+        Args:
+            out: a writable buffer to receive into (no copy after the transfer); the
+                result is then a view of its first bytes. An object larger than
+                ``out`` raises :class:`~tierstore.errors.InvalidValueError`.
+        """
         validate_object_name(name)
-        return self._call(self._first(name, P.Op.GET, self._ranked(name)))
+        target = None
+        if out is not None:
+            target = memoryview(out)
+            if target.readonly:
+                raise InvalidValueError("out must be a writable buffer", key=name)
+            target = target.cast("B") if target.format != "B" or target.ndim != 1 else target
+        return self._call(self._first(name, P.Op.GET, self._ranked(name), target))
 
     def exists(self, name: str) -> bool:
         validate_object_name(name)
         return self._call(self._first(name, P.Op.EXISTS, self._ranked(name))) is not None
 
-    async def _first(self, name: str, op: int, peers: list[PeerAddress]) -> Any:
+    async def _first(self, name: str, op: int, peers: list[PeerAddress], out: memoryview | None = None) -> Any:
         flags = P.FLAG_CHECKSUM if (self.verify and op == P.Op.GET) else 0
         failures: list[_Unreachable] = []
         corrupt: CorruptObjectError | None = None
         for peer in peers:
             try:
-                reply, data = await self._request(peer, op, name, flags=flags)
+                reply, data = await self._request(peer, op, name, flags=flags, out=out)
             except _Unreachable as e:
                 failures.append(e)
                 continue
@@ -316,8 +314,7 @@ class PeerBackend(Backend):
 
         async def _close_all() -> None:
             for conn in list(self._conns.values()):
-                if not conn.ep.closed:
-                    conn.ep.abort()
+                conn.abort()
             self._conns.clear()
 
         self._closed = True

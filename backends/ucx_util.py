@@ -14,6 +14,23 @@ Defaults (measured on a 2-core loopback host):
 * ``UCX_WARN_UNUSED_ENV_VARS=n``: silence UCX's warning about the above.
 * ``UCX_TCP_CM_REUSEADDR=y``: an agent restarted on its fixed port can listen
   again at once (the killed one's connections linger in TIME_WAIT).
+* ``UCX_TLS=^cma``: every transport but CMA (``process_vm_readv``). The peer
+  tier's shared-memory lane runs without UCX error handling, and there a
+  CMA transfer with a process that died aborts the survivor (seen here: a
+  SIGKILLed client took its node agent down within a few kills). The posix
+  shared-memory transport has no such failure, and measured faster here
+  (~4.9 against ~3 GB/s). The agent offers lanes only while CMA is
+  excluded (:func:`cma_excluded`).
+
+``UCX_NET_DEVICES`` is a default only: inside a network namespace (the
+testbed's ``--netns`` nodes) it must name that namespace's interface, since
+``lo`` there reaches no other node and UCX's TCP transport would advertise
+``127.0.0.1`` to peers. Shared-memory transports are not network devices and
+are not affected by it.
+
+Besides the environment, this module holds the few calls that reach below
+ucxx's public asynchronous API (tag receives posted synchronously, draining
+unexpected messages): :func:`post_recv`, :func:`drain_unexpected`.
 """
 
 from __future__ import annotations
@@ -22,20 +39,33 @@ import asyncio
 import os
 import threading
 from collections.abc import MutableMapping
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 from tierstore.errors import MissingDependencyError
 
-__all__ = ["UCX_ENV_DEFAULTS", "apply_ucx_env_defaults", "import_ucxx", "ucx_loop", "ucxx_available"]
+__all__ = [
+    "UCX_ENV_DEFAULTS",
+    "apply_ucx_env_defaults",
+    "cma_excluded",
+    "drain_unexpected",
+    "import_ucxx",
+    "post_recv",
+    "ucx_loop",
+    "ucxx_available",
+]
 
 UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_NET_DEVICES": "lo",
     "UCXPY_PROGRESS_MODE": "blocking",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCX_TCP_CM_REUSEADDR": "y",
+    "UCX_TLS": "^cma",
 }
 
 _ucxx: ModuleType | None = None
+_low: Any = None  # ucxx's Array, Tag, TagMask, TagMaskFull, filled by import_ucxx
+_SCRATCH = bytearray(1)  # where drained messages are received (truncated): never read
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_pid: int | None = None
 _loop_lock = threading.Lock()
@@ -55,13 +85,25 @@ def apply_ucx_env_defaults(environ: MutableMapping[str, str] | None = None) -> d
     return applied
 
 
+_SHM_ALIASES = {"cma", "sm", "shm", "all"}
+
+
+def cma_excluded(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether UCX's transport list (``UCX_TLS``, after the defaults) leaves CMA out."""
+    env = os.environ if environ is None else environ
+    tls = env.get("UCX_TLS", UCX_ENV_DEFAULTS["UCX_TLS"]).replace(" ", "")
+    if tls.startswith("^"):
+        return bool(set(tls[1:].split(",")) & {"cma", "sm", "shm"})
+    return not set(tls.split(",")) & _SHM_ALIASES
+
+
 def import_ucxx() -> ModuleType:
     """Apply the environment defaults, then import and return ``ucxx``.
 
     Raises:
         MissingDependencyError: ``ucxx`` is not installed or cannot load its libraries.
     """
-    global _ucxx
+    global _ucxx, _low
     if _ucxx is None:
         apply_ucx_env_defaults()
         try:
@@ -72,6 +114,10 @@ def import_ucxx() -> ModuleType:
                 "`pip install ucxx-cu12` (or `pip install tierstore[ucx]`)",
                 package="ucxx-cu12",
             ) from e
+        from ucxx._lib.arr import Array  # lazy: optional dependency; used by post_recv/drain_unexpected
+        from ucxx.types import Tag, TagMask, TagMaskFull  # lazy: optional dependency, as above
+
+        _low = SimpleNamespace(Array=Array, Tag=Tag, TagMask=TagMask, TagMaskFull=TagMaskFull)
         _ucxx = ucxx
     return _ucxx
 
@@ -102,3 +148,66 @@ def ucx_loop() -> asyncio.AbstractEventLoop:
             threading.Thread(target=loop.run_forever, name="ts-ucx-loop", daemon=True).start()
             _loop, _loop_pid = loop, os.getpid()
         return _loop
+
+
+def post_recv(ep: Any, buf: Any, tag: int) -> asyncio.Future:
+    """Post a receive of ``buf`` for the exact ``tag`` on ``ep`` now; return a future of its completion.
+
+    Unlike ``await ep.recv(...)`` (which posts only when its coroutine first
+    runs), the receive is posted before this returns, so a caller can post
+    it before sending the message that makes the peer send (the agent posts
+    a request's payload receives before answering ``READY``). A message whose
+    receive is posted never waits in UCX's unexpected queue, which
+    :func:`drain_unexpected` empties. Aborting ``ep`` cancels the receive.
+    Call on the thread that runs the event loop.
+    """
+    ucxx = import_ucxx()
+    low = _low
+    inner = ep._ep  # ucxx.Endpoint's UCXEndpoint: its tag_recv posts synchronously
+    if inner is None:
+        raise ucxx.exceptions.UCXCloseError("Endpoint closed")
+    inner.raise_on_error()
+    arr = low.Array(buf)
+    req = inner.tag_recv(arr, low.Tag(tag), low.TagMaskFull)
+    return asyncio.ensure_future(_completion(req, arr))
+
+
+async def _completion(req: Any, arr: Any) -> Any:
+    # holds the Array (and through it the buffer) until UCX is done with it: UCX writes through a raw pointer
+    return await req.wait()
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # truncation is the expected outcome; never read
+
+
+def drain_unexpected(limit: int = 100_000) -> tuple[int, int]:
+    """Receive and drop tag messages that arrived with no receive posted for them.
+
+    UCX keeps such messages (eager ones with their data) in the worker's
+    unexpected queue until someone receives them, whatever their sender; a
+    peer that sends tags nobody receives grows this process's memory. Each is
+    received, truncated, into a one-byte scratch buffer: an eager message's
+    buffer is freed, a rendezvous message's data is never transferred (its
+    sender completes). Only for a process whose receives are all posted
+    before their messages can arrive (the node agent, see
+    :func:`post_recv`): anything else in the queue is taken for junk.
+
+    Returns:
+        (messages, bytes) dropped, at most ``limit`` messages per call.
+    """
+    ucxx = import_ucxx()
+    low = _low
+    worker = ucxx.core._get_ctx().worker  # the process's one worker; probing with mask 0 needs it directly
+    n = nbytes = 0
+    while n < limit:
+        probe = worker.tag_probe(low.Tag(0), low.TagMask(0), remove=True)
+        if not probe.matched:
+            break
+        n += 1
+        nbytes += probe.length
+        arr = low.Array(_SCRATCH)
+        req = worker.tag_recv_with_handle(arr, probe)
+        asyncio.ensure_future(_completion(req, arr)).add_done_callback(_consume)
+    return n, nbytes

@@ -3,19 +3,36 @@
 Run: ``python bench/bench_peer.py [--mib 256] [--reps 5] [--snap-mib 512]``
 
 * peer put/get: :class:`backends.peer.PeerBackend` (replication 1) to one agent
-  subprocess (host tier in /dev/shm), against a raw ucxx send/recv of the same
-  bytes to a bare receiver subprocess (pre-allocated, pre-faulted buffer), both
-  over the same listener/TCP transport, alternating, in the same run.
+  subprocess (host tier in /dev/shm), against raw ucxx of the same bytes to a
+  bare receiver subprocess (pre-allocated, pre-faulted buffer), in the same
+  run, alternating. Two transports, each with its own bound:
+
+  - ``tcp``: the listener's endpoint (loopback TCP); PeerBackend with ``shm=False``.
+  - ``shm``: endpoints from worker addresses with error handling off (UCX's
+    shared-memory transports); PeerBackend's same-host lane (``shm=True``),
+    which carries the agent's replies and get payloads (puts go over TCP
+    either way, so only the ``tcp`` rows measure puts).
+
+  Puts are steady state, as in training: each rep writes new names and the
+  previous rep's objects were deleted (into the agent's pool) more than the
+  pool's grace period before, so a put lands in a pooled, mapped segment.
+  ``get(out=)`` receives into a caller's pre-faulted buffer; ``get(out=host
+  reservation)`` into a reservation of the reader's own host tier (a pooled,
+  mapped segment of the size, reused every rep), committed after: the read
+  that also promotes the object to the local host tier on restore.
 * device snapshot: :meth:`backends.device.DeviceBackend.snapshot` against a
   bare ``copy_`` into pre-allocated tensors of the same sizes (the bound).
 
-Medians with min-max, and ratios to the bound.
+Medians with min-max, GB/s, and the throughput ratio to the raw bound of the
+same transport (``x raw``: 1.00 = as fast as raw ucxx). Rows a PeerBackend
+without ``shm``/``out`` (an older checkout) cannot run are skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import os
 import statistics
 import subprocess
@@ -28,9 +45,11 @@ sys.path.insert(0, str(REPO))
 
 from backends.ucx_util import import_ucxx, ucx_loop
 
+_HELLO = 4096
 
-def _raw_server(nbytes: int) -> None:
-    """Receive ``nbytes`` and ack (op 1), or send ``nbytes`` (op 2), forever."""
+
+def _raw_server(nbytes: int, mode: str) -> None:
+    """Receive ``nbytes`` and ack (op 1), or send ``nbytes`` (op 2), forever; over TCP or shared memory."""
     ucxx = import_ucxx()
 
     async def main() -> None:
@@ -50,11 +69,68 @@ def _raw_server(nbytes: int) -> None:
             except Exception:
                 pass
 
-        lst = ucxx.create_listener(handle, port=0)
-        print(f"port={lst.port}", flush=True)
-        await asyncio.Event().wait()
+        if mode == "tcp":
+            lst = ucxx.create_listener(handle, port=0)
+            print(f"port={lst.port}", flush=True)
+            await asyncio.Event().wait()
+        print(f"addr={bytes(ucxx.get_worker_address()).hex()}", flush=True)
+        hello = bytearray(_HELLO)
+        await ucxx.recv(hello, tag=1)
+        n = int.from_bytes(hello[:4], "little")
+        ep = await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(bytes(hello[4:4 + n])),
+                                                            endpoint_error_handling=False)
+        op = bytearray(1)
+        while True:
+            await ucxx.recv(op, tag=3)
+            if op[0] == 1:
+                await ucxx.recv(buf, tag=4)
+                await ep.send(bytearray(1), tag=5, force_tag=True)
+            else:
+                await ep.send(buf, tag=6, force_tag=True)
 
     asyncio.run(main())
+
+
+class _Raw:
+    """The client side of :func:`_raw_server`: ``put(data)`` and ``get(sink)`` coroutines."""
+
+    def __init__(self, nbytes: int, mode: str, run) -> None:
+        self.ucxx = import_ucxx()
+        self.mode = mode
+        self.proc = subprocess.Popen([sys.executable, __file__, "--raw-server", str(nbytes), "--raw-mode", mode],
+                                     stdout=subprocess.PIPE)
+        line = self.proc.stdout.readline().decode().strip()
+        if mode == "tcp":
+            self.ep = run(self.ucxx.create_endpoint("127.0.0.1", int(line.split("=")[1])))
+        else:
+            addr = self.ucxx.get_ucx_address_from_buffer(bytes.fromhex(line.split("=")[1]))
+            self.ep = run(self.ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=False))
+            mine = bytes(self.ucxx.get_worker_address())
+            hello = bytearray(_HELLO)
+            hello[:4 + len(mine)] = len(mine).to_bytes(4, "little") + mine
+            run(self.ep.send(hello, tag=1, force_tag=True))
+
+    async def put(self, data) -> None:
+        if self.mode == "tcp":
+            await self.ep.send(bytearray(b"\x01"))
+            await self.ep.send(data)
+            await self.ep.recv(bytearray(1))
+        else:
+            await self.ep.send(bytearray(b"\x01"), tag=3, force_tag=True)
+            await self.ep.send(data, tag=4, force_tag=True)
+            await self.ep.recv(bytearray(1), tag=5, force_tag=True)
+
+    async def get(self, sink) -> None:
+        if self.mode == "tcp":
+            await self.ep.send(bytearray(b"\x02"))
+            await self.ep.recv(sink)
+        else:
+            await self.ep.send(bytearray(b"\x02"), tag=3, force_tag=True)
+            await self.ep.recv(sink, tag=6, force_tag=True)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def _stats(xs: list[float]) -> str:
@@ -71,58 +147,90 @@ def bench_peer(mib: int, reps: int) -> None:
 
     nbytes = mib << 20
     data = bytearray(os.urandom(1 << 20) * mib)
-    ucxx = import_ucxx()
     loop = ucx_loop()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(600)
 
-    raw_proc = subprocess.Popen([sys.executable, __file__, "--raw-server", str(nbytes)], stdout=subprocess.PIPE)
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(600)
+
+    from backends.host import HostBackend
+
+    has_shm = "shm" in inspect.signature(PeerBackend.__init__).parameters
+    has_out = "out" in inspect.signature(PeerBackend.get).parameters
+    modes = ["tcp", "shm"] if has_shm else ["tcp"]
+    raws = {m: _Raw(nbytes, m, run) for m in modes}
     cluster = AgentCluster(1)
     try:
-        port = int(raw_proc.stdout.readline().decode().split("=")[1])
-        ep = run(ucxx.create_endpoint("127.0.0.1", port))
+        host = HostBackend(cluster.base / "reader")  # the reading node's own host tier
         sink = bytearray(nbytes)
+        out = bytearray(nbytes)  # the caller's buffer for get(out=): pre-faulted like the raw sink
+        peers = {}
+        for m in modes:
+            for v in (True, False):
+                kw = {"shm": m == "shm"} if has_shm else {}
+                peers[m, v] = PeerBackend(cluster.addresses, secret=cluster.secret, verify=v, **kw)
+        t: dict[str, list[float]] = {}
 
-        async def raw_put():
-            await ep.send(bytearray(b"\x01"))
-            await ep.send(data)
-            await ep.recv(bytearray(1))
+        def timed(key: str, fn, keep: bool) -> None:
+            t0 = time.perf_counter()
+            res = fn()
+            dt = time.perf_counter() - t0
+            if key.startswith(("get", "raw_get")) and not key.startswith("raw"):
+                assert res is not None and res.nbytes == nbytes
+            del res
+            if keep:
+                t.setdefault(key, []).append(dt)
 
-        async def raw_get():
-            await ep.send(bytearray(b"\x02"))
-            await ep.recv(sink)
-
-        peers = {v: PeerBackend(cluster.addresses, secret=cluster.secret, verify=v) for v in (True, False)}
-        t = {k: [] for k in ("raw_put", "raw_get", "put", "get", "put_nv", "get_nv")}
-        for i in range(reps + 1):  # the first round warms connections and pages; dropped
-            for key, fn in (
-                ("raw_put", lambda: run(raw_put())),
-                ("put", lambda: peers[True].put("bench/obj", data)),
-                ("raw_get", lambda: run(raw_get())),
-                ("get", lambda: peers[True].get("bench/obj")),
-                ("put_nv", lambda: peers[False].put("bench/obj", data)),
-                ("get_nv", lambda: peers[False].get("bench/obj")),
-            ):
-                t0 = time.perf_counter()
-                out = fn()
-                dt = time.perf_counter() - t0
-                if key.startswith("get"):
-                    assert out is not None and out.nbytes == nbytes
-                del out
-                if i:
-                    t[key].append(dt)
-        print(f"\n== peer tier, {mib} MiB object, {reps} reps, replication 1, loopback TCP ==")
-        for key, label in (("raw_put", "raw ucxx send"), ("put", "PeerBackend.put (xxh3 verify)"),
-                           ("put_nv", "PeerBackend.put (no verify)"), ("raw_get", "raw ucxx recv"),
-                           ("get", "PeerBackend.get (xxh3 verify)"), ("get_nv", "PeerBackend.get (no verify)")):
-            bound = t["raw_put"] if "put" in key else t["raw_get"]
-            ratio = statistics.median(t[key]) / statistics.median(bound)
-            print(f"{label:32s} {_stats(t[key])}  {_gbps(nbytes, t[key]):5.2f} GB/s  ratio to raw {ratio:4.2f}")
+        for i in range(reps + 1):  # the first round warms connections, pages and the agent's pool; dropped
+            keep = i > 0
+            for m in modes:
+                timed(f"raw_put_{m}", lambda m=m: run(raws[m].put(data)), keep)
+                for v in (True, False):
+                    put_key = f"put_{m}_{'v' if v else 'nv'}" if m == "tcp" else "warm"  # lane puts are tcp puts
+                    timed(put_key, lambda m=m, v=v: peers[m, v].put(f"bench/{m}{v}/{i}", data), keep)
+                timed(f"raw_get_{m}", lambda m=m: run(raws[m].get(sink)), keep)
+                for v in (True, False):
+                    name = f"bench/{m}{v}/{i}"
+                    timed(f"get_{m}_{'v' if v else 'nv'}", lambda m=m, v=v, name=name: peers[m, v].get(name), keep)
+                    if has_out:
+                        timed(f"getout_{m}_{'v' if v else 'nv'}",
+                              lambda m=m, v=v, name=name: peers[m, v].get(name, out=out), keep)
+                if has_out:
+                    def into_host(m=m, name=f"bench/{m}True/{i}"):
+                        res = host.reserve(f"local/{m}/{i}", nbytes)
+                        view = peers[m, True].get(name, out=res.buffer)
+                        res.commit()
+                        return view
+                    timed(f"getres_{m}_v", into_host, keep)
+            for m in modes:
+                for v in (True, False):
+                    peers[m, v].delete(f"bench/{m}{v}/{i}")
+                if has_out:
+                    host.delete(f"local/{m}/{i}")
+            time.sleep(0.7)  # past the agent pool's grace period: the next rep's puts reuse these segments
+        print(f"\n== peer tier, {mib} MiB object, {reps} reps, replication 1, loopback ==")
+        for m in modes:
+            for kind, label in (("put", "put"), ("get", "get"), ("getout", "get(out=)"),
+                                ("getres", "get(out=host res.)")):
+                bound = t[f"raw_{'put' if kind == 'put' else 'get'}_{m}"]
+                if (kind == "put" and f"put_{m}_v" in t) or kind == "get":
+                    raw_label = f"raw ucxx {m} {'send' if kind == 'put' else 'recv'}"
+                    print(f"{raw_label:44s} {_stats(bound)}  {_gbps(nbytes, bound):5.2f} GB/s  x raw 1.00")
+                if kind == "put" and f"put_{m}_v" not in t:
+                    continue
+                for v in ("v", "nv"):
+                    key = f"{kind}_{m}_{v}"
+                    if key not in t:
+                        continue
+                    ratio = statistics.median(bound) / statistics.median(t[key])
+                    label2 = f"PeerBackend.{label} {m} ({'xxh3' if v == 'v' else 'no verify'})"
+                    print(f"{label2:44s} {_stats(t[key])}  {_gbps(nbytes, t[key]):5.2f} GB/s  x raw {ratio:4.2f}")
         for p in peers.values():
             p.close()
+        host.close()
     finally:
         cluster.close()
-        raw_proc.kill()
-        raw_proc.wait()
+        for r in raws.values():
+            r.close()
 
 
 def bench_device(mib: int, reps: int, ntensors: int = 50) -> None:
@@ -159,10 +267,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--snap-mib", type=int, default=512)
     ap.add_argument("--raw-server", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-mode", default="tcp", help=argparse.SUPPRESS)
     ap.add_argument("--skip-peer", action="store_true")
     args = ap.parse_args()
     if args.raw_server is not None:
-        _raw_server(args.raw_server)
+        _raw_server(args.raw_server, args.raw_mode)
         return
     os.environ.setdefault("UCXX_LOG_LEVEL", "FATAL")
     if not args.skip_peer:

@@ -33,15 +33,25 @@ def require_ucxx():
         pytest.skip(f"needs ucxx: {e}")
 
 
+def _limit_fds(n: int):
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    return apply
+
+
 class AgentProc:
-    def __init__(self, node_id: str, root: Path, secret_file: Path, extra: list[str]) -> None:
+    def __init__(self, node_id: str, root: Path, secret_file: Path, extra: list[str], *,
+                 nofile: int | None = None) -> None:
         self.node_id = node_id
         self.root = root
         env = dict(os.environ, UCXX_LOG_LEVEL=os.environ.get("UCXX_LOG_LEVEL", "FATAL"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node_id, "--host-root", str(root),
              "--secret-file", str(secret_file), *extra],
-            cwd=REPO, stdout=subprocess.PIPE, env=env)
+            cwd=REPO, stdout=subprocess.PIPE, env=env, preexec_fn=_limit_fds(nofile) if nofile else None)
         self.port = self._wait_ready(30.0)
 
     def _wait_ready(self, timeout: float) -> int:
@@ -58,6 +68,16 @@ class AgentProc:
 
         return PeerAddress(self.node_id, "127.0.0.1", self.port)
 
+    def rss_bytes(self) -> int:
+        """The agent process's resident memory."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
@@ -72,7 +92,8 @@ class AgentProc:
 class AgentCluster:
     """``n`` agents, ``node0..node{n-1}``, each with its own host root below one /dev/shm dir."""
 
-    def __init__(self, n: int, *, extra: list[str] | None = None, secret: bytes = SECRET) -> None:
+    def __init__(self, n: int, *, extra: list[str] | None = None, secret: bytes = SECRET,
+                 nofile: int | None = None) -> None:
         self.base = Path("/dev/shm") / f"ts-test-{uuid.uuid4().hex[:12]}"
         self.base.mkdir(parents=True)
         self.secret = secret
@@ -81,7 +102,8 @@ class AgentCluster:
         self.agents: list[AgentProc] = []
         try:
             for i in range(n):
-                self.agents.append(AgentProc(f"node{i}", self.base / f"node{i}", self.secret_file, extra or []))
+                self.agents.append(AgentProc(f"node{i}", self.base / f"node{i}", self.secret_file, extra or [],
+                                             nofile=nofile))
         except BaseException:
             self.close()
             raise
@@ -100,26 +122,53 @@ class AgentCluster:
 
 
 class RawClient:
-    """Speaks raw frames to one agent from a private event-loop thread (for the security tests)."""
+    """Speaks raw frames to one agent from the process's ucxx event-loop thread (for the security tests).
 
-    def __init__(self, port: int) -> None:
+    On connect it reads the agent's challenge (``challenge``) and keeps a
+    :class:`~backends.agent_protocol.ClientSession`: :meth:`request` signs the
+    next frame for this connection; :meth:`send` and :meth:`reply` use the
+    session's tags (``slot`` 0: frames, ``i + 1``: payload chunk ``i``).
+    """
+
+    def __init__(self, port: int, *, host: str = "127.0.0.1", secret: bytes = SECRET) -> None:
+        from backends import agent_protocol as P
         from backends.ucx_util import ucx_loop
 
         self.ucxx = require_ucxx()
         self.loop = ucx_loop()
-        self.ep = self.run(self.ucxx.create_endpoint("127.0.0.1", port))
+        self.ep = self.run(self.ucxx.create_endpoint(host, port))
+        frame = bytearray(P.CHALLENGE_FRAME_SIZE)
+        self.run(self.ep.recv(frame))
+        self.challenge = P.unpack_challenge(frame)
+        self.session = P.ClientSession(secret, self.challenge)
+        self.base = self.challenge.tag_base
 
     def run(self, coro, timeout: float = 20.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def send(self, frame, tag=None) -> None:
-        self.run(self.ep.send(bytearray(frame)) if tag is None else self.ep.send(bytearray(frame), tag=tag))
+    def request(self, op: int, key: str, **kw) -> bytearray:
+        """The next signed request frame of this connection (keywords as ``pack_request``)."""
+        return self.session.request(op, key, **kw)[1]
 
-    def reply(self):
+    def send(self, frame, slot: int = 0) -> None:
+        from backends import agent_protocol as P
+
+        self.run(self.ep.send(bytearray(frame), tag=P.tag(self.base, slot), force_tag=True))
+
+    def send_tag(self, data, tag: int) -> None:
+        """Send ``data`` under an arbitrary tag (flooding the agent's unexpected queue)."""
+        self.run(self.ep.send(bytearray(data), tag=tag, force_tag=True))
+
+    def recv(self, buf, slot: int = 0, timeout: float = 20.0):
+        from backends import agent_protocol as P
+
+        return self.run(self.ep.recv(buf, tag=P.tag(self.base, slot, to_client=True), force_tag=True), timeout)
+
+    def reply(self, timeout: float = 20.0):
         from backends import agent_protocol as P
 
         buf = bytearray(P.REPLY_FRAME_SIZE)
-        self.run(self.ep.recv(buf))
+        self.recv(buf, 0, timeout)
         return P.unpack_reply(buf)
 
     def close(self) -> None:

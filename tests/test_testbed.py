@@ -48,3 +48,31 @@ def test_compose_file_is_valid():
     text = p.stdout
     assert "tierstore agent" in text and "torchrun" in text and "tierstore.cli.demo" in text
     assert (REPO / "docker" / "Dockerfile").read_text().count("torch==2.13.0") == 1
+
+
+def test_testbed_netns_nodes_cross_real_interfaces(tmp_path):
+    """The same scenario with each node in its own network namespace: replicas and restore cross the veths."""
+    import pytest
+
+    from tierstore.cli.netns import netns_supported
+    from tierstore.cli.testbed import peer_supported
+
+    ok, why = netns_supported()
+    if not ok:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+    peer, why_peer = peer_supported()
+    if not peer:
+        pytest.skip(f"the peer tier is off here: {why_peer}")
+    cmd = [sys.executable, "-m", "tierstore.cli", "testbed", "--netns", "--ranks-per-node", "1", "--steps", "5",
+           "--kill-at", "2", "--json", "--workdir", str(tmp_path / "tb"), "--timeout", "240"]
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=290, cwd=str(REPO))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads(p.stdout)
+    assert set(rep["netns"]) == {"node0", "node1"} and rep["netns"]["node0"] != rep["netns"]["node1"]
+    node0, node1 = rep["ranks"]["0"], rep["ranks"]["1"]
+    assert set(node0["tiers"]) == {"host"}
+    assert node1["tiers"] and set(node1["tiers"]) <= {"peer", "durable"}
+    assert node0["restored_step"] == node1["restored_step"] == rep["restored_step"]
+    # every byte between the nodes, the index and S3 went over the links: replicas alone are megabytes
+    for node in ("node0", "node1"):
+        assert rep["links"][node]["sent"] > 1 << 20 and rep["links"][node]["received"] > 1 << 20, rep["links"]

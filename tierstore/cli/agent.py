@@ -19,9 +19,28 @@ Registration: with a Redis URL (or client), the agent writes the hash
 TTL refreshed by a heartbeat thread, and adds the id to the set ``ts:nodes``;
 a crashed agent's hash expires. A clean shutdown (SIGTERM/SIGINT) removes both.
 
-Security note: ``ucxx`` listeners bind every interface (it has no bind
-address); ``host`` is the address advertised to peers. Authentication is what
-keeps other hosts out; firewall the port on untrusted networks.
+Security: every connection gets a fresh challenge and every request is
+signed for that connection and numbered (:mod:`backends.agent_protocol`), so
+a captured frame is refused when replayed, on its own connection or another.
+A connection must send an authentic request within ``handshake_timeout_s``
+and then one at least every ``idle_timeout_s``; a put's payload must make
+progress every ``header_timeout_s`` after ``READY`` or its reservation is
+freed. At most ``max_connections`` connections are served (fewer if the fd
+limit cannot fit them) and at most ``max_unauthenticated`` of them before
+their first authentic request: a new one evicts the oldest unauthenticated
+one, so a flood of idle connections cannot lock out a peer that has the
+secret. Tag messages nobody receives are dropped every ``sweep_interval_s``
+(:func:`backends.ucx_util.drain_unexpected`), so they cannot grow the
+agent's memory. The serving of one connection is :mod:`tierstore.cli.agent_conn`.
+
+Network note: ``ucxx`` listeners bind every interface of the agent's network
+namespace (ucxx has no bind address); ``host`` is only the address advertised
+to peers. Inside a network namespace (``tierstore testbed --netns``) "every
+interface" is that namespace's loopback and its veth, so the agent is
+reachable on the node's own address and nowhere else; on a host it is every
+interface of the host. Authentication is what keeps other hosts out; firewall
+the port on untrusted networks. ``UCX_NET_DEVICES`` must name the interface
+peers reach (``lo`` only on one machine).
 """
 
 from __future__ import annotations
@@ -30,10 +49,12 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +63,14 @@ from typing import Any
 from backends import agent_protocol as P
 from backends.base import Backend
 from backends.host import HostBackend
-from backends.ucx_util import import_ucxx
+from backends.ucx_util import cma_excluded, drain_unexpected, import_ucxx
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
+from tierstore.cli.agent_conn import Connection
 from tierstore.cli.common import HelpFormatter
-from tierstore.errors import ConfigError, KeyExistsError, TierFullError, TierStoreError
+from tierstore.errors import ConfigError, TierStoreError
 
-__all__ = ["Agent", "AgentConfig", "NodeRegistration", "main", "run_agent"]
+__all__ = ["Agent", "AgentConfig", "DigestCache", "NodeRegistration", "main", "run_agent"]
 
 log = logging.getLogger("tierstore.cli.agent")
 
@@ -57,9 +79,14 @@ log = logging.getLogger("tierstore.cli.agent")
 class AgentConfig:
     """Configuration of one node agent.
 
-    Memory bound: one in-flight put per connection holds a reservation of its
-    object's size (at most ``max_object_bytes``); gets send from the stored
-    mapping, without a copy.
+    Memory bound: before its first authentic request a connection holds two
+    request-frame buffers (``2 * REQUEST_FRAME_SIZE``) and UCX's endpoint
+    state, at most ``max_unauthenticated`` such connections at a time, each
+    for at most ``handshake_timeout_s``; unexpected tag messages live at most
+    ``sweep_interval_s``. Only an authentic put reserves memory: one
+    reservation of its object's size (at most ``max_object_bytes``) per
+    channel, freed if its payload stalls ``header_timeout_s`` or takes longer
+    than ``io_timeout_s``. Gets send from the stored mapping, without a copy.
 
     Attributes:
         node_id: this node's id (a validated name segment).
@@ -70,7 +97,15 @@ class AgentConfig:
         redis_url: where to register; ``None`` disables registration.
         capacity_bytes: the host tier's budget (``None``: unbounded).
         max_object_bytes: the largest object a put may carry.
-        io_timeout_s: a put's payload must arrive within this time.
+        io_timeout_s: a request's payload must be through within this time.
+        handshake_timeout_s: a new connection must send an authentic request within this time.
+        idle_timeout_s: an authenticated connection with no request for this long is closed.
+        header_timeout_s: after ``READY`` (and between payload chunks) the payload must progress within this.
+        max_connections: connections served at once (lowered to what the fd limit fits).
+        max_unauthenticated: connections without an authentic request yet; a new one evicts the oldest.
+        sweep_interval_s: how often unexpected tag messages are dropped (0: never; only for tests).
+        shm_lanes: offer same-host clients a shared-memory lane (see :mod:`backends.agent_protocol`);
+            only while UCX's CMA transport is excluded (:func:`backends.ucx_util.cma_excluded`).
         ttl_s / heartbeat_s: registration TTL and its refresh period.
     """
 
@@ -83,6 +118,13 @@ class AgentConfig:
     capacity_bytes: int | None = None
     max_object_bytes: int = 16 << 30
     io_timeout_s: float = 120.0
+    handshake_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0
+    header_timeout_s: float = 10.0
+    max_connections: int = 256
+    max_unauthenticated: int = 32
+    sweep_interval_s: float = 0.2
+    shm_lanes: bool = True
     ttl_s: float = 10.0
     heartbeat_s: float = 3.0
 
@@ -93,6 +135,11 @@ class AgentConfig:
             raise ConfigError(f"invalid node id {self.node_id!r}", field="node_id")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"invalid port {self.port}", field="port")
+        for name in ("io_timeout_s", "handshake_timeout_s", "idle_timeout_s", "header_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0", field=name)
+        if self.max_connections < 1 or self.max_unauthenticated < 1:
+            raise ConfigError("max_connections and max_unauthenticated must be >= 1", field="max_connections")
 
 
 class NodeRegistration:
@@ -150,31 +197,113 @@ def _default_backend(config: AgentConfig) -> Backend:
     return HostBackend(config.host_root, capacity_bytes=config.capacity_bytes)
 
 
+def _fd_limit() -> int:
+    """Raise this process's soft fd limit to its hard limit; return the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+class DigestCache:
+    """xxh3-128 digests of served objects, each valid while its object is unchanged.
+
+    A get with a checksum then costs the agent no pass over the object: the
+    digest recorded when the object was put (verified against the payload)
+    or first read is reused while the host tier's ``version`` of the object
+    (inode, size, change time) is the same. A republished object (even in a
+    reused pooled segment: the rename changes its change time) is hashed
+    afresh. The client still checks the payload against the digest, so a
+    copy that changed without a new version (a bit flipped in RAM) is caught
+    rather than re-blessed. Only for a :class:`~backends.host.HostBackend`;
+    other backends are hashed on every get. Bounded to ``max_entries`` (LRU).
+    """
+
+    def __init__(self, backend: Backend, max_entries: int = 1 << 16) -> None:
+        self._version = backend.version if isinstance(backend, HostBackend) else None
+        self._entries: OrderedDict[str, tuple[tuple[int, ...], bytes]] = OrderedDict()
+        self.max_entries = max_entries
+
+    def version(self, name: str) -> tuple[int, ...] | None:
+        return self._version(name) if self._version is not None else None
+
+    def digest(self, name: str, data: memoryview, before: tuple[int, ...] | None) -> bytes:
+        """The digest of ``data``, read as ``name`` whose version was ``before`` just before the read."""
+        hit = self._entries.get(name)
+        if before is not None and hit is not None and hit[0] == before and self.version(name) == before:
+            self._entries.move_to_end(name)
+            return hit[1]
+        digest = P.checksum([data])
+        if before is not None and self.version(name) == before:
+            self._store(name, before, digest)
+        return digest
+
+    def remember(self, name: str, digest: bytes) -> None:
+        """Record ``digest`` for the object just published under ``name``."""
+        v = self.version(name)
+        if v is not None:
+            self._store(name, v, digest)
+
+    def forget(self, name: str) -> None:
+        self._entries.pop(name, None)
+
+    def _store(self, name: str, version: tuple[int, ...], digest: bytes) -> None:
+        self._entries[name] = (version, digest)
+        self._entries.move_to_end(name)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
 class Agent:
     """Serves one :class:`~backends.base.Backend` (normally the host tier) to peers.
 
     Use :meth:`serve` inside an event loop (it returns after :meth:`stop`), or
-    :func:`run_agent` for a whole process with signal handling.
+    :func:`run_agent` for a whole process with signal handling. The process's
+    UCX worker must serve this agent only (no peer-tier client in the same
+    process): the sweeper drops every tag message no receive was posted for.
     """
 
     def __init__(self, config: AgentConfig, backend: Backend | None = None, *, index: Index | None = None) -> None:
         self.config = config
         self.backend = backend if backend is not None else _default_backend(config)
+        self.digests = DigestCache(self.backend)
         self._index = index
         self.port: int | None = None
+        self.max_connections = config.max_connections
+        self.shm_lanes = config.shm_lanes
+        self.stats = {"refused": 0, "evicted": 0, "dropped_messages": 0, "dropped_bytes": 0}
+        self._conns: dict[Connection, None] = {}  # in accept order
+        self._bases: set[int] = set()
         self._listener: Any = None
+        self._sweeper: asyncio.Task | None = None
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._registration: NodeRegistration | None = None
-        self._ucxx = import_ucxx()
+        self.ucxx = import_ucxx()
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> int:
         """Start listening (and register); return the port."""
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        self._listener = self._ucxx.create_listener(self._serve_connection, port=self.config.port)
+        fit = max(1, (_fd_limit() - 64) // 3)  # about 2 fds per UCX connection, and room for the rest
+        if fit < self.config.max_connections:
+            log.warning("fd limit fits %d connections; serving at most that many (max_connections %d)", fit,
+                        self.config.max_connections)
+        self.max_connections = min(self.config.max_connections, fit)
+        self.shm_lanes = self.config.shm_lanes and cma_excluded()
+        if self.config.shm_lanes and not self.shm_lanes:
+            log.warning("UCX_TLS=%s allows CMA: no shared-memory lanes (a client dying mid-transfer would abort "
+                        "this agent); exclude it (UCX_TLS=^cma) to offer them", os.environ.get("UCX_TLS"))
+        self._listener = self.ucxx.create_listener(self._serve_connection, port=self.config.port)
         self.port = int(self._listener.port)
+        if self.config.sweep_interval_s > 0:
+            self._sweeper = asyncio.ensure_future(self._sweep())
         index = self._index
         if index is None and self.config.redis_url:
             index = self._index = Index(self.config.redis_url)
@@ -199,7 +328,11 @@ class Agent:
         finally:
             if self._registration is not None:
                 await asyncio.to_thread(self._registration.stop)
+            if self._sweeper is not None:
+                self._sweeper.cancel()
             self._listener.close()
+            for conn in list(self._conns):
+                conn.close()
             self.backend.close()
 
     def stop(self) -> None:
@@ -207,114 +340,52 @@ class Agent:
         if self._loop is not None and self._stopped is not None:
             self._loop.call_soon_threadsafe(self._stopped.set)
 
-    # -- one connection ----------------------------------------------------------
+    # -- connections ---------------------------------------------------------------
+    def connections(self) -> tuple[int, int]:
+        """(open connections, of which not yet authenticated)."""
+        live = [c for c in self._conns if not c.closed]
+        return len(live), sum(1 for c in live if not c.authenticated)
+
+    def _admit(self) -> bool:
+        """Make room for one more connection: evict the oldest unauthenticated ones, or refuse."""
+        live = [c for c in self._conns if not c.closed]
+        unauth = [c for c in live if not c.authenticated]
+        while unauth and (len(unauth) >= self.config.max_unauthenticated or len(live) >= self.max_connections):
+            victim = unauth.pop(0)
+            victim.close()
+            live.remove(victim)
+            self.stats["evicted"] += 1
+        if len(live) >= self.max_connections:
+            self.stats["refused"] += 1
+            log.warning("refused a connection: %d authenticated connections open (max %d)", len(live),
+                        self.max_connections)
+            return False
+        return True
+
     async def _serve_connection(self, ep: Any) -> None:
-        frame = bytearray(P.REQUEST_FRAME_SIZE)
+        if self._stopped is None or self._stopped.is_set() or not self._admit():
+            ep.abort()
+            return
+        base = P.new_tag_base()
+        while base in self._bases:
+            base = P.new_tag_base()
+        conn = Connection(self, ep, base)
+        self._bases.add(base)
+        self._conns[conn] = None
         try:
-            while not ep.closed:
-                frame[:] = bytes(P.REQUEST_FRAME_SIZE)
-                try:
-                    await ep.recv(frame)
-                except self._ucxx.exceptions.UCXMsgTruncated:
-                    await self._reply(ep, P.Reply(P.Status.BAD_FRAME, "request frame too long"))
-                    continue
-                await self._handle(ep, frame)
-        except Exception as e:  # noqa: BLE001 - the peer went away or broke the transport: drop it only
-            log.debug("connection closed: %s: %s", type(e).__name__, e)
+            await conn.serve()
         finally:
-            if not ep.closed:
-                ep.abort()
+            self._conns.pop(conn, None)
+            self._bases.discard(base)
 
-    async def _reply(self, ep: Any, reply: P.Reply) -> None:
-        await ep.send(P.pack_reply(reply))
-
-    async def _handle(self, ep: Any, frame: bytearray) -> None:
-        try:
-            req = P.unpack_request(frame, self.config.secret, self.config.max_object_bytes)
-        except P.RequestRejected as r:
-            log.warning("rejected request: %s", r.message)
-            await self._reply(ep, P.Reply(r.status, r.message))
-            return
-        rid = req.request_id
-        try:
-            if req.op == P.Op.PUT:
-                await self._put(ep, req)
-                return
-            if req.op == P.Op.GET:
-                await self._get(ep, req)
-                return
-            if req.op == P.Op.LIST:
-                data = "\n".join(self.backend.list(req.key)).encode()
-                await self._reply(ep, P.Reply(P.Status.OK, "", len(data), request_id=rid))
-                await self._send_payload(ep, memoryview(data), req.chunk)
-                return
-            if req.op == P.Op.DELETE:
-                found = self.backend.delete(req.key)
-            elif req.op == P.Op.EXISTS:
-                found = self.backend.exists(req.key)
-            else:  # PING
-                found = True
-            status = P.Status.OK if found else P.Status.NOT_FOUND
-            await self._reply(ep, P.Reply(status, self.config.node_id, request_id=rid))
-        except TierStoreError as e:
-            await self._reply(ep, P.Reply(P.Status.INTERNAL, f"{type(e).__name__}: {e}", request_id=rid))
-
-    async def _send_payload(self, ep: Any, data: memoryview, chunk: int) -> None:
-        spans = P.chunk_spans(data.nbytes, chunk)
-        await asyncio.gather(*(ep.send(data[a:b], tag=i + 1) for i, (a, b) in enumerate(spans)))
-
-    async def _get(self, ep: Any, req: P.Request) -> None:
-        data = self.backend.get(req.key)
-        if data is None:
-            await self._reply(ep, P.Reply(P.Status.NOT_FOUND, "", request_id=req.request_id))
-            return
-        view = memoryview(data).cast("B")
-        digest = P.checksum([view]) if req.flags & P.FLAG_CHECKSUM else bytes(16)
-        await self._reply(ep, P.Reply(P.Status.OK, "", view.nbytes, digest, req.request_id,
-                                      req.flags & P.FLAG_CHECKSUM))
-        await self._send_payload(ep, view, req.chunk)
-
-    async def _put(self, ep: Any, req: P.Request) -> None:
-        rid = req.request_id
-        try:
-            if self.backend.reservable:
-                res = self.backend.reserve(req.key, req.payload_len)
-                buf = res.buffer
-            else:
-                res, buf = None, memoryview(bytearray(req.payload_len))
-        except TierFullError as e:
-            await self._reply(ep, P.Reply(P.Status.FULL, str(e), request_id=rid))
-            return
-        published = False
-        try:
-            await self._reply(ep, P.Reply(P.Status.READY, "", request_id=rid))
-            spans = P.chunk_spans(req.payload_len, req.chunk)
-            try:
-                await asyncio.wait_for(
-                    asyncio.gather(*(ep.recv(buf[a:b], tag=i + 1) for i, (a, b) in enumerate(spans))),
-                    self.config.io_timeout_s)
-            except BaseException:
-                ep.abort()  # cancel any receive still posted into the buffer before it is freed
-                raise
-            if req.flags & P.FLAG_CHECKSUM and P.checksum([buf]) != req.checksum:
-                await self._reply(ep, P.Reply(P.Status.CHECKSUM, "payload checksum mismatch", request_id=rid))
-                return
-            if_absent = bool(req.flags & P.FLAG_IF_ABSENT)
-            try:
-                if res is not None:
-                    res.commit(if_absent=if_absent)
-                else:
-                    self.backend.put(req.key, buf, if_absent=if_absent)
-                published = True
-            except KeyExistsError as e:
-                published = True  # commit already dropped the reservation
-                await self._reply(ep, P.Reply(P.Status.EXISTS, str(e), request_id=rid))
-                return
-            await self._reply(ep, P.Reply(P.Status.OK, self.config.node_id, request_id=rid))
-        finally:
-            if not published and res is not None:
-                del buf
-                res.abort()
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            n, nbytes = drain_unexpected()
+            if n:
+                self.stats["dropped_messages"] += n
+                self.stats["dropped_bytes"] += nbytes
+                log.info("dropped %d tag messages nobody receives (%d bytes)", n, nbytes)
 
 
 def _read_secret(path: str) -> bytes:
@@ -362,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-object-bytes", type=int, default=AgentConfig.max_object_bytes,
                    help="the largest object a peer may put")
     p.add_argument("--ttl", type=float, default=AgentConfig.ttl_s, help="registration TTL in seconds")
+    for flag, field in (("--handshake-timeout", "handshake_timeout_s"), ("--idle-timeout", "idle_timeout_s"),
+                        ("--header-timeout", "header_timeout_s"), ("--io-timeout", "io_timeout_s"),
+                        ("--sweep-interval", "sweep_interval_s")):
+        p.add_argument(flag, type=float, default=getattr(AgentConfig, field), help="seconds (see AgentConfig)")
+    p.add_argument("--max-connections", type=int, default=AgentConfig.max_connections)
+    p.add_argument("--max-unauthenticated", type=int, default=AgentConfig.max_unauthenticated)
+    p.add_argument("--no-shm-lanes", action="store_true", help="never offer same-host clients a shared-memory lane")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="expose Prometheus metrics on 127.0.0.1:PORT, with tierstore[metrics] (default: off)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
@@ -375,7 +453,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = AgentConfig(
         node_id=args.node_id, host_root=args.host_root, secret=_read_secret(args.secret_file), port=args.port,
         host=args.host, redis_url=args.redis, capacity_bytes=args.capacity_bytes,
-        max_object_bytes=args.max_object_bytes, ttl_s=args.ttl, heartbeat_s=max(0.2, args.ttl / 3))
+        max_object_bytes=args.max_object_bytes, ttl_s=args.ttl, heartbeat_s=max(0.2, args.ttl / 3),
+        handshake_timeout_s=args.handshake_timeout, idle_timeout_s=args.idle_timeout,
+        header_timeout_s=args.header_timeout, io_timeout_s=args.io_timeout, sweep_interval_s=args.sweep_interval,
+        max_connections=args.max_connections, max_unauthenticated=args.max_unauthenticated,
+        shm_lanes=not args.no_shm_lanes)
 
     if args.metrics_port is not None:
         from tierstore.cli.metrics import serve  # lazy: only with --metrics-port

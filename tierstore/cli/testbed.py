@@ -27,6 +27,13 @@ Scenario:
 ``--no-peer`` runs without the peer tier (restore of the lost node from S3).
 The peer tier is used only when this tierstore's :class:`StoreConfig` has
 ``peer_replicas`` and ``ucxx`` imports.
+
+``--netns`` runs each node (its agent and its ranks) in its own Linux
+network namespace on a private bridge (:class:`tierstore.cli.netns.Fabric`;
+root and iproute2): the index and the S3 server bind the bridge's address,
+every node has its own address, UCX and gloo use the node's interface, so
+replication, restore and the collectives cross real interfaces. Without
+root or ``ip`` it exits with the reason.
 """
 
 from __future__ import annotations
@@ -53,11 +60,12 @@ from consistency.index import Index
 from consistency.nodes import NodeRegistry
 from tierstore.cli.common import HelpFormatter
 from tierstore.cli.demo import _free_port, _read_events, _tail
+from tierstore.cli.netns import Fabric, netns_supported
 from tierstore.config import StoreConfig
 from tierstore.embedded import server_binary
 from tierstore.errors import TierUnavailableError
 
-__all__ = ["Testbed", "main", "peer_supported"]
+__all__ = ["Testbed", "main", "netns_supported", "peer_supported"]
 
 _FAKE_S3_ENV = {"AWS_ACCESS_KEY_ID": "testbed", "AWS_SECRET_ACCESS_KEY": "testbed", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -106,9 +114,11 @@ class Testbed:
     """Starts and stops the services and processes of the topology; see the module docstring."""
 
     def __init__(self, work: Path, *, nodes: int = 2, ranks_per_node: int = 2, peer: bool = True,
-                 policy: str = "exact", steps: int = 10, kill_at: int = 4) -> None:
+                 policy: str = "exact", steps: int = 10, kill_at: int = 4, netns: bool = False) -> None:
         self.work = work
         self.nodes = [f"node{i}" for i in range(nodes)]
+        self.fabric = Fabric(self.nodes) if netns else None
+        self.service_host = self.fabric.gateway if self.fabric is not None else "127.0.0.1"
         self.ranks_per_node = ranks_per_node
         self.world = nodes * ranks_per_node
         self.peer = peer
@@ -127,12 +137,22 @@ class Testbed:
         self.base_cfg: dict[str, Any] = {"steps": steps, "world": self.world, "policy": policy, "seed": 0,
                                          "batch_size": 8, "model": "testbed", "hold_after": kill_at}
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str], *, node: str | None = None, env: dict[str, str] | None = None,
+              stdin: Any = None) -> subprocess.Popen:
+        """Start a process (inside ``node``'s namespace with ``--netns``), logging to ``<name>.log``."""
+        full = dict(self.env, **(env or {}))
+        if node is not None and self.fabric is not None:
+            args = self.fabric.command(node, args)
+            full.update(self.fabric.env(node))
         log = open(self.work / f"{name}.log", "a")
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(self.work))
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full, cwd=str(self.work), stdin=stdin)
         log.close()
         self.procs[name] = p
         return p
+
+    def node_host(self, node: str) -> str:
+        """The address ``node``'s agent advertises (its namespace's address with ``--netns``)."""
+        return self.fabric.ip[node] if self.fabric is not None else "127.0.0.1"
 
     # -- services ------------------------------------------------------------------------
     def start_services(self) -> None:
@@ -141,10 +161,13 @@ class Testbed:
         self.work.mkdir(parents=True, exist_ok=True)
         self.shm.mkdir(parents=True)
         self.secret_file.write_text(uuid.uuid4().hex + "\n")
+        if self.fabric is not None:
+            self.fabric.up()
+        host = self.service_host
         port = _free_port()
-        p = self._spawn("redis", [server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                  "--appendonly", "no", "--dir", str(self.work)])
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        p = self.spawn("redis", [server_binary(), "--port", str(port), "--bind", host, "--save", "",
+                                 "--appendonly", "no", "--dir", str(self.work), "--protected-mode", "no"])
+        self.redis_url = f"redis://{host}:{port}/0"
 
         def redis_up() -> bool:
             index = Index(self.redis_url, socket_timeout=1)
@@ -158,8 +181,8 @@ class Testbed:
 
         _wait(redis_up, 30, "redis", p, self.work / "redis.log")
         port = _free_port()
-        p = self._spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
-        self.s3_endpoint = f"http://127.0.0.1:{port}"
+        p = self.spawn("s3", [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)])
+        self.s3_endpoint = f"http://{host}:{port}"
         client = boto3.client("s3", endpoint_url=self.s3_endpoint, region_name="us-east-1",
                               aws_access_key_id="testbed", aws_secret_access_key="testbed")
 
@@ -175,11 +198,12 @@ class Testbed:
         self.base_cfg.update(home=str(self.work / "home"), redis=self.redis_url, durable=f"s3://{self.bucket}/ckpt",
                              s3_endpoint=self.s3_endpoint)
 
-    def start_agent(self, node: str) -> None:
+    def start_agent(self, node: str, extra: Sequence[str] = ()) -> None:
         (self.shm / node).mkdir(parents=True, exist_ok=True)
-        p = self._spawn(f"agent-{node}", [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node,
-                                          "--host-root", str(self.shm / node), "--secret-file", str(self.secret_file),
-                                          "--redis", self.redis_url, "--ttl", "5", "--log-level", "INFO"])
+        p = self.spawn(f"agent-{node}", [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node,
+                                         "--host-root", str(self.shm / node), "--secret-file", str(self.secret_file),
+                                         "--redis", self.redis_url, "--ttl", "5", "--log-level", "INFO",
+                                         "--host", self.node_host(node), *extra], node=node)
         registry = NodeRegistry(Index(self.redis_url))
         _wait(lambda: registry.is_registered(node), 60, f"agent {node}", p)
 
@@ -196,14 +220,17 @@ class Testbed:
     def start_ranks(self, phase: int) -> dict[int, subprocess.Popen]:
         port = _free_port()
         ranks = {}
+        # with --netns, gloo meets at rank 0's node address (env://), not on the launcher's loopback
+        rendezvous = {"MASTER_ADDR": self.node_host(self.nodes[0]), "MASTER_PORT": str(port)}
         for r in range(self.world):
             node = self.nodes[r // self.ranks_per_node]
-            cfg = dict(self.base_cfg, rank=r, phase=phase, port=port, node_id=node, host_root=str(self.shm / node),
-                       events=str(self.work / f"rank{r}.phase{phase}.jsonl"))
+            cfg = dict(self.base_cfg, rank=r, phase=phase, port=None if self.fabric else port, node_id=node,
+                       host_root=str(self.shm / node), events=str(self.work / f"rank{r}.phase{phase}.jsonl"))
             if self.peer:
                 cfg.update(peer_replicas=1, peer_secret_file=str(self.secret_file))
-            ranks[r] = self._spawn(f"{node}-rank{r}-phase{phase}",
-                                   [sys.executable, "-m", "tierstore.cli.demo", "--worker", json.dumps(cfg)])
+            ranks[r] = self.spawn(f"{node}-rank{r}-phase{phase}",
+                                  [sys.executable, "-m", "tierstore.cli.demo", "--worker", json.dumps(cfg)],
+                                  node=node, env=rendezvous if self.fabric else None)
         return ranks
 
     def events(self, rank: int, phase: int) -> list[dict[str, Any]]:
@@ -222,6 +249,8 @@ class Testbed:
                 p.kill()
                 p.wait(10)
         shutil.rmtree(self.shm, ignore_errors=True)
+        if self.fabric is not None:
+            self.fabric.down()
 
 
 def _log_tail(tb: Testbed, name: str) -> str:
@@ -233,6 +262,9 @@ def run(tb: Testbed, kill_at: int, say=print, timeout: float = 300.0) -> dict[st
     deadline = time.monotonic() + timeout
     tb.start_services()
     say(f"index {tb.redis_url}, S3 {tb.s3_endpoint}, host tiers under {tb.shm}, peer tier {'on' if tb.peer else 'off'}")
+    if tb.fabric is not None:
+        say(f"nodes in network namespaces on bridge {tb.fabric.bridge}: "
+            + ", ".join(f"{n} {tb.fabric.ip[n]}" for n in tb.nodes))
     if tb.agents:
         for node in tb.nodes:
             tb.start_agent(node)
@@ -269,7 +301,8 @@ def run(tb: Testbed, kill_at: int, say=print, timeout: float = 300.0) -> dict[st
         if rc != 0:
             raise RuntimeError(f"rank {r} failed in phase 1 (exit {rc})\n"
                                + _log_tail(tb, f"{tb.nodes[r // tb.ranks_per_node]}-rank{r}-phase1"))
-    report: dict[str, Any] = {"killed": victim, "kill_at": kill_at, "peer": tb.peer, "ranks": {}}
+    report: dict[str, Any] = {"killed": victim, "kill_at": kill_at, "peer": tb.peer, "ranks": {},
+                              "netns": None if tb.fabric is None else dict(tb.fabric.ip)}
     for r in range(tb.world):
         ev = tb.events(r, 1)
         restore = next(e for e in ev if e["event"] == "restore")
@@ -278,6 +311,8 @@ def run(tb: Testbed, kill_at: int, say=print, timeout: float = 300.0) -> dict[st
         report["ranks"][r] = {"node": tb.nodes[r // tb.ranks_per_node], "restored_step": restore["step"],
                               "seconds": restore["seconds"], "tiers": restore["tiers"],
                               "last_step": steps[-1] if steps else None, "final_state": done.get("state")}
+    if tb.fabric is not None:
+        report["links"] = {n: tb.fabric.counters(n) for n in tb.nodes}
     restored = {v["restored_step"] for v in report["ranks"].values()}
     if len(restored) != 1 or None in restored:
         raise RuntimeError(f"ranks restored different steps: {report['ranks']}")
@@ -311,17 +346,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="logs and state (default: a temporary directory, removed)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds the whole scenario may take")
     p.add_argument("--json", action="store_true", help="print the report as JSON (default: a table)")
+    p.add_argument("--netns", action="store_true",
+                   help="each node in its own network namespace on a private bridge (root, iproute2)")
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     missing = _missing_dependency()
     if missing:
         print(f"tierstore testbed: {missing}", file=sys.stderr)
         return 1
+    if a.netns:
+        ok, why_not = netns_supported()
+        if not ok:
+            print(f"tierstore testbed: --netns is not possible here: {why_not}", file=sys.stderr)
+            return 3
     if not 0 < a.kill_at < a.steps - 1:
         print(f"tierstore testbed: --kill-at must be in 1..{a.steps - 2}", file=sys.stderr)
         return 2
     peer, why = (False, "--no-peer") if a.no_peer else peer_supported()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="tierstore-testbed-")).resolve()
-    tb = Testbed(work, ranks_per_node=a.ranks_per_node, peer=peer, policy=a.policy, steps=a.steps, kill_at=a.kill_at)
+    tb = Testbed(work, ranks_per_node=a.ranks_per_node, peer=peer, policy=a.policy, steps=a.steps, kill_at=a.kill_at,
+                 netns=a.netns)
     say = (lambda m: print(m, file=sys.stderr)) if a.json else print
     if not peer:
         say(f"peer tier off ({why}): the lost node restores from the durable tier")

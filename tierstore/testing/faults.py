@@ -411,6 +411,9 @@ class _FaultyUCXX:
     async def create_endpoint(self, *args: Any, **kw: Any) -> FaultyEndpoint:
         return FaultyEndpoint(await self._inner.create_endpoint(*args, **kw), self._plan)
 
+    async def create_endpoint_from_worker_address(self, *args: Any, **kw: Any) -> FaultyEndpoint:
+        return FaultyEndpoint(await self._inner.create_endpoint_from_worker_address(*args, **kw), self._plan)
+
 
 # -- install -----------------------------------------------------------------------------------
 

@@ -90,7 +90,8 @@ def test_gc_keeps_the_base_and_logs_a_kept_replay_step_replays(store, conn):
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["kept_steps"] == [4, 5, 6]
     model, _, rc2 = _fresh(store, "rp-gc", "adamw")
-    step, _extra, rep = rc2.restore()
+    step, _extra = rc2.restore()
+    rep = rc2.report
     rc2.close()
     assert step == 6 and rep.base_step == 4 and rep.replayed == [5, 6] and not rep.fell_back
     assert _equal(model, states[6])

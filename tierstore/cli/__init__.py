@@ -1,4 +1,4 @@
-"""The ``tierstore`` command: ``demo``, ``agent``, ``admin``, ``bench``, ``server``, ``testbed``.
+"""The ``tierstore`` command: ``demo``, ``agent``, ``admin``, ``bench``, ``server``, ``testbed``, ``export``, ``import``.
 
 Each subcommand lives in its own module, imported only when used; the
 library never imports this module.
@@ -24,6 +24,8 @@ _COMMANDS = {
     "bench": ("tierstore.cli.bench.run", "main", "benchmarks side by side with torch.save and DCP"),
     "server": ("tierstore.cli", "_server", "the embedded index server: status | stop"),
     "testbed": ("tierstore.cli.testbed", "main", "the docker-compose topology as local processes"),
+    "export": ("tierstore.cli.transfer", "export_main", "write a committed step as safetensors or torch.save"),
+    "import": ("tierstore.cli.transfer", "import_main", "make step 0 of a model from safetensors or torch.save"),
 }
 
 

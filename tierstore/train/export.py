@@ -157,7 +157,8 @@ def export_model(
         step: a committed step; ``None``: the newest committed step that can be rebuilt.
         format: ``safetensors`` (Hugging Face's sharded layout) or ``torch`` (one ``pytorch_model.bin``).
         model_only: leave out optimizer state.
-        dtype: cast floating-point tensors (``bf16``, ``fp16``, ``fp32``, ``fp64``); others are kept.
+        dtype: cast the module's floating-point tensors (``bf16``, ``fp16``, ``fp32``, ``fp64``);
+            integer tensors and optimizer state (its step counts) keep their dtype.
         max_shard_size: the most tensor bytes per safetensors file (``5GB``, ``500MB``, bytes).
         max_staleness: the job's layer-wise staleness bound (``layerwise`` policy), as for restore.
         overwrite: replace an export already in ``out``.
@@ -226,7 +227,7 @@ def export_model(
             report.largest_layer_bytes = max(report.largest_layer_bytes, meter.held - before)
             for name in sorted(tensors, key=natural_key):
                 t = tensors.pop(name)
-                if cast is not None and t.is_floating_point() and t.dtype != cast:
+                if cast is not None and t.is_floating_point() and t.dtype != cast and not name.startswith(OPTIM):
                     t = t.to(cast)
                     meter.hold(nbytes({name: t}))
                     writer.add(_out_name(name, prefix), t)

@@ -199,7 +199,7 @@ def test_dtype_cast_floats_only(store, tmp_path):
 
 
 def test_names_that_do_not_match_are_reported_and_nothing_is_written(store, tmp_path):
-    src, sd = pretrained(tmp_path, False)
+    _, sd = pretrained(tmp_path, False)
     bad = dict(sd)
     bad["blocks.0.extra.weight"] = torch.zeros(3)
     del bad["head.weight"]

@@ -97,8 +97,8 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     finally:
         store.close()
     _print(r, getattr(a, "json", False), [
-        f"exported {r.model} step {r.step} to {r.out}: {len(r.files)} file(s), {r.tensors} tensors, "
-        f"{r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s ({r.bytes / 1e6 / max(r.seconds, 1e-9):.0f} MB/s)",
+        (f"exported {r.model} step {r.step} to {r.out}: {len(r.files)} file(s), {r.tensors} tensors, "
+         f"{r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s ({r.bytes / 1e6 / max(r.seconds, 1e-9):.0f} MB/s)"),
         f"  files: {', '.join(r.files[:4])}{' ...' if len(r.files) > 4 else ''}",
         f"  peak tensor memory {r.peak_bytes / 1e6:.1f} MB (largest layer {r.largest_layer_bytes / 1e6:.1f} MB)",
         *([f"  left out (not weights, or --model-only): {', '.join(r.skipped)}"] if r.skipped else []),
@@ -111,7 +111,7 @@ def _factory(spec: str) -> Any:
     if not mod or not attr:
         raise ConfigError(f"--module takes pkg.mod:factory, got {spec!r}", field="module")
     try:
-        obj = importlib.import_module(mod)
+        obj: Any = importlib.import_module(mod)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
@@ -141,8 +141,8 @@ def import_main(argv: Sequence[str] | None = None) -> int:
     finally:
         store.close()  # flushes the migration of step 0 to the durable tier
     _print(r, getattr(a, "json", False), [
-        f"imported {a.source} as step {r.step} of {r.model}: {r.layers} layers, {r.tensors} tensors, "
-        f"{r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s",
+        (f"imported {a.source} as step {r.step} of {r.model}: {r.layers} layers, {r.tensors} tensors, "
+         f"{r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s"),
         *([f"  {len(r.renamed)} name(s) normalised (e.g. {next(iter(r.renamed.items()))})"] if r.renamed else []),
         *([f"  {len(r.skipped)} optimizer tensor(s) skipped"] if r.skipped else []),
         *([f"  {len(r.cast)} tensor(s) cast"] if r.cast else []),

@@ -15,9 +15,14 @@ from pathlib import Path
 
 import torch
 
+import tierstore
+from tests._trainer import CFG
 from tests.redis_server import free_port
 from tests.test_export import bits, load_export, pretrained
 from tierstore.keys import ShardKey
+from tierstore.testing.gpt import GPT
+from tierstore.train.export import export_model
+from tierstore.train.importing import import_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,9 +120,6 @@ def _run(mode: str, home: Path, out: Path, deadline_s: float = 240) -> list[int]
 
 
 def test_fsdp2_shards_are_reassembled_bitwise(tmp_path):
-    import tierstore
-    from tierstore.train.export import export_model
-
     home = tmp_path / "home"
     assert _run("fsdp", home, tmp_path / "live") == [0, 0]
     assert json.loads((tmp_path / "live.json").read_text())["outcome"] == "committed"
@@ -137,12 +139,6 @@ def test_fsdp2_shards_are_reassembled_bitwise(tmp_path):
 
 
 def test_import_for_two_ddp_ranks_train_export_bitwise(tmp_path):
-    import tierstore
-    from tierstore.testing.gpt import GPT
-    from tests._trainer import CFG
-    from tierstore.train.export import export_model
-    from tierstore.train.importing import import_model
-
     home = tmp_path / "home"
     src, sd = pretrained(tmp_path, sharded=True)
     with tierstore.open(home=home) as store:

@@ -271,14 +271,15 @@ def test_corrupt_shard_falls_back_or_fails_naming_it(store, tmp_path):
     ck.close()
     store.flush()
     key = ShardKey("m", "blocks.0", 1, 0)
-    host = Path(store.host.root) / str(key)
+    name = getattr(store.info(key), "name", str(key))  # the physical name of the live copy (tagged or the key)
+    host = Path(store.host.root) / name
     data = bytearray(host.read_bytes())
     data[len(data) // 2] ^= 0x40
     host.write_bytes(bytes(data))
     rep = export_model(store, "m", tmp_path / "fallback")  # the durable copy verifies
     got = load_export(tmp_path / "fallback")
     assert rep.step == 1 and all(bits(got[n], t) for n, t in model.state_dict().items())
-    durable = Path(store.durable.root) / str(key)
+    durable = Path(store.durable.root) / name
     durable.write_bytes(durable.read_bytes()[:-5])
     try:
         rep = export_model(store, "m", tmp_path / "bad")

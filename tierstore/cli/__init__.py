@@ -1,4 +1,4 @@
-"""The ``tierstore`` command: ``demo``, ``admin``, ``server``, ``agent``, ``bench``, ``testbed``.
+"""The ``tierstore`` command: ``demo``, ``admin``, ``server``, ``agent``, ``bench``, ``testbed``, ``export``, ``import``.
 
 Each subcommand lives in its own module, imported only when used; the
 library never imports this package. ``admin`` and ``server`` never import
@@ -30,6 +30,9 @@ _COMMANDS = {
     "bench": ("tierstore.cli.bench.run", "main", "benchmarks side by side with torch.save and DCP", ""),
     "testbed": ("tierstore.cli.testbed", "main", "the docker-compose topology as local processes",
                 "tierstore[testbed] (and tierstore[ucx] for the peer tier)"),
+    "export": ("tierstore.cli.transfer", "export_main", "write a committed step as safetensors or torch.save", ""),
+    "import": ("tierstore.cli.transfer", "import_main", "make step 0 of a model from safetensors or torch.save",
+               "tierstore[safetensors] for .safetensors input"),
 }
 
 

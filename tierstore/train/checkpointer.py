@@ -70,8 +70,10 @@ from tierstore.errors import (
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
-from tierstore.train.dedup import DedupPlanner, part_of
+from tierstore.train.dedup import DedupPlanner
+from tierstore.train.gather import read_shards
 from tierstore.train.gradlog import ReplayLog
+from tierstore.train.importing import adopt_import, import_seeds, seed_trackers
 from tierstore.train.layers import PARAM
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
@@ -393,26 +395,7 @@ class Checkpointer:
 
     def read(self, res: Any, layers: Iterable[str] | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
         """This rank's shards of a resolution (``layer -> (tensors, metadata)``), refs of parts resolved."""
-        src = self._src(res.world_size)
-        out: dict[str, tuple[dict[str, torch.Tensor], dict]] = {}
-        for ln in sorted(res.layers if layers is None else layers):
-            info = res.objects.get((ln, src))
-            if info is None:
-                continue  # the view names the missing layer
-            shard = self.store.get(info.key)
-            if shard is None:
-                raise NoValidCopyError(f"layer {ln!r}: object {info.key} is gone", key=str(info.key), layer=ln)
-            ts = dict(shard.tensors)
-            meta = dict(shard.metadata)
-            for part, owner in (meta.pop("_refs", None) or {}).items():
-                other = self.store.get(ShardKey(self.model, ln, info.key.step, int(owner)))
-                if other is None:
-                    raise NoValidCopyError(
-                        f"layer {ln!r}: {part} of rank {src} refers to rank {owner}, whose object is gone",
-                        key=str(info.key), layer=ln)
-                ts.update({n: t for n, t in other.tensors.items() if part_of(n) == part})
-            out[ln] = (ts, meta)
-        return out
+        return read_shards(self.store, self.model, res, self._src(res.world_size), layers)
 
     def doc(self, res: Any) -> dict[str, Any]:
         """This rank's JSON document of a resolution's step."""
@@ -445,12 +428,14 @@ class Checkpointer:
             self.epoch = self.ranks.join()
         committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
         self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
+        self._seeds: dict[str, Any] = {}
         if self._replay is not None:
             got = Restored(*self._replay.restore(step, read_only=read_only, only=only))
         else:
             got = self._restore(step, only)
         if not read_only:
             self._reset_trackers()
+            seed_trackers(self._seeds, self._lw, self._diff)  # an imported base: first saves are deltas against it
             if self._replay is not None and got.step is not None:
                 self._replay.continue_from(got.step, self.report.base_step)
         self.report.step, self.report.epoch = got.step, self.epoch
@@ -465,9 +450,11 @@ class Checkpointer:
             if step is None and "reason" not in e.fields:  # nothing committed yet: a fresh job
                 return Restored(None, None)
             raise
-        doc = self.doc(res)
-        plan = self.view.prepare(self.read(res, self.view.layers_for(res.layers, doc, only)), doc, only)
+        doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
+        shards = self.read(res, self.view.layers_for(res.layers, doc, only))
+        plan = self.view.prepare(shards, doc, only)
         self.view.apply(plan)
+        self._seeds = import_seeds(doc, res, shards, self.rank, self.world_size) if self._dedup is None else {}
         self.report.base_s = time.perf_counter() - t0
         return Restored(res.step, plan.get("user"))
 

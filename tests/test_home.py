@@ -40,10 +40,11 @@ def test_the_last_store_to_close_frees_the_pool(tmp_path, redis_url, shm_root):
     a = _open(tmp_path, redis_url, root)
     b = _open(tmp_path, redis_url, root)
     _garbage(a, 1)
-    _garbage(b, 2)
-    assert len(_pool(root)) == 2
+    _garbage(b, 2)  # b may reuse the segment a freed (one pool per node)
+    pooled = _pool(root)
+    assert pooled
     a.close()
-    assert len(_pool(root)) == 2  # b still holds the tier and may reuse them
+    assert _pool(root) == pooled  # b still holds the tier and may reuse them
     b.close()
     assert _pool(root) == []  # the last holder: nobody maps them any more
 

@@ -14,8 +14,7 @@ import torch
 
 from backends.memory import MemoryBackend
 from tierstore import ShardKey
-from tierstore.errors import TierUnavailableError
-from tierstore.errors import MigrationError
+from tierstore.errors import MigrationError, TierUnavailableError
 from tierstore.migration import Migrator
 
 
@@ -24,15 +23,16 @@ class _DeletedWhilePut(MemoryBackend):
 
     tier = "durable"
 
-    def __init__(self, store, delete_first: bool):
+    def __init__(self, store, key, delete_first: bool):
         super().__init__()
         self.store = store
+        self.key = key
         self.delete_first = delete_first
 
     def put(self, name, data, *, if_absent=False):
         super().put(name, data, if_absent=if_absent)  # written, then the delete lands
         if self.delete_first:
-            self.store.delete(ShardKey.parse(name))
+            self.store.delete(self.key)
         raise TierUnavailableError(f"durable put of {name!r}: No such file or directory", key=name)
 
 
@@ -41,13 +41,13 @@ def test_object_deleted_while_migrating_is_not_a_failure(store, deleted):
     key = ShardKey("lag", "l0", 1, 0)
     info = store.put(key, {"w": torch.randn(64)})
     store.flush()  # the store's own migration is done; the one under test runs below
-    target = _DeletedWhilePut(store, delete_first=deleted)
+    target = _DeletedWhilePut(store, key, delete_first=deleted)
     m = Migrator(store.host, target, store.index, name="lag-test")
     try:
-        m.enqueue(key, info.checksum)
+        m.enqueue(key, info.checksum, info.name)
         if deleted:
             m.flush()  # no error: the object is gone
-            assert not target.exists(str(key))  # and no orphan copy was left behind
+            assert not target.exists(info.name)  # and no orphan copy was left behind
         else:
             with pytest.raises(MigrationError):
                 m.flush()
@@ -59,10 +59,10 @@ def test_source_gone_but_still_recorded_is_a_failure(store):
     key = ShardKey("lag", "l1", 1, 0)
     info = store.put(key, {"w": torch.randn(64)})
     store.flush()  # the store's own migration is done; the one under test runs below
-    store.host.delete(str(key))  # evicted from the host tier before it migrated: lost, and said so
+    store.host.delete(info.name)  # evicted from the host tier before it migrated: lost, and said so
     m = Migrator(store.host, MemoryBackend(), store.index, name="lag-test2")
     try:
-        m.enqueue(key, info.checksum)
+        m.enqueue(key, info.checksum, info.name)
         with pytest.raises(MigrationError, match="vanished"):
             m.flush()
     finally:

@@ -38,7 +38,7 @@ def test_corrupt_host_copy_read_into_out_falls_back_and_overwrites(store, at):
     store.put(K, t)
     store.flush()
     assert set(store.info(K).tiers) == {"host", "durable"}
-    _corrupt(Path(store.host.root) / str(K), at)
+    _corrupt(Path(store.host.root) / store.info(K).name, at)
     out = {n: torch.zeros_like(v) for n, v in t.items()}
     shard = store.get(K, out=out)
     for n, v in t.items():
@@ -50,8 +50,8 @@ def test_no_valid_copy_into_out_fails(store):
     t = _tensors()
     store.put(K, t)
     store.flush()
-    _corrupt(Path(store.host.root) / str(K), 0.9)
-    _corrupt(Path(store.durable.root) / str(K), 0.9)
+    _corrupt(Path(store.host.root) / store.info(K).name, 0.9)
+    _corrupt(Path(store.durable.root) / store.info(K).name, 0.9)
     out = {n: torch.zeros_like(v) for n, v in t.items()}
     with pytest.raises(NoValidCopyError) as ei:
         store.get(K, out=out)
@@ -67,7 +67,7 @@ def test_get_of_an_object_written_by_another_process_is_verified(store, tmp_path
 
     other = HostBackend(store.host.root)  # no kept mappings: the reader path of a restarted process
     try:
-        blob = other.get(str(K))
+        blob = other.get(store.info(K).name)
         from tierstore import codec
 
         shard = codec.decode(blob)

@@ -128,8 +128,8 @@ class Migrator:
             try:
                 group.callback(group.failures)
                 return
-            except FencedError:
-                log.info("migration callback of a fenced writer refused", exc_info=True)
+            except FencedError as e:  # a zombie's migration counts for nothing: said, not raised by flush()
+                log.warning("the migrated mark of a fenced writer was refused (%s: %s)", type(e).__name__, e)
                 return
             except TierUnavailableError as e:
                 if attempt < self.retries:

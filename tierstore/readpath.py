@@ -117,9 +117,9 @@ class _Verifier:
         if rec.name != name or rec.checksum != checksum:
             return f"{key}: the index records another copy ({rec.name}) than the manifest ({name})"
         failures = []
-        for tier in self.tiers:
-            if tier.tier not in rec.tiers:
-                continue
+        # the tiers the index names first; then the others, as the read path does: the index's tier names
+        # say nothing of which node (the peer tier serves other nodes' host tiers)
+        for tier in sorted(self.tiers, key=lambda t: t.tier not in rec.tiers):
             problem = self._check_copy(tier, name, checksum)
             if problem is None:
                 return None

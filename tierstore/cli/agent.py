@@ -437,8 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                         ("--header-timeout", "header_timeout_s"), ("--io-timeout", "io_timeout_s"),
                         ("--sweep-interval", "sweep_interval_s")):
         p.add_argument(flag, type=float, default=getattr(AgentConfig, field), help="seconds (see AgentConfig)")
-    p.add_argument("--max-connections", type=int, default=AgentConfig.max_connections)
-    p.add_argument("--max-unauthenticated", type=int, default=AgentConfig.max_unauthenticated)
+    p.add_argument("--max-connections", type=int, default=AgentConfig.max_connections,
+                   help="open connections at most (the oldest unauthenticated one is evicted first)")
+    p.add_argument("--max-unauthenticated", type=int, default=AgentConfig.max_unauthenticated,
+                   help="connections still in their handshake at most")
     p.add_argument("--no-shm-lanes", action="store_true", help="never offer same-host clients a shared-memory lane")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="expose Prometheus metrics on 127.0.0.1:PORT, with tierstore[metrics] (default: off)")

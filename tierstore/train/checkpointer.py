@@ -444,12 +444,9 @@ class Checkpointer:
 
     def _restore(self, step: int | None, only: Iterable[str] | None) -> Restored:
         t0 = time.perf_counter()
-        try:
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
-        except NoValidCopyError as e:
-            if step is None and "reason" not in e.fields:  # nothing committed yet: a fresh job
-                return Restored(None, None)
-            raise
+        res = self._agreed_resolution(step)
+        if res is None:  # nothing committed yet: a fresh job
+            return Restored(None, None)
         doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
         shards = self.read(res, self.view.layers_for(res.layers, doc, only))
         plan = self.view.prepare(shards, doc, only)
@@ -457,6 +454,35 @@ class Checkpointer:
         self._seeds = import_seeds(doc, res, shards, self.rank, self.world_size) if self._dedup is None else {}
         self.report.base_s = time.perf_counter() - t0
         return Restored(res.step, plan.get("user"))
+
+    def _agreed_resolution(self, step: int | None) -> Any:
+        """The step every rank restores: each resolves the newest it can verify, and they take the
+        oldest of those (collective in a group), so a rank that cannot read the newest step (a node lost
+        with its copies) never resumes from another step than the others. ``None``: nothing committed."""
+        err: NoValidCopyError | None = None
+        res = None
+        try:
+            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
+            mine = res.step
+        except NoValidCopyError as e:
+            fresh = step is None and "reason" not in e.fields
+            mine, err = (-1, None) if fresh else (-2, e)
+        agreed = self.ranks.all_min(mine) if step is None else mine
+        if err is not None:
+            raise err
+        if agreed == -2:
+            raise NoValidCopyError(f"{self.model}: another rank found no committed step it can restore",
+                                   model=self.model, reason="another rank could not resolve")
+        if agreed == -1:
+            if mine != -1:  # a step committed between this rank's resolve and another's
+                raise NoValidCopyError(f"{self.model}: the ranks saw different committed steps; restore again",
+                                       model=self.model, reason="ranks disagree")
+            return None
+        if agreed != mine:
+            log.warning("restore of %s: rank %d resolved step %d, another rank only step %d: all restore %d",
+                        self.model, self.rank, mine, agreed, agreed)
+            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=agreed)
+        return res
 
     def close(self) -> None:
         """Wait for the background work, then stop its thread (the store stays open)."""

@@ -121,8 +121,12 @@ class DurableLevel(StepBase):
             return False
         ks = self._keys(model, step)
         with translate_redis_errors(f"check step {step} durability", self.index.url):
-            h = {_s(k): _s(v) for k, v in self.index._r.hgetall(ks["step"]).items()}
-            current = int(self.index._r.get(ks["epoch"]) or 0)
+            pipe = self.index._r.pipeline(transaction=False)  # one round trip (one slot: the model's)
+            pipe.hgetall(ks["step"])
+            pipe.get(ks["epoch"])
+            row, cur = pipe.execute()
+            h = {_s(k): _s(v) for k, v in row.items()}
+            current = int(cur or 0)
         if epoch is not None and epoch >= 0 and epoch < current:
             raise FencedError(f"step {step} of {model}: epoch {epoch} is fenced (now {current})", epoch=current)
         if h.get("state") != "committed" or int(h.get("nmigrated") or 0) < int(h.get("world") or 0):

@@ -15,9 +15,11 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:{m}:steps                   ZSET   step numbers scored by step (exact: steps <= 2**53 - 1)
     ts:{m}:step:<N>                HASH   state, world, epoch, attempt, started, decided, durable,
                                           memory_only, ...
-    ts:{m}:votes:<N>               HASH   rank -> JSON vote
+    ts:{m}:votes:<N>               HASH   rank -> the vote's manifest part ('"<rank>":<JSON vote>')
+    ts:{m}:vinfo:<N>               HASH   rank -> the vote's summary (layers, older links), until the decision
     ts:{m}:manifest:<N>            STRING the committed manifest (JSON)
     ts:{m}:events                  pub/sub channel: "<step> <state>"
+    ts:{m}:decided                 pub/sub channel: "<step> <state> <started>" (StepProtocol.wait)
     ts:{m}:sync                    STRING a counter written before each WAIT (see :mod:`consistency.cluster`)
     ts:{m}:incarnations            HASH   job incarnation token -> its epoch (StepProtocol.join_epoch)
     ts:{m}:progress                HASH   rank -> "<epoch> <step>": the newest step it began saving

@@ -85,6 +85,8 @@ class StepBase:
             "votes": k(model, "votes", step),
             "manifest": k(model, "manifest", step),
             "events": k(model, "events"),
+            "decided": k(model, "decided"),
+            "vinfo": k(model, "vinfo", step),
             "prefix": k(model, ""),
             "objs": k(model, "objs"),
         }

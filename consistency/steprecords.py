@@ -128,6 +128,7 @@ class StepRecords(StepBase):
             for s in steps:
                 pipe.delete(k(model, "manifest", s))  # one key per DEL: a cluster pipeline refuses multi-key DEL
                 pipe.delete(k(model, "votes", s))
+                pipe.delete(k(model, "vinfo", s))
                 if states.get(s) != "aborted":
                     pipe.delete(k(model, "step", s))
                     pipe.zrem(k(model, "steps"), s)
@@ -153,7 +154,7 @@ class StepRecords(StepBase):
         index_copy = {k: v for k, v in manifest.items() if k != "durable"}
         with translate_redis_errors(f"rebuild step {step} of {model}", self.index.url):
             pipe = self.index._r.pipeline(transaction=True)
-            pipe.delete(ks["step"], ks["votes"])
+            pipe.delete(ks["step"], ks["votes"], ks["vinfo"])
             pipe.hset(ks["step"], mapping={
                 "state": "durable", "world": manifest["world"], "epoch": manifest.get("epoch", 0),
                 "started": committed, "decided": committed, "durable_at": committed,

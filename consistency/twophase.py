@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from consistency.durable import DurableLevel
@@ -46,7 +47,56 @@ from consistency.stepbase import DECIDED, STATES, _s
 from consistency.steprecords import EventSubscription, StepRecord, StepRecords
 from tierstore.errors import CommitError, StepAbortedError, StepCommittedError
 
-__all__ = ["DECIDED", "MANIFEST_VERSION", "STATES", "EventSubscription", "StepProtocol", "StepRecord"]
+__all__ = ["DECIDED", "MANIFEST_VERSION", "STATES", "EventSubscription", "StepProtocol", "StepRecord", "Vote",
+           "negative_reason", "vote_summary"]
+
+REASON_CHARS = 500  # a negative vote's recorded reason is cut to this many characters
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One rank's vote (see :meth:`StepProtocol.vote`): its objects (``ObjectRecord`` or their JSON), its small
+    non-tensor state, and, for a negative vote, why."""
+
+    rank: int
+    objects: Sequence[Any] = ()
+    extra: dict | None = None
+    ok: bool = True
+    reason: str | None = None
+
+
+def negative_reason(v: Vote) -> str:
+    """What a negative vote records as its reason: ``v.reason``, else the ``error`` its extra carries, bounded."""
+    why = v.reason
+    if not why and isinstance(v.extra, dict) and v.extra.get("error"):
+        why = str(v.extra["error"])
+    why = " ".join((why or "").split())  # one line
+    return why if len(why) <= REASON_CHARS else why[: REASON_CHARS - 3] + "..."
+
+
+def _older(key: Any, step: int) -> bool:
+    parts = key.split("/") if isinstance(key, str) else []
+    return len(parts) >= 4 and parts[2].isdigit() and int(parts[2]) < step
+
+
+def vote_summary(objects: Sequence[dict], step: int) -> str:
+    """What the deciding vote needs of a vote without decoding it (see ``complete_set`` in
+    :mod:`consistency.scripts`): ``l:<layer>`` per layer saved, ``r:<key>`` per delta base or ref target of an
+    older step, ``o:<key>`` per own object of an older step; one per line."""
+    out: set[str] = set()
+    for o in objects:
+        if not isinstance(o, dict):
+            continue
+        key = o.get("key")
+        parts = key.split("/") if isinstance(key, str) else []
+        if len(parts) >= 3 and parts[0] and parts[1]:
+            out.add("l:" + parts[1])
+        if _older(key, step):
+            out.add(f"o:{key}")
+        for ref in (o.get("base"), o.get("target")):
+            if _older(ref, step):
+                out.add(f"r:{ref}")
+    return "\n".join(sorted(out))
 
 
 class StepProtocol(StepRecords, Incarnations, DurableLevel):
@@ -86,7 +136,7 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
         def run(check: bool) -> str:
             return _s(self._run(
                 f"begin step {step} of {model}", self._begin,
-                [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["objs"]],
+                [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["objs"], ks["vinfo"]],
                 [-1 if epoch is None else epoch, step, world_size, json.dumps(layout),
                  self.step_timeout_s if timeout_s is None else timeout_s, "1" if check else "0"],
             ))
@@ -104,36 +154,68 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
 
     def vote_call(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
                   ok: bool = True, epoch: int | None = None, world_size: int | None = None,
-                  layout: dict | None = None) -> tuple[Any, list[str], list]:
-        """The vote as ``(script, keys, args)``, ``now`` included: one ``EVALSHA`` (benchmarks, fault tests)."""
+                  layout: dict | None = None, reason: str | None = None) -> tuple[Any, list[str], list]:
+        """The vote as ``(script, keys, args)``, ``now`` not included: one ``EVALSHA`` (benchmarks, fault tests)."""
+        return self.votes_call(model, step, [Vote(rank, objects, extra=extra, ok=ok, reason=reason)], epoch=epoch,
+                               world_size=world_size, layout=layout)
+
+    def votes_call(self, model: str, step: int, votes: Sequence[Vote], *, epoch: int | None = None,
+                   world_size: int | None = None, layout: dict | None = None) -> tuple[Any, list[str], list]:
+        """Several ranks' votes as one ``(script, keys, args)`` (see :meth:`vote_many`; ``now`` not included)."""
         self._check(model, step, world_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise CommitError(f"rank must be a non-negative int, got {rank!r}")
-        vote = {"objects": [o.to_json() if hasattr(o, "to_json") else o for o in objects], "extra": extra}
+        if not votes:
+            raise CommitError("a vote needs at least one rank", model=model, step=step)
         ks = self._keys(model, step)
-        keys = [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["manifest"]]
-        args = [-1 if epoch is None else epoch, step, world_size or 0, json.dumps(layout), self.step_timeout_s,
-                rank, json.dumps(vote, separators=(",", ":")), "1" if ok else "0", model, ks["events"], ks["prefix"]]
+        keys = [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["manifest"], ks["vinfo"]]
+        args: list = [-1 if epoch is None else epoch, step, world_size or 0, json.dumps(layout), self.step_timeout_s,
+                      model, ks["events"], ks["prefix"], len(votes)]
+        seen: set[int] = set()
+        for v in votes:
+            if isinstance(v.rank, bool) or not isinstance(v.rank, int) or v.rank < 0:
+                raise CommitError(f"rank must be a non-negative int, got {v.rank!r}")
+            if v.rank in seen:
+                raise CommitError(f"rank {v.rank} votes twice in one call", model=model, step=step)
+            seen.add(v.rank)
+            objs = [o.to_json() if hasattr(o, "to_json") else o for o in v.objects]
+            body = json.dumps({"objects": objs, "extra": v.extra}, separators=(",", ":"))
+            args += [v.rank, body, "1" if v.ok else "0", vote_summary(objs, step),
+                     "" if v.ok else negative_reason(v)]
         return self._vote, keys, args
 
     def vote(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
              ok: bool = True, epoch: int | None = None, world_size: int | None = None,
-             layout: dict | None = None) -> str:
+             layout: dict | None = None, reason: str | None = None) -> str:
         """Vote; return the step's state after this vote (``committed`` if it was the last).
 
         ``objects`` are this rank's objects of the step (``ObjectInfo`` or their
         JSON); ``extra`` is the rank's small non-tensor state (JSON). A vote for
-        a step never begun needs ``world_size``.
+        a step never begun needs ``world_size``. A negative vote (``ok=False``)
+        aborts the step; ``reason`` (else ``extra["error"]``) says why, recorded
+        in the step's record (``tierstore admin steps``, :meth:`require_committed`).
 
         Raises:
             FencedError: ``epoch`` is older than the job's.
             CommitError: bad arguments, a rank outside the world, or a step never begun.
         """
-        script, keys, args = self.vote_call(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch,
-                                            world_size=world_size, layout=layout)
+        return self.vote_many(model, step, [Vote(rank, objects, extra=extra, ok=ok, reason=reason)], epoch=epoch,
+                              world_size=world_size, layout=layout)
+
+    def vote_many(self, model: str, step: int, votes: Sequence[Vote], *, epoch: int | None = None,
+                  world_size: int | None = None, layout: dict | None = None) -> str:
+        """Record several ranks' votes in one atomic script (one round trip): a node's aggregator votes for
+        its local ranks this way. Returns the step's state after them, as :meth:`vote`.
+
+        All or none are recorded: a rank outside the world refuses the call; a negative one aborts the step.
+
+        Raises:
+            FencedError: ``epoch`` is older than the job's.
+            CommitError: bad arguments, a rank outside the world, or a step never begun.
+        """
+        script, keys, args = self.votes_call(model, step, votes, epoch=epoch, world_size=world_size, layout=layout)
         self._register(model)
-        state = _s(self._run(f"vote of rank {rank} for step {step} of {model}", script, keys, args))
-        if state == "committed":
+        who = f"rank {votes[0].rank}" if len(votes) == 1 else f"{len(votes)} ranks"
+        state = _s(self._run(f"vote of {who} for step {step} of {model}", script, keys, args))
+        if state == "committed" and self.durable is not None:
             self.maybe_durable(model, step, epoch=epoch)
         return state
 
@@ -141,51 +223,68 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
              sleep: Callable[[float], None] | None = None) -> str:
         """Block until ``step`` is decided; return its state.
 
-        Listens on ``ts:{model}:events`` (pub/sub: woken as soon as the step
-        is decided) and re-reads the state at least every 50 ms, aborting a
-        step past its own timeout. With ``sleep`` given, polls with backoff
-        instead (tests inject it).
+        Listens on ``ts:{model}:decided`` (pub/sub, a subscription kept per
+        thread): it reads the state once, then returns on the decision of the
+        attempt it read (each decision names its attempt by its start time, so
+        an event of an older attempt is never taken for this one), re-reading
+        the state at least every 50 ms and aborting a step past its own
+        timeout. With ``sleep`` given, polls with backoff instead (tests inject it).
 
         Raises:
             CommitError: still undecided after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        state = self.abort_if_stale(model, step)
-        if state in DECIDED:
-            return state
         pubsub = None
         if sleep is None:
-            pubsub = self._subscription(model)
+            pubsub = self._subscription(model)  # before the first read: no decision after it is missed
         delay = 0.0002
         try:
             while True:
-                state = self.abort_if_stale(model, step)
+                state, started = self._check_stale(model, step)
+                checked = time.monotonic()
                 if state in DECIDED:
-                    return state
-                left = None if deadline is None else deadline - time.monotonic()
+                    return self._acked(model, step, state)
+                left = None if deadline is None else deadline - checked
                 if left is not None and left <= 0:
                     raise CommitError(f"step {step} of {model} is still {state or 'unknown'} after {timeout}s",
                                       model=model, step=step, state=state)
-                if pubsub is not None:
-                    with translate_redis_errors(f"events of {model}", self.index.url):
-                        pubsub.get_message(timeout=min(0.05, left if left is not None else 0.05))
-                elif sleep is not None:
+                if pubsub is None:
+                    assert sleep is not None
                     sleep(min(delay, left) if left is not None else delay)
                     delay = min(delay * 2, 0.05)
+                    continue
+                while True:  # until a decision of this attempt, or 50 ms since the last read
+                    budget = 0.05 - (time.monotonic() - checked)
+                    if deadline is not None:
+                        budget = min(budget, deadline - time.monotonic())
+                    if budget <= 0:
+                        break
+                    with translate_redis_errors(f"events of {model}", self.index.url):
+                        msg = pubsub.get_message(timeout=budget)
+                    parts = _s(msg.get("data")).split() if msg else []
+                    if len(parts) == 3 and parts[0] == str(step) and parts[1] in DECIDED:
+                        if started and parts[2] == started:
+                            return self._acked(model, step, parts[1])
+                        break  # another attempt's decision: read the state again
         except BaseException:
             if pubsub is not None:  # a broken subscription is not reused
                 self._local.subs.pop(model, None)
                 pubsub.close()
             raise
 
+    def _acked(self, model: str, step: int, state: str) -> str:
+        """``state`` once the replicas have it (a no-op on an unreplicated index)."""
+        self.index.sync(model, f"acknowledge step {step} {state}")
+        return state
+
     def _subscription(self, model: str):
-        """This thread's subscription to ``model``'s events, kept between waits (drained before use)."""
+        """This thread's subscription to ``model``'s decisions, kept between waits (drained before use)."""
         subs = self._local.__dict__.setdefault("subs", {})
         p = subs.get(model)
         if p is None:
             with translate_redis_errors(f"subscribe to events of {model}", self.index.url):
                 p = self.index._r.pubsub(ignore_subscribe_messages=True)
-                p.subscribe(self._keys(model, 0)["events"])
+                p.subscribe(self._keys(model, 0)["decided"])
             subs[model] = p
         else:
             with translate_redis_errors(f"events of {model}", self.index.url):
@@ -193,16 +292,30 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
                     pass
         return p
 
+    def _check_stale(self, model: str, step: int) -> tuple[str, str]:
+        """Abort ``step`` if it is still preparing past its timeout; its state and start time ("" if unknown)."""
+        key = self._keys(model, step)["step"]
+        out = self._run(f"expire step {step} of {model}", self._expire, [key], [], ack=False)
+        return _s(out[0]), _s(out[1])
+
     def abort_if_stale(self, model: str, step: int) -> str:
         """Abort ``step`` if it is still preparing past its timeout; return its state ("" if unknown)."""
-        key = self._keys(model, step)["step"]
-        state = _s(self._run(f"expire step {step} of {model}", self._expire, [key], [], ack=False))
+        state = self._check_stale(model, step)[0]
         if state in DECIDED:  # reported only once the replicas have it (a no-op on an unreplicated index)
-            self.index.sync(model, f"acknowledge step {step} {state}")
+            self._acked(model, step, state)
         return state
 
     def require_committed(self, model: str, step: int, timeout: float | None = None) -> str:
+        """Wait for ``step``; return its state if committed (or durable).
+
+        Raises:
+            StepAbortedError: the step was aborted (its recorded reason in the message and ``reason``).
+            CommitError: still undecided after ``timeout`` seconds.
+        """
         state = self.wait(model, step, timeout)
         if state == "aborted":
-            raise StepAbortedError(f"step {step} of {model} was aborted", model=model, step=step)
+            recs = self.records(model, [step])
+            why = recs[0].reason if recs else None
+            raise StepAbortedError(f"step {step} of {model} was aborted" + (f": {why}" if why else ""),
+                                   model=model, step=step, reason=why)
         return state

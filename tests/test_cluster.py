@@ -267,7 +267,7 @@ def test_admin_cli_against_the_cluster(redis_cluster, cluster_url, tmp_path, cap
     rc, d = run("verify", models[2])
     assert rc == 0 and d["results"] and all(r["ok"] for r in d["results"])
     rc, d = run("gc", models[0])  # a dry run: the preparing step and the newest committed one are kept
-    assert rc == 0 and d["deleted"] == []
+    assert rc == 0 and d["would_delete"] == []
 
 
 # -- replica acknowledgement -----------------------------------------------------------------------

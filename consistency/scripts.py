@@ -219,13 +219,14 @@ return open_step(true)
 # The votes hash keeps each vote as its manifest part ('"<rank>":<vote_json>'), vinfo its summary (see
 # complete_set), so the deciding vote decodes no vote. A decision is published on the model's events channel
 # ("<step> <state>") and on its decided channel ("<step> <state> <started>": the attempt it decides, for
-# StepProtocol.wait). The first negative vote aborts the step, its reason recorded.
+# StepProtocol.wait). The first negative vote aborts the step, its reason recorded. Returns {state, started}.
 VOTE = _FENCE + _NOW + _OPEN + """
 local PREFIX = ARGV[8]
 """ + _COMPLETE + """
 local st = open_step(false)
 if type(st) == 'table' then return st end
-if st ~= 'preparing' then return st end
+local started = redis.call('HGET', KEYS[2], 'started') or ''
+if st ~= 'preparing' then return {st, started} end
 local world = tonumber(redis.call('HGET', KEYS[2], 'world'))
 local n = tonumber(ARGV[9])
 for i = 0, n - 1 do
@@ -234,7 +235,6 @@ for i = 0, n - 1 do
     return redis.error_reply('TSRANK rank ' .. rank .. ' is outside the world of ' .. world)
   end
 end
-local started = redis.call('HGET', KEYS[2], 'started')
 local timeout = tonumber(redis.call('HGET', KEYS[2], 'timeout'))
 local why = nil
 if timeout > 0 and now - tonumber(started) > timeout then why = 'timed out' end
@@ -250,14 +250,14 @@ if why then
   redis.call('DEL', KEYS[6])
   redis.call('PUBLISH', ARGV[7], ARGV[2] .. ' aborted')
   redis.call('PUBLISH', PREFIX .. 'decided', ARGV[2] .. ' aborted ' .. started)
-  return 'aborted'
+  return {'aborted', started}
 end
 for i = 0, n - 1 do
   local rank = ARGV[10 + 5 * i]
   redis.call('HSET', KEYS[4], rank, '"' .. rank .. '":' .. ARGV[11 + 5 * i])
   redis.call('HSET', KEYS[6], rank, ARGV[13 + 5 * i])
 end
-if redis.call('HLEN', KEYS[4]) < world then return 'preparing' end
+if redis.call('HLEN', KEYS[4]) < world then return {'preparing', started} end
 local layout = redis.call('HGET', KEYS[2], 'layout')
 local manifest = '{"version":' .. MANIFEST_VERSION .. ',"model":' .. cjson.encode(ARGV[6]) .. ',"step":' .. ARGV[2] ..
   ',"world":' .. world .. ',"epoch":' .. redis.call('HGET', KEYS[2], 'epoch') ..
@@ -270,7 +270,7 @@ redis.call('DEL', KEYS[6])
 redis.call('HSET', KEYS[2], 'state', 'committed', 'decided', now)
 redis.call('PUBLISH', ARGV[7], ARGV[2] .. ' committed')
 redis.call('PUBLISH', PREFIX .. 'decided', ARGV[2] .. ' committed ' .. started)
-return 'committed'
+return {'committed', started}
 """.replace("MANIFEST_VERSION", str(MANIFEST_VERSION))
 
 # KEYS: step; ARGV: now. Abort a step still preparing past its timeout. Returns {state, started} ('' if unknown).

@@ -57,7 +57,8 @@ class StepBase:
         self.on_lost = on_lost
         self.epochs = EpochLog(index, durable)
         self._known_models: set[str] = set()
-        self._local = threading.local()
+        self._listeners: dict[str, Any] = {}  # model -> DecisionListener (consistency.decisions)
+        self._listeners_lock = threading.Lock()
         r = index._r  # consistency/ owns the client
         self._begin = r.register_script(BEGIN)
         self._vote = r.register_script(VOTE)

@@ -39,13 +39,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from consistency.decisions import DecisionListener
 from consistency.durable import DurableLevel
-from consistency.index import translate_redis_errors
 from consistency.manifest import MANIFEST_VERSION
 from consistency.progress import Incarnations
 from consistency.stepbase import DECIDED, STATES, _s
 from consistency.steprecords import EventSubscription, StepRecord, StepRecords
-from tierstore.errors import CommitError, StepAbortedError, StepCommittedError
+from tierstore.errors import CommitError, StepAbortedError, StepCommittedError, TierUnavailableError
 
 __all__ = ["DECIDED", "MANIFEST_VERSION", "STATES", "EventSubscription", "StepProtocol", "StepRecord", "Vote",
            "negative_reason", "vote_summary"]
@@ -213,8 +213,12 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
         """
         script, keys, args = self.votes_call(model, step, votes, epoch=epoch, world_size=world_size, layout=layout)
         self._register(model)
+        listener = self._listener(model)  # subscribed before the vote: its decision cannot be missed
         who = f"rank {votes[0].rank}" if len(votes) == 1 else f"{len(votes)} ranks"
-        state = _s(self._run(f"vote of {who} for step {step} of {model}", script, keys, args))
+        out = self._run(f"vote of {who} for step {step} of {model}", script, keys, args)
+        state, started = _s(out[0]), _s(out[1])
+        if state == "preparing" and started:
+            listener.expect(model, step, started)
         if state == "committed" and self.durable is not None:
             self.maybe_durable(model, step, epoch=epoch)
         return state
@@ -223,74 +227,83 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
              sleep: Callable[[float], None] | None = None) -> str:
         """Block until ``step`` is decided; return its state.
 
-        Listens on ``ts:{model}:decided`` (pub/sub, a subscription kept per
-        thread): it reads the state once, then returns on the decision of the
-        attempt it read (each decision names its attempt by its start time, so
-        an event of an older attempt is never taken for this one), re-reading
-        the state at least every 50 ms and aborting a step past its own
-        timeout. With ``sleep`` given, polls with backoff instead (tests inject it).
+        After a vote of this process left the step preparing, waits for the
+        decision of that attempt on ``ts:{model}:decided`` (see
+        :mod:`consistency.decisions`) without reading the state; otherwise
+        reads it first. Either way it re-reads the state at least every 50 ms,
+        aborting a step past its own timeout. With ``sleep`` given, polls with
+        backoff instead (tests inject it).
 
         Raises:
             CommitError: still undecided after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = None
-        if sleep is None:
-            pubsub = self._subscription(model)  # before the first read: no decision after it is missed
+        listener = self._listener(model) if sleep is None else None
+        started = listener.expected(model, step) if listener is not None else None
+        if started is not None and listener is not None:
+            try:
+                if listener.heard(step, started) is not None:
+                    started = None  # decided before this wait: the state may have moved on (durable), read it
+            except TierUnavailableError:
+                self._drop_listener(model, listener)
+                listener, started = self._listener(model), None
+        state = "preparing"
         delay = 0.0002
-        try:
-            while True:
+        while True:
+            if started is None:  # nothing heard of this attempt (or 50 ms without its decision): read the state
                 state, started = self._check_stale(model, step)
-                checked = time.monotonic()
                 if state in DECIDED:
                     return self._acked(model, step, state)
-                left = None if deadline is None else deadline - checked
-                if left is not None and left <= 0:
-                    raise CommitError(f"step {step} of {model} is still {state or 'unknown'} after {timeout}s",
-                                      model=model, step=step, state=state)
-                if pubsub is None:
-                    assert sleep is not None
-                    sleep(min(delay, left) if left is not None else delay)
-                    delay = min(delay * 2, 0.05)
-                    continue
-                while True:  # until a decision of this attempt, or 50 ms since the last read
-                    budget = 0.05 - (time.monotonic() - checked)
-                    if deadline is not None:
-                        budget = min(budget, deadline - time.monotonic())
-                    if budget <= 0:
-                        break
-                    with translate_redis_errors(f"events of {model}", self.index.url):
-                        msg = pubsub.get_message(timeout=budget)
-                    parts = _s(msg.get("data")).split() if msg else []
-                    if len(parts) == 3 and parts[0] == str(step) and parts[1] in DECIDED:
-                        if started and parts[2] == started:
-                            return self._acked(model, step, parts[1])
-                        break  # another attempt's decision: read the state again
-        except BaseException:
-            if pubsub is not None:  # a broken subscription is not reused
-                self._local.subs.pop(model, None)
-                pubsub.close()
-            raise
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise CommitError(f"step {step} of {model} is still {state or 'unknown'} after {timeout}s",
+                                  model=model, step=step, state=state)
+            if listener is None:
+                assert sleep is not None
+                sleep(min(delay, left) if left is not None else delay)
+                delay = min(delay * 2, 0.05)
+                started = None
+                continue
+            try:
+                got = listener.await_decision(step, started, min(0.05, left) if left is not None else 0.05) \
+                    if started else None
+            except TierUnavailableError:
+                self._drop_listener(model, listener)  # the next read tells whether the index is gone
+                listener = self._listener(model)
+                got = None
+            if got is not None:
+                return self._acked(model, step, got)
+            if not started:  # an unknown step: poll
+                time.sleep(min(0.05, left) if left is not None else 0.05)
+            started = None
 
     def _acked(self, model: str, step: int, state: str) -> str:
         """``state`` once the replicas have it (a no-op on an unreplicated index)."""
         self.index.sync(model, f"acknowledge step {step} {state}")
         return state
 
-    def _subscription(self, model: str):
-        """This thread's subscription to ``model``'s decisions, kept between waits (drained before use)."""
-        subs = self._local.__dict__.setdefault("subs", {})
-        p = subs.get(model)
-        if p is None:
-            with translate_redis_errors(f"subscribe to events of {model}", self.index.url):
-                p = self.index._r.pubsub(ignore_subscribe_messages=True)
-                p.subscribe(self._keys(model, 0)["decided"])
-            subs[model] = p
-        else:
-            with translate_redis_errors(f"events of {model}", self.index.url):
-                while p.get_message(timeout=0) is not None:
-                    pass
-        return p
+    def _listener(self, model: str) -> DecisionListener:
+        """This instance's listener to ``model``'s decisions (made on first use)."""
+        with self._listeners_lock:
+            got = self._listeners.get(model)
+            if got is None or got.broken:
+                if got is not None:
+                    got.close()
+                got = self._listeners[model] = DecisionListener(self.index, self._keys(model, 0)["decided"], model)
+            return got
+
+    def _drop_listener(self, model: str, listener: DecisionListener) -> None:
+        with self._listeners_lock:
+            if self._listeners.get(model) is listener:
+                del self._listeners[model]
+        listener.close()
+
+    def close(self) -> None:
+        """Close the subscriptions this instance holds (the index is the caller's)."""
+        with self._listeners_lock:
+            listeners, self._listeners = list(self._listeners.values()), {}
+        for lst in listeners:
+            lst.close()
 
     def _check_stale(self, model: str, step: int) -> tuple[str, str]:
         """Abort ``step`` if it is still preparing past its timeout; its state and start time ("" if unknown)."""

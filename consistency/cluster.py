@@ -201,6 +201,8 @@ def acked(
             raise got
         if int(got) < replicas:
             state = replies[0] if replies and not isinstance(replies[0], Exception) else None
+            if isinstance(state, list):  # a script answering {state, ...}
+                state = state[0] if state else None
             state = state.decode() if isinstance(state, bytes) else state
             raise ReplicaAckError(
                 f"{what}: the index's primary applied it, but {got} of {replicas} replica(s) acknowledged it "

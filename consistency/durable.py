@@ -1,6 +1,9 @@
-"""What a step's durable manifest records, and whether one already in the durable tier is the same.
+"""The durable level of a step: migrated ranks, the durable manifest, memory-only steps.
 
-Used by :meth:`consistency.twophase.StepProtocol.maybe_durable`, which writes
+:class:`DurableLevel` is this part of :class:`consistency.twophase.StepProtocol`:
+each rank calls :meth:`DurableLevel.mark_migrated` once its objects of a
+committed step reached the durable tier; the call that finds every rank
+migrated writes the durable manifest (:meth:`DurableLevel.maybe_durable`), which writes
 the durable manifest last, create-once: a step is durable only when every
 object of its complete set is held by the durable tier in the copy its
 manifest names; "manifest already exists" is accepted only when the one
@@ -11,14 +14,18 @@ when it differs.
 from __future__ import annotations
 
 import json
+import logging
 
 from backends.base import Backend
-from consistency.index import Index
-from consistency.manifest import complete_entries, parse_manifest
-from tierstore.errors import ManifestError
+from consistency.index import Index, translate_redis_errors
+from consistency.manifest import complete_entries, durable_manifest_name, manifest_objects, parse_manifest
+from consistency.stepbase import StepBase, _s
+from tierstore.errors import FencedError, KeyExistsError, ManifestError, TierStoreError
 from tierstore.keys import ShardKey
 
-__all__ = ["conflict", "durable_entries"]
+__all__ = ["DurableLevel", "conflict", "durable_entries"]
+
+log = logging.getLogger(__name__)
 
 
 def durable_entries(index: Index, tier: str, m: dict) -> list[dict] | None:
@@ -64,3 +71,97 @@ def conflict(durable: Backend, model: str, step: int, name: str, manifest: dict)
     return (f"a different durable manifest of step {step} of {model} is already in the durable tier ({name}): "
             f"the index lost the step and it was saved again; the durable one is kept, this one stays "
             f"memory-only (run `tierstore admin rebuild-index {model} --yes` after an index loss)")
+
+
+class DurableLevel(StepBase):
+    """Migration marks, memory-only marks and the durable manifest (part of ``StepProtocol``)."""
+
+    def mark_migrated(self, model: str, step: int, rank: int, failures: list, *, epoch: int | None = None) -> None:
+        """Called when rank's objects of ``step`` reached the durable tier (or gave up trying).
+
+        With ``failures`` (the migration gave up after its retries), the step
+        is recorded as staying in memory only (``StepRecord.memory_only``,
+        shown by ``tierstore admin steps``).
+
+        Raises:
+            FencedError: ``epoch`` is older than the job's (a zombie's migration counts for nothing).
+        """
+        if failures:
+            first = failures[0]
+            what = f"{first[0]}: {first[1]}" if isinstance(first, tuple) and len(first) == 2 else str(first)
+            log.warning("step %s of %s: %d object(s) of rank %d failed to migrate; it stays memory-only (%s)",
+                        step, model, len(failures), rank, what)
+            self.mark_memory_only(model, step, f"{len(failures)} object(s) of rank {rank} failed to migrate: {what}")
+            return
+        ks = self._keys(model, step)
+        with translate_redis_errors(f"mark step {step} migrated", self.index.url):
+            self.index.run_script(self._migrated, [ks["epoch"], ks["step"]], [-1 if epoch is None else epoch, rank])
+        self.maybe_durable(model, step, epoch=epoch)
+
+    def mark_memory_only(self, model: str, step: int, reason: str) -> bool:
+        """Record that ``step`` stays in memory only, and why (if it is recorded and not durable)."""
+        with translate_redis_errors(f"mark step {step} of {model} memory-only", self.index.url):
+            return bool(self.index.run_script(self._memory_only, [self._keys(model, step)["step"]], [reason[:1000]]))
+
+    def maybe_durable(self, model: str, step: int, *, epoch: int | None = None) -> bool:
+        """If ``step`` is committed, every rank migrated, and every object it reaches is held by the
+        durable tier: write the durable manifest there (last, create-once) and mark the step durable.
+
+        The durable manifest is the committed one plus ``durable: true`` and
+        the durable tier added to every entry's tiers (its ``deps`` completed
+        from the index for manifests written before they listed them), so the
+        index can be rebuilt from it alone.
+
+        Raises:
+            FencedError: ``epoch`` is stale.
+            KeyExistsError: a *different* durable manifest of the step is already there (a
+                lost index restarted from scratch): it is left alone, and the step stays memory-only.
+        """
+        if self.durable is None:
+            return False
+        ks = self._keys(model, step)
+        with translate_redis_errors(f"check step {step} durability", self.index.url):
+            pipe = self.index._r.pipeline(transaction=False)  # one round trip (one slot: the model's)
+            pipe.hgetall(ks["step"])
+            pipe.get(ks["epoch"])
+            row, cur = pipe.execute()
+            h = {_s(k): _s(v) for k, v in row.items()}
+            current = int(cur or 0)
+        if epoch is not None and epoch >= 0 and epoch < current:
+            raise FencedError(f"step {step} of {model}: epoch {epoch} is fenced (now {current})", epoch=current)
+        if h.get("state") != "committed" or int(h.get("nmigrated") or 0) < int(h.get("world") or 0):
+            return False
+        manifest = self.manifest(model, step)
+        if manifest is None:
+            return False
+        extra = durable_entries(self.index, self.durable.tier, manifest)
+        if extra is None:
+            return False
+        tier = self.durable.tier
+        for o in [*manifest_objects(manifest), *manifest.get("inherited", []), *manifest.get("deps", [])]:
+            o["tiers"] = sorted(set(o.get("tiers") or ()) | {tier})
+        manifest["durable"] = True
+        manifest["deps"] = sorted([*manifest.get("deps", []), *extra], key=lambda d: d["key"])
+        data = json.dumps(manifest, sort_keys=True).encode()
+        name = durable_manifest_name(model, step)
+        self.index.sync(model, f"acknowledge step {step} before its durable manifest")  # never durable unreplicated
+        try:
+            self.durable.put(name, data, if_absent=True)
+        except KeyExistsError as e:  # another rank wrote the same one; a different one is a conflict
+            why = conflict(self.durable, model, step, name, manifest)
+            if why is not None:
+                log.error(why)
+                try:
+                    self.mark_memory_only(model, step, why)
+                except TierStoreError:
+                    pass
+                raise KeyExistsError(why, key=name, tier=self.durable.tier, model=model, step=step) from e
+        with translate_redis_errors(f"mark step {step} durable", self.index.url):
+            marked = self.index.run_script(self._durable, [ks["epoch"], ks["step"]],
+                                           [-1 if epoch is None else epoch, ks["events"], step, self._now()])
+        if not marked and self.state(model, step) != "durable":
+            # garbage collection dropped the step while its manifest was being written: an index rebuild
+            # must not resurrect it
+            self.durable.delete(name)
+            return False
+        return True

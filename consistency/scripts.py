@@ -26,7 +26,7 @@ if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
 # preparing or aborted (its votes are dropped: they belong to a fenced incarnation). A committed step is
 # immutable: BEGIN refuses it (TSCOMMITTED); a vote of it is answered with its state. A vote never opens a
 # new attempt of an aborted step (a late vote of the old attempt must not count in a new one).
-# KEYS: epoch, step, steps, votes. ARGV: epoch, step, world, layout_json, timeout_s.
+# KEYS: epoch, step, steps, votes, -, vinfo. ARGV: epoch, step, world, layout_json, timeout_s.
 _OPEN = """
 local function open_step(is_begin)
   local st = redis.call('HGET', KEYS[2], 'state')
@@ -42,7 +42,7 @@ local function open_step(is_begin)
   if tonumber(ARGV[3]) < 1 then return redis.error_reply('TSNOSTEP step ' .. ARGV[2] .. ' was never begun') end
   local attempt = 1
   if st then attempt = tonumber(redis.call('HGET', KEYS[2], 'attempt') or '1') + 1 end
-  redis.call('DEL', KEYS[2], KEYS[4])
+  redis.call('DEL', KEYS[2], KEYS[4], KEYS[6])
   redis.call('HSET', KEYS[2], 'state', 'preparing', 'world', ARGV[3], 'epoch', ARGV[1], 'started', now,
              'layout', ARGV[4], 'timeout', ARGV[5], 'nmigrated', 0, 'attempt', attempt)
   redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), ARGV[2])
@@ -94,22 +94,38 @@ local function record_entry(k)
           epoch = t.epoch, tiers = tiers, name = name}
 end
 
-local function complete_set(step, world, layout_json, votes)
-  local own, own_layers = {}, {}
-  for i = 2, #votes, 2 do
-    local v = cjson.decode(votes[i])
-    if type(v.objects) == 'table' then
-      for _, o in ipairs(v.objects) do own[o.key] = o; own_layers[layer_of(o.key)] = true end
+-- infos: each vote's summary (see consistency.twophase.vote_summary): lines "l:<layer>" (a layer it saved),
+-- "r:<key>" (a delta base or ref target of an older step), "o:<key>" (an own object of an older step).
+local function complete_set(step, world, layout_json, infos)
+  local own_layers, refs, seen = {}, {}, {}
+  for _, info in ipairs(infos) do
+    for tok in string.gmatch(info, '[^\\n]+') do
+      local kind, val = string.sub(tok, 1, 1), string.sub(tok, 3)
+      if kind == 'l' then own_layers[val] = true
+      elseif kind == 'r' then refs[#refs + 1] = val
+      elseif kind == 'o' then seen[val] = true end
+    end
+  end
+  local layout = cjson.decode(layout_json)
+  local has_layers = type(layout) == 'table' and type(layout.layers) == 'table'
+  local replay = type(layout) == 'table' and layout.replay == 'log'
+  -- the previous committed manifest is read (and decoded: the costly part at scale) only when needed
+  local need = replay or #refs > 0
+  if has_layers and not need then
+    for _, l in ipairs(layout.layers) do
+      if type(l) == 'string' and not own_layers[l] then need = true; break end
     end
   end
   local prev, pm = nil, nil
-  local cands = redis.call('ZREVRANGEBYSCORE', PREFIX .. 'steps', '(' .. step, '-inf', 'LIMIT', 0, 1024)
-  for _, s in ipairs(cands) do
-    local st = redis.call('HGET', PREFIX .. 'step:' .. s, 'state')
-    if st == 'committed' or st == 'durable' then
-      local raw = redis.call('GET', PREFIX .. 'manifest:' .. s)
-      if raw then prev = s; pm = cjson.decode(raw) end
-      break
+  if need then
+    local cands = redis.call('ZREVRANGEBYSCORE', PREFIX .. 'steps', '(' .. step, '-inf', 'LIMIT', 0, 1024)
+    for _, s in ipairs(cands) do
+      local st = redis.call('HGET', PREFIX .. 'step:' .. s, 'state')
+      if st == 'committed' or st == 'durable' then
+        local raw = redis.call('GET', PREFIX .. 'manifest:' .. s)
+        if raw then prev = s; pm = cjson.decode(raw) end
+        break
+      end
     end
   end
   local pset, players = {}, {}
@@ -131,9 +147,8 @@ local function complete_set(step, world, layout_json, votes)
     if type(pm.inherited) == 'table' then for _, o in ipairs(pm.inherited) do add(o, true) end end
     if type(pm.deps) == 'table' then for _, o in ipairs(pm.deps) do add(o, false) end end
   end
-  local layout = cjson.decode(layout_json)
   local inherited, missing, requires = {}, {}, {}
-  if type(layout) == 'table' and type(layout.layers) == 'table' then
+  if has_layers then
     for _, l in ipairs(layout.layers) do
       if type(l) == 'string' and not own_layers[l] then
         if pm and tonumber(pm.world) == world and players[l] then
@@ -144,23 +159,21 @@ local function complete_set(step, world, layout_json, votes)
       end
     end
   end
-  if type(layout) == 'table' and layout.replay == 'log' and pm then
+  if replay and pm then
     if type(pm.requires) == 'table' then for _, s in ipairs(pm.requires) do requires[#requires + 1] = s end end
     requires[#requires + 1] = tonumber(prev)
   end
-  local seen, todo, deps = {}, {}, {}
-  for k, _ in pairs(own) do seen[k] = true end
+  local todo, deps = {}, {}
   for _, o in ipairs(inherited) do seen[o.key] = true end
-  local function push(o)
-    for _, ref in ipairs({o.base or '', o.target or ''}) do
-      -- a link into this step itself is another rank's own object, not a dep
-      if type(ref) == 'string' and ref ~= '' and not seen[ref]
-          and tonumber(string.match(ref, '^[^/]+/[^/]+/([^/]+)/')) < tonumber(step) then
-        seen[ref] = true; todo[#todo + 1] = ref
-      end
+  local function push_ref(ref)
+    -- a link into this step itself is another rank's own object, not a dep
+    if type(ref) == 'string' and ref ~= '' and not seen[ref]
+        and (tonumber(string.match(ref, '^[^/]+/[^/]+/([^/]+)/')) or step) < tonumber(step) then
+      seen[ref] = true; todo[#todo + 1] = ref
     end
   end
-  for _, o in pairs(own) do push(o) end
+  local function push(o) push_ref(o.base or ''); push_ref(o.target or '') end
+  for _, ref in ipairs(refs) do push_ref(ref) end
   for _, o in ipairs(inherited) do push(o) end
   local n = 0
   while #todo > 0 and n < 1000000 do
@@ -192,7 +205,7 @@ local function complete_set(step, world, layout_json, votes)
 end
 """
 
-# KEYS: epoch, step, steps, votes, objs; ARGV: epoch, step, world, layout_json, timeout_s, check, now. With
+# KEYS: epoch, step, steps, votes, objs, vinfo; ARGV: epoch, step, world, layout_json, timeout_s, check, now. With
 # check = '1', a model the index holds no record of (no epoch, step or object) is answered 'unknown' and nothing
 # is created: the caller first makes sure the index did not lose it (see consistency.epochs).
 BEGIN = _FENCE + _NOW + _OPEN + """
@@ -200,55 +213,77 @@ if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then 
 return open_step(true)
 """
 
-# KEYS: epoch, step, steps, votes, manifest; ARGV: epoch, step, world (0: unknown), layout_json, timeout_s,
-# rank, vote_json, ok, model, channel, prefix, now
+# One vote, or the votes of several ranks at once (a node's aggregator): all recorded atomically.
+# KEYS: epoch, step, steps, votes, manifest, vinfo; ARGV: epoch, step, world (0: unknown), layout_json, timeout_s,
+# model, channel, prefix, n, then n times (rank, vote_json, ok, summary, reason), then now.
+# The votes hash keeps each vote as its manifest part ('"<rank>":<vote_json>'), vinfo its summary (see
+# complete_set), so the deciding vote decodes no vote. A decision is published on the model's events channel
+# ("<step> <state>") and on its decided channel ("<step> <state> <started>": the attempt it decides, for
+# StepProtocol.wait). The first negative vote aborts the step, its reason recorded. Returns {state, started}.
 VOTE = _FENCE + _NOW + _OPEN + """
-local PREFIX = ARGV[11]
+local PREFIX = ARGV[8]
 """ + _COMPLETE + """
 local st = open_step(false)
 if type(st) == 'table' then return st end
-if st ~= 'preparing' then return st end
+local started = redis.call('HGET', KEYS[2], 'started') or ''
+if st ~= 'preparing' then return {st, started} end
 local world = tonumber(redis.call('HGET', KEYS[2], 'world'))
-if tonumber(ARGV[6]) >= world then
-  return redis.error_reply('TSRANK rank ' .. ARGV[6] .. ' is outside the world of ' .. world)
+local n = tonumber(ARGV[9])
+for i = 0, n - 1 do
+  local rank = ARGV[10 + 5 * i]
+  if tonumber(rank) >= world then
+    return redis.error_reply('TSRANK rank ' .. rank .. ' is outside the world of ' .. world)
+  end
 end
-local started = tonumber(redis.call('HGET', KEYS[2], 'started'))
 local timeout = tonumber(redis.call('HGET', KEYS[2], 'timeout'))
-if ARGV[8] ~= '1' or (timeout > 0 and now - started > timeout) then
-  local why = 'negative vote of rank ' .. ARGV[6]
-  if ARGV[8] == '1' then why = 'timed out' end
-  redis.call('HSET', KEYS[2], 'state', 'aborted', 'decided', now, 'reason', why)
-  redis.call('PUBLISH', ARGV[10], ARGV[2] .. ' aborted')
-  return 'aborted'
+local why = nil
+if timeout > 0 and now - tonumber(started) > timeout then why = 'timed out' end
+for i = 0, n - 1 do
+  if why then break end
+  if ARGV[12 + 5 * i] ~= '1' then
+    why = 'negative vote of rank ' .. ARGV[10 + 5 * i]
+    if ARGV[14 + 5 * i] ~= '' then why = why .. ': ' .. ARGV[14 + 5 * i] end
+  end
 end
-redis.call('HSET', KEYS[4], ARGV[6], ARGV[7])
-if redis.call('HLEN', KEYS[4]) < world then return 'preparing' end
-local votes = redis.call('HGETALL', KEYS[4])
-local parts = {}
-for i = 1, #votes, 2 do parts[#parts + 1] = '"' .. votes[i] .. '":' .. votes[i + 1] end
+if why then
+  redis.call('HSET', KEYS[2], 'state', 'aborted', 'decided', now, 'reason', why)
+  redis.call('DEL', KEYS[6])
+  redis.call('PUBLISH', ARGV[7], ARGV[2] .. ' aborted')
+  redis.call('PUBLISH', PREFIX .. 'decided', ARGV[2] .. ' aborted ' .. started)
+  return {'aborted', started}
+end
+for i = 0, n - 1 do
+  local rank = ARGV[10 + 5 * i]
+  redis.call('HSET', KEYS[4], rank, '"' .. rank .. '":' .. ARGV[11 + 5 * i])
+  redis.call('HSET', KEYS[6], rank, ARGV[13 + 5 * i])
+end
+if redis.call('HLEN', KEYS[4]) < world then return {'preparing', started} end
 local layout = redis.call('HGET', KEYS[2], 'layout')
-local manifest = '{"version":' .. MANIFEST_VERSION .. ',"model":' .. cjson.encode(ARGV[9]) .. ',"step":' .. ARGV[2] ..
+local manifest = '{"version":' .. MANIFEST_VERSION .. ',"model":' .. cjson.encode(ARGV[6]) .. ',"step":' .. ARGV[2] ..
   ',"world":' .. world .. ',"epoch":' .. redis.call('HGET', KEYS[2], 'epoch') ..
   ',"attempt":' .. (redis.call('HGET', KEYS[2], 'attempt') or '1') ..
   ',"committed_at":' .. string.format('%.6f', now) .. ',"layout":' .. layout ..
-  ',"ranks":{' .. table.concat(parts, ',') .. '}' .. complete_set(ARGV[2], world, layout, votes) .. '}'
+  ',"ranks":{' .. table.concat(redis.call('HVALS', KEYS[4]), ',') .. '}' ..
+  complete_set(ARGV[2], world, layout, redis.call('HVALS', KEYS[6])) .. '}'
 redis.call('SET', KEYS[5], manifest)
+redis.call('DEL', KEYS[6])
 redis.call('HSET', KEYS[2], 'state', 'committed', 'decided', now)
-redis.call('PUBLISH', ARGV[10], ARGV[2] .. ' committed')
-return 'committed'
+redis.call('PUBLISH', ARGV[7], ARGV[2] .. ' committed')
+redis.call('PUBLISH', PREFIX .. 'decided', ARGV[2] .. ' committed ' .. started)
+return {'committed', started}
 """.replace("MANIFEST_VERSION", str(MANIFEST_VERSION))
 
-# KEYS: step; ARGV: now. Abort a step still preparing past its timeout.
+# KEYS: step; ARGV: now. Abort a step still preparing past its timeout. Returns {state, started} ('' if unknown).
 EXPIRE = _NOW + """
 local st = redis.call('HGET', KEYS[1], 'state')
-if st ~= 'preparing' then return st end
-local started = tonumber(redis.call('HGET', KEYS[1], 'started'))
+local started = redis.call('HGET', KEYS[1], 'started') or ''
+if st ~= 'preparing' then return {st or '', started} end
 local timeout = tonumber(redis.call('HGET', KEYS[1], 'timeout'))
-if timeout > 0 and now - started > timeout then
+if timeout > 0 and now - tonumber(started) > timeout then
   redis.call('HSET', KEYS[1], 'state', 'aborted', 'decided', now, 'reason', 'timed out')
-  return 'aborted'
+  return {'aborted', started}
 end
-return st
+return {st, started}
 """
 
 # KEYS: epoch, step; ARGV: epoch, rank. Counts each rank once. Returns {migrated, world, state}.

@@ -34,105 +34,78 @@ subscribing to ``ts:{model}:events``.
 from __future__ import annotations
 
 import json
-import logging
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import Backend
-from consistency.durable import conflict, durable_entries
-from consistency.epochs import EpochLog
-from consistency.index import Index, translate_redis_errors
-from consistency.manifest import (
-    MANIFEST_VERSION,
-    complete_entries,
-    durable_manifest_name,
-    manifest_objects,
-    parse_manifest,
-)
-from consistency.scripts import BEGIN, DURABLE, EXPIRE, JOIN_EPOCH, MEMORY_ONLY, MIGRATED, VOTE
-from tierstore.errors import (
-    CommitError,
-    FencedError,
-    InvalidKeyError,
-    KeyExistsError,
-    StepAbortedError,
-    StepCommittedError,
-    TierStoreError,
-    TierUnavailableError,
-)
-from tierstore.keys import ShardKey, validate_name, validate_step
+from consistency.decisions import DecisionListener
+from consistency.durable import DurableLevel
+from consistency.manifest import MANIFEST_VERSION
+from consistency.progress import Incarnations
+from consistency.stepbase import DECIDED, STATES, _s
+from consistency.steprecords import EventSubscription, StepRecord, StepRecords
+from tierstore.errors import CommitError, StepAbortedError, StepCommittedError, TierUnavailableError
 
-__all__ = ["DECIDED", "STATES", "EventSubscription", "StepProtocol", "StepRecord"]
+__all__ = ["DECIDED", "MANIFEST_VERSION", "STATES", "EventSubscription", "StepProtocol", "StepRecord", "Vote",
+           "negative_reason", "vote_summary"]
 
-log = logging.getLogger(__name__)
-
-STATES = ("preparing", "committed", "aborted", "durable")
-DECIDED = ("committed", "aborted", "durable")
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else ("" if v is None else str(v))
-
-
-def _f(v: str | None) -> float | None:
-    return float(v) if v else None
+REASON_CHARS = 500  # a negative vote's recorded reason is cut to this many characters
 
 
 @dataclass(frozen=True)
-class StepRecord:
-    """What the index records of one step (see :meth:`StepProtocol.records`)."""
+class Vote:
+    """One rank's vote (see :meth:`StepProtocol.vote`): its objects (``ObjectRecord`` or their JSON), its small
+    non-tensor state, and, for a negative vote, why."""
 
-    step: int
-    state: str
-    world: int = 0
-    epoch: int = 0
-    votes: int = 0
-    started: float | None = None
-    decided: float | None = None
-    durable_at: float | None = None
+    rank: int
+    objects: Sequence[Any] = ()
+    extra: dict | None = None
+    ok: bool = True
     reason: str | None = None
-    rebuilt: bool = False
-    attempt: int = 1
-    memory_only: str | None = None
-
-    @property
-    def commit_latency_s(self) -> float | None:
-        """Seconds from the step's begin to its decision (``None`` while undecided)."""
-        if self.started is None or self.decided is None:
-            return None
-        return self.decided - self.started
 
 
-class EventSubscription:
-    """A subscription to a model's step events: ``(step, state)`` each time a step is decided or durable.
-
-    Get one from :meth:`StepProtocol.subscribe`; :meth:`close` it when done.
-    """
-
-    def __init__(self, pubsub: Any, url: str, model: str) -> None:
-        self._p = pubsub
-        self._url = url
-        self._model = model
-
-    def get(self, timeout: float) -> tuple[int, str] | None:
-        """The next event within ``timeout`` seconds, else ``None``."""
-        with translate_redis_errors(f"events of {self._model}", self._url):
-            msg = self._p.get_message(timeout=timeout)
-        if msg is None:
-            return None
-        parts = _s(msg.get("data")).split()
-        if len(parts) != 2 or not parts[0].isdigit():
-            return None
-        return int(parts[0]), parts[1]
-
-    def close(self) -> None:
-        self._p.close()
+def negative_reason(v: Vote) -> str:
+    """What a negative vote records as its reason: ``v.reason``, else the ``error`` its extra carries, bounded."""
+    why = v.reason
+    if not why and isinstance(v.extra, dict) and v.extra.get("error"):
+        why = str(v.extra["error"])
+    why = " ".join((why or "").split())  # one line
+    return why if len(why) <= REASON_CHARS else why[: REASON_CHARS - 3] + "..."
 
 
-class StepProtocol:
-    """The commit protocol over an :class:`Index`, with an optional durable tier.
+def _older(key: Any, step: int) -> bool:
+    parts = key.split("/") if isinstance(key, str) else []
+    return len(parts) >= 4 and parts[2].isdigit() and int(parts[2]) < step
+
+
+def vote_summary(objects: Sequence[dict], step: int) -> str:
+    """What the deciding vote needs of a vote without decoding it (see ``complete_set`` in
+    :mod:`consistency.scripts`): ``l:<layer>`` per layer saved, ``r:<key>`` per delta base or ref target of an
+    older step, ``o:<key>`` per own object of an older step; one per line."""
+    out: set[str] = set()
+    for o in objects:
+        if not isinstance(o, dict):
+            continue
+        key = o.get("key")
+        parts = key.split("/") if isinstance(key, str) else []
+        if len(parts) >= 3 and parts[0] and parts[1]:
+            out.add("l:" + parts[1])
+        if _older(key, step):
+            out.add(f"o:{key}")
+        for ref in (o.get("base"), o.get("target")):
+            if _older(ref, step):
+                out.add(f"r:{ref}")
+    return "\n".join(sorted(out))
+
+
+class StepProtocol(StepRecords, Incarnations, DurableLevel):
+    """The commit protocol over an :class:`~consistency.index.Index`, with an optional durable tier.
+
+    Assembled from :class:`~consistency.stepbase.StepBase` (the constructor, its
+    arguments and the scripts), :class:`~consistency.steprecords.StepRecords`,
+    :class:`~consistency.progress.Incarnations` and
+    :class:`~consistency.durable.DurableLevel`; this module holds the vote/commit path.
 
     Args:
         index: the index.
@@ -142,68 +115,6 @@ class StepProtocol:
         on_lost: called with a model the index lost (its durable manifests exist): it must restore
             the index (the store rebuilds it); ``None`` raises :class:`IndexLostError` instead.
     """
-
-    def __init__(self, index: Index, durable: Backend | None = None, *, step_timeout_s: float = 600.0,
-                 clock: Callable[[], float] | None = None, on_lost: Callable[[str], object] | None = None):
-        self.index = index
-        self.durable = durable
-        self.step_timeout_s = step_timeout_s
-        self.clock = clock
-        self.on_lost = on_lost
-        self.epochs = EpochLog(index, durable)
-        self._known_models: set[str] = set()
-        self._local = threading.local()
-        r = index._r  # consistency/ owns the client
-        self._begin = r.register_script(BEGIN)
-        self._vote = r.register_script(VOTE)
-        self._expire = r.register_script(EXPIRE)
-        self._migrated = r.register_script(MIGRATED)
-        self._durable = r.register_script(DURABLE)
-        self._memory_only = r.register_script(MEMORY_ONLY)
-        self._join = r.register_script(JOIN_EPOCH)
-
-    def _register(self, model: str) -> None:
-        """Add ``model`` to the models list once per instance (it lives outside the model's slot)."""
-        if model not in self._known_models:
-            self.index.register_model(model)
-            self._known_models.add(model)
-
-    def _now(self) -> float:
-        return -1.0 if self.clock is None else float(self.clock())
-
-    def _keys(self, model: str, step: int) -> dict[str, str]:
-        k = self.index._k
-        return {
-            "epoch": k(model, "epoch"),
-            "step": k(model, "step", step),
-            "steps": k(model, "steps"),
-            "votes": k(model, "votes", step),
-            "manifest": k(model, "manifest", step),
-            "events": k(model, "events"),
-            "prefix": k(model, ""),
-            "objs": k(model, "objs"),
-        }
-
-    @staticmethod
-    def _check(model: str, step: int, world_size: int | None = None) -> None:
-        validate_name(model, "model")
-        try:
-            validate_step(step)
-        except InvalidKeyError as e:
-            raise CommitError(f"step must be an int in 0..2**53-1, got {step!r}: {e}", model=model, step=step) from e
-        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
-                                       or world_size < 1):
-            raise CommitError(f"world_size must be a positive int, got {world_size!r}")
-
-    def _run(self, what: str, script, keys: list[str], args: list, *, ack: bool = True) -> Any:
-        try:
-            with translate_redis_errors(what, self.index.url):  # ack: the replicas have it (Index.run_script)
-                return self.index.run_script(script, keys, [*args, self._now()], ack=ack, what=what)
-        except TierUnavailableError as e:
-            msg = str(e.__cause__ or "")
-            if "TSNOSTEP" in msg or "TSRANK" in msg:
-                raise CommitError(f"{what}: {msg.split(' ', 1)[1] if ' ' in msg else msg}") from e.__cause__
-            raise
 
     def begin(self, model: str, step: int, world_size: int, *, layout: dict | None = None,
               epoch: int | None = None, timeout_s: float | None = None) -> str:
@@ -225,7 +136,7 @@ class StepProtocol:
         def run(check: bool) -> str:
             return _s(self._run(
                 f"begin step {step} of {model}", self._begin,
-                [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["objs"]],
+                [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["objs"], ks["vinfo"]],
                 [-1 if epoch is None else epoch, step, world_size, json.dumps(layout),
                  self.step_timeout_s if timeout_s is None else timeout_s, "1" if check else "0"],
             ))
@@ -241,372 +152,183 @@ class StepProtocol:
                 f"step {step} of {model} is already committed and cannot be saved again "
                 "(a committed step is immutable; save a new step number)", model=model, step=step) from e
 
-    # -- epochs and index loss (see consistency.epochs) --------------------------------
-    def durable_epoch(self, model: str) -> int:
-        """The newest epoch of ``model`` recorded in the durable tier (0 if none or no durable tier)."""
-        return self.epochs.durable_epoch(model)
-
-    def open_epoch(self, model: str) -> int:
-        """Take a new epoch of ``model`` (a new incarnation); see :meth:`EpochLog.open_epoch`.
-
-        Raises:
-            IndexLostError: the index lost this model (see :meth:`check_index`).
-        """
-        validate_name(model, "model")
-        self.check_index(model)
-        return self.epochs.open_epoch(model)
-
-    def durable_steps(self, model: str) -> list[int]:
-        """Steps of ``model`` with a durable manifest in the durable tier."""
-        return self.epochs.durable_steps(model)
-
-    def check_index(self, model: str) -> None:
-        """Refuse to start ``model`` fresh on an index that lost it; see :meth:`EpochLog.check_index`."""
-        self.epochs.check_index(model, self.on_lost)
-
     def vote_call(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
                   ok: bool = True, epoch: int | None = None, world_size: int | None = None,
-                  layout: dict | None = None) -> tuple[Any, list[str], list]:
-        """The vote as ``(script, keys, args)``, ``now`` included: one ``EVALSHA`` (benchmarks, fault tests)."""
+                  layout: dict | None = None, reason: str | None = None) -> tuple[Any, list[str], list]:
+        """The vote as ``(script, keys, args)``, ``now`` not included: one ``EVALSHA`` (benchmarks, fault tests)."""
+        return self.votes_call(model, step, [Vote(rank, objects, extra=extra, ok=ok, reason=reason)], epoch=epoch,
+                               world_size=world_size, layout=layout)
+
+    def votes_call(self, model: str, step: int, votes: Sequence[Vote], *, epoch: int | None = None,
+                   world_size: int | None = None, layout: dict | None = None) -> tuple[Any, list[str], list]:
+        """Several ranks' votes as one ``(script, keys, args)`` (see :meth:`vote_many`; ``now`` not included)."""
         self._check(model, step, world_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise CommitError(f"rank must be a non-negative int, got {rank!r}")
-        vote = {"objects": [o.to_json() if hasattr(o, "to_json") else o for o in objects], "extra": extra}
+        if not votes:
+            raise CommitError("a vote needs at least one rank", model=model, step=step)
         ks = self._keys(model, step)
-        keys = [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["manifest"]]
-        args = [-1 if epoch is None else epoch, step, world_size or 0, json.dumps(layout), self.step_timeout_s,
-                rank, json.dumps(vote, separators=(",", ":")), "1" if ok else "0", model, ks["events"], ks["prefix"]]
+        keys = [ks["epoch"], ks["step"], ks["steps"], ks["votes"], ks["manifest"], ks["vinfo"]]
+        args: list = [-1 if epoch is None else epoch, step, world_size or 0, json.dumps(layout), self.step_timeout_s,
+                      model, ks["events"], ks["prefix"], len(votes)]
+        seen: set[int] = set()
+        for v in votes:
+            if isinstance(v.rank, bool) or not isinstance(v.rank, int) or v.rank < 0:
+                raise CommitError(f"rank must be a non-negative int, got {v.rank!r}")
+            if v.rank in seen:
+                raise CommitError(f"rank {v.rank} votes twice in one call", model=model, step=step)
+            seen.add(v.rank)
+            objs = [o.to_json() if hasattr(o, "to_json") else o for o in v.objects]
+            body = json.dumps({"objects": objs, "extra": v.extra}, separators=(",", ":"))
+            args += [v.rank, body, "1" if v.ok else "0", vote_summary(objs, step),
+                     "" if v.ok else negative_reason(v)]
         return self._vote, keys, args
 
     def vote(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
              ok: bool = True, epoch: int | None = None, world_size: int | None = None,
-             layout: dict | None = None) -> str:
+             layout: dict | None = None, reason: str | None = None) -> str:
         """Vote; return the step's state after this vote (``committed`` if it was the last).
 
         ``objects`` are this rank's objects of the step (``ObjectInfo`` or their
         JSON); ``extra`` is the rank's small non-tensor state (JSON). A vote for
-        a step never begun needs ``world_size``.
+        a step never begun needs ``world_size``. A negative vote (``ok=False``)
+        aborts the step; ``reason`` (else ``extra["error"]``) says why, recorded
+        in the step's record (``tierstore admin steps``, :meth:`require_committed`).
 
         Raises:
             FencedError: ``epoch`` is older than the job's.
             CommitError: bad arguments, a rank outside the world, or a step never begun.
         """
-        script, keys, args = self.vote_call(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch,
-                                            world_size=world_size, layout=layout)
+        return self.vote_many(model, step, [Vote(rank, objects, extra=extra, ok=ok, reason=reason)], epoch=epoch,
+                              world_size=world_size, layout=layout)
+
+    def vote_many(self, model: str, step: int, votes: Sequence[Vote], *, epoch: int | None = None,
+                  world_size: int | None = None, layout: dict | None = None) -> str:
+        """Record several ranks' votes in one atomic script (one round trip): a node's aggregator votes for
+        its local ranks this way. Returns the step's state after them, as :meth:`vote`.
+
+        All or none are recorded: a rank outside the world refuses the call; a negative one aborts the step.
+
+        Raises:
+            FencedError: ``epoch`` is older than the job's.
+            CommitError: bad arguments, a rank outside the world, or a step never begun.
+        """
+        script, keys, args = self.votes_call(model, step, votes, epoch=epoch, world_size=world_size, layout=layout)
         self._register(model)
-        state = _s(self._run(f"vote of rank {rank} for step {step} of {model}", script, keys, args))
-        if state == "committed":
+        listener = self._listener(model)  # subscribed before the vote: its decision cannot be missed
+        who = f"rank {votes[0].rank}" if len(votes) == 1 else f"{len(votes)} ranks"
+        out = self._run(f"vote of {who} for step {step} of {model}", script, keys, args)
+        state, started = _s(out[0]), _s(out[1])
+        if state == "preparing" and started:
+            listener.expect(model, step, started)
+        if state == "committed" and self.durable is not None:
             self.maybe_durable(model, step, epoch=epoch)
         return state
-
-    def state(self, model: str, step: int) -> str | None:
-        with translate_redis_errors(f"state of step {step} of {model}", self.index.url):
-            v = self.index._r.hget(self._keys(model, step)["step"], "state")
-        return _s(v) if v is not None else None
 
     def wait(self, model: str, step: int, timeout: float | None = None, *,
              sleep: Callable[[float], None] | None = None) -> str:
         """Block until ``step`` is decided; return its state.
 
-        Listens on ``ts:{model}:events`` (pub/sub: woken as soon as the step
-        is decided) and re-reads the state at least every 50 ms, aborting a
-        step past its own timeout. With ``sleep`` given, polls with backoff
-        instead (tests inject it).
+        After a vote of this process left the step preparing, waits for the
+        decision of that attempt on ``ts:{model}:decided`` (see
+        :mod:`consistency.decisions`) without reading the state; otherwise
+        reads it first. Either way it re-reads the state at least every 50 ms,
+        aborting a step past its own timeout. With ``sleep`` given, polls with
+        backoff instead (tests inject it).
 
         Raises:
             CommitError: still undecided after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        state = self.abort_if_stale(model, step)
-        if state in DECIDED:
-            return state
-        pubsub = None
-        if sleep is None:
-            pubsub = self._subscription(model)
+        listener = self._listener(model) if sleep is None else None
+        started = listener.expected(model, step) if listener is not None else None
+        if started is not None and listener is not None:
+            try:
+                if listener.heard(step, started) is not None:
+                    started = None  # decided before this wait: the state may have moved on (durable), read it
+            except TierUnavailableError:
+                self._drop_listener(model, listener)
+                listener, started = self._listener(model), None
+        state = "preparing"
         delay = 0.0002
-        try:
-            while True:
-                state = self.abort_if_stale(model, step)
+        while True:
+            if started is None:  # nothing heard of this attempt (or 50 ms without its decision): read the state
+                state, started = self._check_stale(model, step)
                 if state in DECIDED:
-                    return state
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise CommitError(f"step {step} of {model} is still {state or 'unknown'} after {timeout}s",
-                                      model=model, step=step, state=state)
-                if pubsub is not None:
-                    with translate_redis_errors(f"events of {model}", self.index.url):
-                        pubsub.get_message(timeout=min(0.05, left if left is not None else 0.05))
-                elif sleep is not None:
-                    sleep(min(delay, left) if left is not None else delay)
-                    delay = min(delay * 2, 0.05)
-        except BaseException:
-            if pubsub is not None:  # a broken subscription is not reused
-                self._local.subs.pop(model, None)
-                pubsub.close()
-            raise
+                    return self._acked(model, step, state)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise CommitError(f"step {step} of {model} is still {state or 'unknown'} after {timeout}s",
+                                  model=model, step=step, state=state)
+            if listener is None:
+                assert sleep is not None
+                sleep(min(delay, left) if left is not None else delay)
+                delay = min(delay * 2, 0.05)
+                started = None
+                continue
+            try:
+                got = listener.await_decision(step, started, min(0.05, left) if left is not None else 0.05) \
+                    if started else None
+            except TierUnavailableError:
+                self._drop_listener(model, listener)  # the next read tells whether the index is gone
+                listener = self._listener(model)
+                got = None
+            if got is not None:
+                return self._acked(model, step, got)
+            if not started:  # an unknown step: poll
+                time.sleep(min(0.05, left) if left is not None else 0.05)
+            started = None
 
-    def _subscription(self, model: str):
-        """This thread's subscription to ``model``'s events, kept between waits (drained before use)."""
-        subs = self._local.__dict__.setdefault("subs", {})
-        p = subs.get(model)
-        if p is None:
-            with translate_redis_errors(f"subscribe to events of {model}", self.index.url):
-                p = self.index._r.pubsub(ignore_subscribe_messages=True)
-                p.subscribe(self._keys(model, 0)["events"])
-            subs[model] = p
-        else:
-            with translate_redis_errors(f"events of {model}", self.index.url):
-                while p.get_message(timeout=0) is not None:
-                    pass
-        return p
+    def _acked(self, model: str, step: int, state: str) -> str:
+        """``state`` once the replicas have it (a no-op on an unreplicated index)."""
+        self.index.sync(model, f"acknowledge step {step} {state}")
+        return state
 
-    def manifest(self, model: str, step: int) -> dict | None:
-        with translate_redis_errors(f"manifest of step {step} of {model}", self.index.url):
-            raw = self.index._r.get(self._keys(model, step)["manifest"])
-        return parse_manifest(raw, model=model, step=step) if raw is not None else None
+    def _listener(self, model: str) -> DecisionListener:
+        """This instance's listener to ``model``'s decisions (made on first use)."""
+        with self._listeners_lock:
+            got = self._listeners.get(model)
+            if got is None or got.broken:
+                if got is not None:
+                    got.close()
+                got = self._listeners[model] = DecisionListener(self.index, self._keys(model, 0)["decided"], model)
+            return got
 
-    def mark_migrated(self, model: str, step: int, rank: int, failures: list, *, epoch: int | None = None) -> None:
-        """Called when rank's objects of ``step`` reached the durable tier (or gave up trying).
+    def _drop_listener(self, model: str, listener: DecisionListener) -> None:
+        with self._listeners_lock:
+            if self._listeners.get(model) is listener:
+                del self._listeners[model]
+        listener.close()
 
-        With ``failures`` (the migration gave up after its retries), the step
-        is recorded as staying in memory only (``StepRecord.memory_only``,
-        shown by ``tierstore admin steps``).
+    def close(self) -> None:
+        """Close the subscriptions this instance holds (the index is the caller's)."""
+        with self._listeners_lock:
+            listeners, self._listeners = list(self._listeners.values()), {}
+        for lst in listeners:
+            lst.close()
 
-        Raises:
-            FencedError: ``epoch`` is older than the job's (a zombie's migration counts for nothing).
-        """
-        if failures:
-            first = failures[0]
-            what = f"{first[0]}: {first[1]}" if isinstance(first, tuple) and len(first) == 2 else str(first)
-            log.warning("step %s of %s: %d object(s) of rank %d failed to migrate; it stays memory-only (%s)",
-                        step, model, len(failures), rank, what)
-            self.mark_memory_only(model, step, f"{len(failures)} object(s) of rank {rank} failed to migrate: {what}")
-            return
-        ks = self._keys(model, step)
-        with translate_redis_errors(f"mark step {step} migrated", self.index.url):
-            self.index.run_script(self._migrated, [ks["epoch"], ks["step"]], [-1 if epoch is None else epoch, rank])
-        self.maybe_durable(model, step, epoch=epoch)
-
-    def mark_memory_only(self, model: str, step: int, reason: str) -> bool:
-        """Record that ``step`` stays in memory only, and why (if it is recorded and not durable)."""
-        with translate_redis_errors(f"mark step {step} of {model} memory-only", self.index.url):
-            return bool(self.index.run_script(self._memory_only, [self._keys(model, step)["step"]], [reason[:1000]]))
-
-    def maybe_durable(self, model: str, step: int, *, epoch: int | None = None) -> bool:
-        """If ``step`` is committed, every rank migrated, and every object it reaches is held by the
-        durable tier: write the durable manifest there (last, create-once) and mark the step durable.
-
-        The durable manifest is the committed one plus ``durable: true`` and
-        the durable tier added to every entry's tiers (its ``deps`` completed
-        from the index for manifests written before they listed them), so the
-        index can be rebuilt from it alone.
-
-        Raises:
-            FencedError: ``epoch`` is stale.
-            KeyExistsError: a *different* durable manifest of the step is already there (a
-                lost index restarted from scratch): it is left alone, and the step stays memory-only.
-        """
-        if self.durable is None:
-            return False
-        ks = self._keys(model, step)
-        with translate_redis_errors(f"check step {step} durability", self.index.url):
-            h = {_s(k): _s(v) for k, v in self.index._r.hgetall(ks["step"]).items()}
-            current = int(self.index._r.get(ks["epoch"]) or 0)
-        if epoch is not None and epoch >= 0 and epoch < current:
-            raise FencedError(f"step {step} of {model}: epoch {epoch} is fenced (now {current})", epoch=current)
-        if h.get("state") != "committed" or int(h.get("nmigrated") or 0) < int(h.get("world") or 0):
-            return False
-        manifest = self.manifest(model, step)
-        if manifest is None:
-            return False
-        extra = durable_entries(self.index, self.durable.tier, manifest)
-        if extra is None:
-            return False
-        tier = self.durable.tier
-        for o in [*manifest_objects(manifest), *manifest.get("inherited", []), *manifest.get("deps", [])]:
-            o["tiers"] = sorted(set(o.get("tiers") or ()) | {tier})
-        manifest["durable"] = True
-        manifest["deps"] = sorted([*manifest.get("deps", []), *extra], key=lambda d: d["key"])
-        data = json.dumps(manifest, sort_keys=True).encode()
-        name = durable_manifest_name(model, step)
-        self.index.sync(model, f"acknowledge step {step} before its durable manifest")  # never durable unreplicated
-        try:
-            self.durable.put(name, data, if_absent=True)
-        except KeyExistsError as e:  # another rank wrote the same one; a different one is a conflict
-            why = conflict(self.durable, model, step, name, manifest)
-            if why is not None:
-                log.error(why)
-                try:
-                    self.mark_memory_only(model, step, why)
-                except TierStoreError:
-                    pass
-                raise KeyExistsError(why, key=name, tier=self.durable.tier, model=model, step=step) from e
-        with translate_redis_errors(f"mark step {step} durable", self.index.url):
-            marked = self.index.run_script(self._durable, [ks["epoch"], ks["step"]],
-                                           [-1 if epoch is None else epoch, ks["events"], step, self._now()])
-        if not marked and self.state(model, step) != "durable":
-            # garbage collection dropped the step while its manifest was being written: an index rebuild
-            # must not resurrect it
-            self.durable.delete(name)
-            return False
-        return True
-
-    def steps(self, model: str) -> list[tuple[int, str]]:
-        """All recorded steps of ``model`` with their states, oldest first."""
-        k = self.index._k
-        with translate_redis_errors(f"steps of {model}", self.index.url):
-            steps = [int(_s(s)) for s in self.index._r.zrange(k(model, "steps"), 0, -1)]
-            pipe = self.index._r.pipeline(transaction=False)
-            for s in steps:
-                pipe.hget(k(model, "step", s), "state")
-            states = pipe.execute()
-        return [(s, _s(st)) for s, st in zip(steps, states)]
-
-    def records(self, model: str, steps: Iterable[int] | None = None) -> list[StepRecord]:
-        """The index's records of ``steps`` (default: every recorded step), in the given order."""
-        k = self.index._k
-        steps = [s for s, _ in self.steps(model)] if steps is None else list(steps)
-        with translate_redis_errors(f"step records of {model}", self.index.url):
-            pipe = self.index._r.pipeline(transaction=False)
-            for s in steps:
-                pipe.hgetall(k(model, "step", s))
-                pipe.hlen(k(model, "votes", s))
-            rows = pipe.execute()
-        out = []
-        for i, step in enumerate(steps):
-            h = {_s(a): _s(b) for a, b in rows[2 * i].items()}
-            out.append(StepRecord(
-                step=step, state=h.get("state", ""), world=int(h.get("world") or 0), epoch=int(h.get("epoch") or 0),
-                votes=int(rows[2 * i + 1]), started=_f(h.get("started")), decided=_f(h.get("decided")),
-                durable_at=_f(h.get("durable_at")), reason=h.get("reason") or None, rebuilt=bool(h.get("rebuilt")),
-                attempt=int(h.get("attempt") or 1), memory_only=h.get("memory_only") or None,
-            ))
-        return out
-
-    def drop_steps(self, model: str, steps: Iterable[int], *, keep_aborted_state: bool = True) -> None:
-        """Delete the records of ``steps`` (manifest, votes, step record) from the index.
-
-        With ``keep_aborted_state`` an aborted step keeps its record (a
-        tombstone: a late vote of it cannot re-open it); otherwise every
-        record goes and the step number can be begun again. Objects and
-        durable manifests are the caller's (garbage collection deletes them
-        first).
-        """
-        k = self.index._k
-        steps = sorted(set(steps))
-        if not steps:
-            return
-        states = dict(self.steps(model)) if keep_aborted_state else {}
-        with translate_redis_errors(f"drop steps of {model}", self.index.url):
-            pipe = self.index._r.pipeline(transaction=False)
-            for s in steps:
-                pipe.delete(k(model, "manifest", s))  # one key per DEL: a cluster pipeline refuses multi-key DEL
-                pipe.delete(k(model, "votes", s))
-                if states.get(s) != "aborted":
-                    pipe.delete(k(model, "step", s))
-                    pipe.zrem(k(model, "steps"), s)
-            pipe.execute()
-
-    def delete_durable_manifests(self, model: str, steps: Iterable[int]) -> None:
-        """Delete the durable manifests of ``steps`` (first, before their objects: an index rebuild
-        must never resurrect a step whose objects are going)."""
-        if self.durable is None:
-            return
-        for s in sorted(set(steps)):
-            self.durable.delete(durable_manifest_name(model, s))
-
-    def restore_durable(self, model: str, manifest: dict) -> None:
-        """Record a step from its durable manifest as ``durable`` (index rebuild), replacing what was there.
-
-        The objects are the caller's to record first (:meth:`Index.record_object`);
-        the entries of older steps it reads are pinned here.
-        """
-        step = manifest["step"]
-        ks = self._keys(model, step)
-        committed = manifest.get("committed_at", 0.0)
-        index_copy = {k: v for k, v in manifest.items() if k != "durable"}
-        with translate_redis_errors(f"rebuild step {step} of {model}", self.index.url):
-            pipe = self.index._r.pipeline(transaction=True)
-            pipe.delete(ks["step"], ks["votes"])
-            pipe.hset(ks["step"], mapping={
-                "state": "durable", "world": manifest["world"], "epoch": manifest.get("epoch", 0),
-                "started": committed, "decided": committed, "durable_at": committed,
-                "layout": json.dumps(manifest.get("layout")), "timeout": 0, "nmigrated": manifest["world"],
-                "rebuilt": 1, "attempt": manifest.get("attempt") or 1,
-            })
-            pipe.zadd(ks["steps"], {str(step): step})
-            pipe.set(ks["manifest"], json.dumps(index_copy, separators=(",", ":")))
-            pipe.execute()
-        own = {o["key"] for o in manifest_objects(manifest)}
-        self.index.pin_objects([ShardKey.parse(o["key"]) for o in complete_entries(manifest) if o["key"] not in own],
-                               step)
-        self.index.register_model(model)
-
-    def subscribe(self, model: str) -> EventSubscription:
-        """Subscribe to ``model``'s step events (the caller closes the subscription)."""
-        validate_name(model, "model")
-        with translate_redis_errors(f"subscribe to events of {model}", self.index.url):
-            p = self.index._r.pubsub(ignore_subscribe_messages=True)
-            p.subscribe(self._keys(model, 0)["events"])
-        return EventSubscription(p, self.index.url, model)
+    def _check_stale(self, model: str, step: int) -> tuple[str, str]:
+        """Abort ``step`` if it is still preparing past its timeout; its state and start time ("" if unknown)."""
+        key = self._keys(model, step)["step"]
+        out = self._run(f"expire step {step} of {model}", self._expire, [key], [], ack=False)
+        return _s(out[0]), _s(out[1])
 
     def abort_if_stale(self, model: str, step: int) -> str:
         """Abort ``step`` if it is still preparing past its timeout; return its state ("" if unknown)."""
-        key = self._keys(model, step)["step"]
-        state = _s(self._run(f"expire step {step} of {model}", self._expire, [key], [], ack=False))
+        state = self._check_stale(model, step)[0]
         if state in DECIDED:  # reported only once the replicas have it (a no-op on an unreplicated index)
-            self.index.sync(model, f"acknowledge step {step} {state}")
+            self._acked(model, step, state)
         return state
-
-    # -- incarnations and rank progress (the Checkpointer's; see tierstore.train.ranks) -------------
-    def join_epoch(self, model: str, token: str, base: int) -> int:
-        """The epoch of the job incarnation ``token``: the first rank to join raises the model's epoch.
-
-        Args:
-            token: the incarnation's id (every rank of it passes the same).
-            base: the epoch the incarnation saw when it started (``-1``: unknown).
-
-        Raises:
-            FencedError: the incarnation's epoch is older than the current one, or
-                another incarnation raised the epoch after ``base`` before this one joined.
-        """
-        validate_name(model, "model")
-        self._register(model)
-        self.check_index(model)
-        k = self.index._k
-        want = 0  # first a probe: a known (or fenced) incarnation reserves nothing
-        for _ in range(64):
-            with translate_redis_errors(f"join epoch of {model}", self.index.url):
-                got = int(self.index.run_script(self._join, [k(model, "epoch"), k(model, "incarnations")],
-                                                [token, int(base), want], what=f"join the epoch of {model}"))
-            if got > 0:
-                if got == want:
-                    self.epochs.prune(model, want)
-                return got
-            want = self.epochs.reserve(model)  # recorded durably before the index hands it out
-        raise CommitError(f"could not join an epoch of {model}: it kept moving", model=model)
-
-    def note_progress(self, model: str, rank: int, step: int, epoch: int | None) -> None:
-        """Record that ``rank`` (of incarnation ``epoch``) has begun saving ``step``."""
-        with translate_redis_errors(f"progress of rank {rank} of {model}", self.index.url):
-            self.index._r.hset(self.index._k(model, "progress"), str(rank), f"{-1 if epoch is None else epoch} {step}")
-
-    def progress(self, model: str) -> dict[int, tuple[int, int]]:
-        """``rank -> (epoch, step)``: the newest step each rank began saving (see :meth:`note_progress`)."""
-        with translate_redis_errors(f"progress of {model}", self.index.url):
-            raw = self.index._r.hgetall(self.index._k(model, "progress"))
-        out = {}
-        for r, v in raw.items():
-            parts = _s(v).split()
-            if _s(r).isdigit() and len(parts) == 2:
-                out[int(_s(r))] = (int(parts[0]), int(parts[1]))
-        return out
 
     def require_committed(self, model: str, step: int, timeout: float | None = None) -> str:
+        """Wait for ``step``; return its state if committed (or durable).
+
+        Raises:
+            StepAbortedError: the step was aborted (its recorded reason in the message and ``reason``).
+            CommitError: still undecided after ``timeout`` seconds.
+        """
         state = self.wait(model, step, timeout)
         if state == "aborted":
-            raise StepAbortedError(f"step {step} of {model} was aborted", model=model, step=step)
+            recs = self.records(model, [step])
+            why = recs[0].reason if recs else None
+            raise StepAbortedError(f"step {step} of {model} was aborted" + (f": {why}" if why else ""),
+                                   model=model, step=step, reason=why)
         return state
-
-
-__all__ += ["MANIFEST_VERSION"]

@@ -1,0 +1,315 @@
+"""Object records in the index: what is stored, where its copies are, and what may replace it.
+
+:class:`ObjectIndex` is the object half of :class:`consistency.index.Index`
+(keys ``ts:{m}:objs`` and ``ts:{m}:obj:<layer>/<step>/<rank>``, see the schema
+in :mod:`consistency.index`): the store records an object after writing it
+(:meth:`ObjectIndex.record_object`), migration and eviction add and remove
+tiers, the commit pins what a committed manifest reads, and garbage
+collection deletes records. :class:`ObjectRecord` is the one descriptor of an
+object across the project.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from consistency.client import MODELS, IndexClient, _s, translate_redis_errors
+from tierstore.keys import ShardKey, object_name, validate_name
+
+__all__ = ["KINDS", "ObjectIndex", "ObjectRecord"]
+
+KINDS = ("full", "delta", "ref")
+
+# Record an object and its placement: refuse a stale epoch, and refuse to replace the record of a key of a
+# committed step or of one a committed manifest reads (pinned): committed keys are create-once. KEYS: epoch,
+# objs, obj, step (the key's step record). ARGV: epoch, objname, step, kind, size, checksum, base, target,
+# created, name, restore ("1": re-recording what a durable manifest proves), tier... Returns the physical name
+# of the copy the old record named ('' if none, '=' if that is the same copy).
+_RECORD = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local ep = tonumber(ARGV[1])
+if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
+local old = ''
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  old = redis.call('HGET', KEYS[3], 'name') or ''
+  if old == '' then old = '-' end
+end
+if ARGV[11] ~= '1' then
+  local st = redis.call('HGET', KEYS[4], 'state')
+  if st == 'committed' or st == 'durable' then
+    return redis.error_reply('TSCOMMITTED step ' .. ARGV[3] .. ' is ' .. st .. ': ' .. ARGV[2] .. ' cannot be written again')
+  end
+  local pin = redis.call('HGET', KEYS[3], 'pinned')
+  if pin then
+    return redis.error_reply('TSCOMMITTED ' .. ARGV[2] .. ' is read by committed step ' .. pin)
+  end
+end
+local pinned = redis.call('HGET', KEYS[3], 'pinned')
+if old == ARGV[10] then old = '=' end
+redis.call('DEL', KEYS[3])
+redis.call('ZADD', KEYS[2], tonumber(ARGV[3]), ARGV[2])
+redis.call('HSET', KEYS[3], 'kind', ARGV[4], 'size', ARGV[5], 'checksum', ARGV[6], 'base', ARGV[7],
+           'target', ARGV[8], 'epoch', ARGV[1], 'created', ARGV[9], 'name', ARGV[10])
+if pinned and old == '=' then redis.call('HSET', KEYS[3], 'pinned', pinned) end
+for i = 12, #ARGV do redis.call('HSET', KEYS[3], 't:' .. ARGV[i], '1') end
+return old
+"""
+
+# Set (ARGV[3] == '1') or clear a tier flag of a record, only while the record names the copy ARGV[2]
+# (a copy of a replaced record must not be credited to the live one). KEYS: obj. ARGV: tier, name, set.
+_TIER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local name = redis.call('HGET', KEYS[1], 'name') or ''
+if ARGV[2] ~= '' and name ~= '' and name ~= ARGV[2] then return 0 end
+if ARGV[3] == '1' then redis.call('HSET', KEYS[1], 't:' .. ARGV[1], '1')
+else redis.call('HDEL', KEYS[1], 't:' .. ARGV[1]) end
+return 1
+"""
+
+# Set one field of an existing record. KEYS: obj. ARGV: field, value.
+_ANNOTATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# Pin existing records: a committed manifest of step ARGV[1] reads them. KEYS: obj...
+_PIN = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSETNX', KEYS[i], 'pinned', ARGV[1]) end
+end
+return #KEYS
+"""
+
+# Delete a record (and its member of objs), only while it names the copy ARGV[2] ('' : whatever it names).
+# KEYS: objs, obj. ARGV: objname, name. Returns 1 if deleted.
+_DELETE = """
+if ARGV[2] ~= '' then
+  local name = redis.call('HGET', KEYS[2], 'name') or ''
+  if redis.call('EXISTS', KEYS[2]) == 1 and name ~= '' and name ~= ARGV[2] then return 0 end
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+return redis.call('DEL', KEYS[2])
+"""
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """One stored object: what the index records of it, what a put returns, what a vote carries.
+
+    The one descriptor of an object across the project (the store returns it,
+    votes and manifests carry its JSON, the read path resolves to it).
+    ``tiers`` are the tiers recorded as holding a copy; ``name`` is the
+    physical name of that copy in every tier (:func:`tierstore.keys.object_name`:
+    the key plus a tag unique to the write; the plain key for copies written
+    before tags).
+    """
+
+    key: ShardKey
+    kind: str
+    size: int
+    checksum: str
+    base: ShardKey | None = None
+    target: ShardKey | None = None
+    epoch: int = 0
+    created: float = 0.0
+    tiers: frozenset[str] = field(default_factory=frozenset)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", str(self.key))
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry a vote and a manifest carry (see :mod:`consistency.manifest`)."""
+        return {
+            "key": str(self.key),
+            "kind": self.kind,
+            "size": self.size,
+            "checksum": self.checksum,
+            "base": str(self.base) if self.base else None,
+            "target": str(self.target) if self.target else None,
+            "epoch": self.epoch,
+            "tiers": sorted(self.tiers),
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> ObjectRecord:
+        """The record of a manifest entry (validated by :func:`consistency.manifest.parse_manifest`)."""
+        return cls(
+            key=ShardKey.parse(o["key"]),
+            kind=o["kind"],
+            size=int(o["size"]),
+            checksum=o["checksum"],
+            base=ShardKey.parse(o["base"]) if o.get("base") else None,
+            target=ShardKey.parse(o["target"]) if o.get("target") else None,
+            epoch=int(o.get("epoch") or 0),
+            tiers=frozenset(o.get("tiers") or ()),
+            name=o.get("name") or "",
+        )
+
+
+
+class ObjectIndex(IndexClient):
+    """Object records and their placement (the object operations of :class:`consistency.index.Index`)."""
+
+    @cached_property
+    def _record(self) -> Any:
+        return self._r.register_script(_RECORD)
+
+    @cached_property
+    def _tier(self) -> Any:
+        return self._r.register_script(_TIER)
+
+    @cached_property
+    def _delete(self) -> Any:
+        return self._r.register_script(_DELETE)
+
+    @cached_property
+    def _pin(self) -> Any:
+        return self._r.register_script(_PIN)
+
+    @cached_property
+    def _annotate(self) -> Any:
+        return self._r.register_script(_ANNOTATE)
+
+
+    def record_object(
+        self,
+        key: ShardKey,
+        *,
+        kind: str,
+        size: int,
+        checksum: str,
+        tiers: list[str],
+        base: ShardKey | None = None,
+        target: ShardKey | None = None,
+        epoch: int | None = None,
+        name: str | None = None,
+        restore: bool = False,
+    ) -> str | None:
+        """Record an object, the physical ``name`` of its copy and the tiers holding it.
+
+        Refused with :class:`FencedError` if ``epoch`` is stale, and with
+        :class:`StepCommittedError` if the key's step is committed or a committed
+        manifest reads the key (committed keys are create-once; ``restore``,
+        for an index rebuild, re-records what a durable manifest proves).
+
+        Returns:
+            the physical name of the copy the replaced record named, when it is
+            another copy (the caller deletes it: nothing committed reads it), else ``None``.
+        """
+        m = key.model
+        name = name or str(key)
+        with translate_redis_errors(f"record {key}", self.url):
+            if m not in self._listed:  # ts:models lives outside the model's slot: one SADD per model and client
+                self._r.sadd(MODELS, m)
+                self._listed.add(m)
+            old = _s(self._record(
+                keys=[self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
+                      self._k(m, "step", key.step)],
+                args=[
+                    -1 if epoch is None else epoch,
+                    self._objname(key),
+                    key.step,
+                    kind,
+                    size,
+                    checksum,
+                    str(base) if base else "",
+                    str(target) if target else "",
+                    repr(time.time()),
+                    name,
+                    "1" if restore else "0",
+                    *tiers,
+                ],
+            ))
+        if old in ("", "="):
+            return None
+        return str(key) if old == "-" else old
+
+    def add_tier(self, key: ShardKey, tier: str, *, name: str | None = None) -> bool:
+        """Record that ``tier`` holds the copy ``name`` (default: whatever copy the record names).
+
+        Returns whether the record (still) names that copy and was updated.
+        """
+        with translate_redis_errors(f"add tier {tier} to {key}", self.url):
+            return bool(self._tier(keys=[self._k(key.model, "obj", self._objname(key))], args=[tier, name or "", "1"]))
+
+    def remove_tier(self, key: ShardKey, tier: str, *, name: str | None = None) -> bool:
+        with translate_redis_errors(f"remove tier {tier} from {key}", self.url):
+            return bool(self._tier(keys=[self._k(key.model, "obj", self._objname(key))], args=[tier, name or "", "0"]))
+
+    def set_object_field(self, key: ShardKey, field_name: str, value: str) -> None:
+        """Annotate the record of ``key`` (if it exists: never creates one)."""
+        with translate_redis_errors(f"annotate {key}", self.url):
+            self._annotate(keys=[self._k(key.model, "obj", self._objname(key))], args=[field_name, value])
+
+    def get_object(self, key: ShardKey) -> ObjectRecord | None:
+        with translate_redis_errors(f"read record of {key}", self.url):
+            h = self._r.hgetall(self._k(key.model, "obj", self._objname(key)))
+        return self._parse_record(key, h) if h else None
+
+    def get_objects(self, keys: list[ShardKey]) -> list[ObjectRecord | None]:
+        with translate_redis_errors("read records", self.url):
+            pipe = self._r.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(self._k(key.model, "obj", self._objname(key)))
+            rows = pipe.execute()
+        return [self._parse_record(k, h) if h else None for k, h in zip(keys, rows)]
+
+    @staticmethod
+    def _parse_record(key: ShardKey, h: dict) -> ObjectRecord:
+        d = {_s(k): _s(v) for k, v in h.items()}
+        return ObjectRecord(
+            key=key,
+            kind=d.get("kind", "full"),
+            size=int(d.get("size") or 0),
+            checksum=d.get("checksum", ""),
+            base=ShardKey.parse(d["base"]) if d.get("base") else None,
+            target=ShardKey.parse(d["target"]) if d.get("target") else None,
+            epoch=int(d.get("epoch") or 0),
+            created=float(d.get("created") or 0.0),
+            tiers=frozenset(k[2:] for k in d if k.startswith("t:")),
+            name=d.get("name") or object_name(key),
+        )
+
+    def delete_object(self, key: ShardKey, *, name: str | None = None) -> bool:
+        """Delete the record of ``key``; with ``name``, only while it names that copy. Returns whether it went."""
+        with translate_redis_errors(f"delete record of {key}", self.url):
+            return bool(self._delete(keys=[self._k(key.model, "objs"), self._k(key.model, "obj", self._objname(key))],
+                                     args=[self._objname(key), name or ""]))
+
+    def pin_objects(self, keys: list[ShardKey], step: int) -> None:
+        """Mark records as read by committed ``step`` (they can no longer be replaced; see :meth:`record_object`)."""
+        if not keys:
+            return
+        by_model: dict[str, list[str]] = {}
+        for key in keys:
+            by_model.setdefault(key.model, []).append(self._k(key.model, "obj", self._objname(key)))
+        with translate_redis_errors("pin records", self.url):
+            for okeys in by_model.values():  # one model's keys share a slot
+                self._pin(keys=okeys, args=[step])
+
+    def list_objects(
+        self, model: str, layer: str | None = None, step: int | None = None, rank: int | None = None
+    ) -> list[ShardKey]:
+        """Keys recorded for ``model``, filtered; sorted by (layer, step, rank)."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"list objects of {model}", self.url):
+            if step is None:
+                names = self._r.zrange(self._k(model, "objs"), 0, -1)
+            else:
+                names = self._r.zrangebyscore(self._k(model, "objs"), step, step)
+        out = []
+        for n in names:
+            lay, st, rk = _s(n).split("/")  # type: ignore[arg-type]
+            if layer is not None and lay != layer:
+                continue
+            if rank is not None and int(rk) != rank:
+                continue
+            out.append(ShardKey(model, lay, int(st), int(rk)))
+        return sorted(out, key=lambda k: (k.layer, k.step, k.rank))

@@ -1,0 +1,178 @@
+"""Step records in the index: listing them, dropping them, restoring one from a durable manifest, events.
+
+:class:`StepRecords` is the record-keeping part of
+:class:`consistency.twophase.StepProtocol`: ``tierstore admin steps`` and the
+metrics read :meth:`StepRecords.records`; garbage collection calls
+:meth:`StepRecords.drop_steps` and :meth:`StepRecords.delete_durable_manifests`
+(durable manifests first, then objects, then records); an index rebuild calls
+:meth:`StepRecords.restore_durable` per durable manifest, after recording its objects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from consistency.index import translate_redis_errors
+from consistency.manifest import complete_entries, durable_manifest_name, manifest_objects
+from consistency.stepbase import StepBase, _f, _s
+from tierstore.keys import ShardKey, validate_name
+
+__all__ = ["EventSubscription", "StepRecord", "StepRecords"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the index records of one step (see :meth:`StepProtocol.records`)."""
+
+    step: int
+    state: str
+    world: int = 0
+    epoch: int = 0
+    votes: int = 0
+    started: float | None = None
+    decided: float | None = None
+    durable_at: float | None = None
+    reason: str | None = None
+    rebuilt: bool = False
+    attempt: int = 1
+    memory_only: str | None = None
+
+    @property
+    def commit_latency_s(self) -> float | None:
+        """Seconds from the step's begin to its decision (``None`` while undecided)."""
+        if self.started is None or self.decided is None:
+            return None
+        return self.decided - self.started
+
+
+class EventSubscription:
+    """A subscription to a model's step events: ``(step, state)`` each time a step is decided or durable.
+
+    Get one from :meth:`StepProtocol.subscribe`; :meth:`close` it when done.
+    """
+
+    def __init__(self, pubsub: Any, url: str, model: str) -> None:
+        self._p = pubsub
+        self._url = url
+        self._model = model
+
+    def get(self, timeout: float) -> tuple[int, str] | None:
+        """The next event within ``timeout`` seconds, else ``None``."""
+        with translate_redis_errors(f"events of {self._model}", self._url):
+            msg = self._p.get_message(timeout=timeout)
+        if msg is None:
+            return None
+        parts = _s(msg.get("data")).split()
+        if len(parts) != 2 or not parts[0].isdigit():
+            return None
+        return int(parts[0]), parts[1]
+
+    def close(self) -> None:
+        self._p.close()
+
+
+class StepRecords(StepBase):
+    """Listing, dropping and restoring step records; event subscriptions (part of ``StepProtocol``)."""
+
+    def steps(self, model: str) -> list[tuple[int, str]]:
+        """All recorded steps of ``model`` with their states, oldest first."""
+        k = self.index._k
+        with translate_redis_errors(f"steps of {model}", self.index.url):
+            steps = [int(_s(s)) for s in self.index._r.zrange(k(model, "steps"), 0, -1)]
+            pipe = self.index._r.pipeline(transaction=False)
+            for s in steps:
+                pipe.hget(k(model, "step", s), "state")
+            states = pipe.execute()
+        return [(s, _s(st)) for s, st in zip(steps, states)]
+
+    def records(self, model: str, steps: Iterable[int] | None = None) -> list[StepRecord]:
+        """The index's records of ``steps`` (default: every recorded step), in the given order."""
+        k = self.index._k
+        steps = [s for s, _ in self.steps(model)] if steps is None else list(steps)
+        with translate_redis_errors(f"step records of {model}", self.index.url):
+            pipe = self.index._r.pipeline(transaction=False)
+            for s in steps:
+                pipe.hgetall(k(model, "step", s))
+                pipe.hlen(k(model, "votes", s))
+            rows = pipe.execute()
+        out = []
+        for i, step in enumerate(steps):
+            h = {_s(a): _s(b) for a, b in rows[2 * i].items()}
+            out.append(StepRecord(
+                step=step, state=h.get("state", ""), world=int(h.get("world") or 0), epoch=int(h.get("epoch") or 0),
+                votes=int(rows[2 * i + 1]), started=_f(h.get("started")), decided=_f(h.get("decided")),
+                durable_at=_f(h.get("durable_at")), reason=h.get("reason") or None, rebuilt=bool(h.get("rebuilt")),
+                attempt=int(h.get("attempt") or 1), memory_only=h.get("memory_only") or None,
+            ))
+        return out
+
+    def drop_steps(self, model: str, steps: Iterable[int], *, keep_aborted_state: bool = True) -> None:
+        """Delete the records of ``steps`` (manifest, votes, step record) from the index.
+
+        With ``keep_aborted_state`` an aborted step keeps its record (a
+        tombstone: a late vote of it cannot re-open it); otherwise every
+        record goes and the step number can be begun again. Objects and
+        durable manifests are the caller's (garbage collection deletes them
+        first).
+        """
+        k = self.index._k
+        steps = sorted(set(steps))
+        if not steps:
+            return
+        states = dict(self.steps(model)) if keep_aborted_state else {}
+        with translate_redis_errors(f"drop steps of {model}", self.index.url):
+            pipe = self.index._r.pipeline(transaction=False)
+            for s in steps:
+                pipe.delete(k(model, "manifest", s))  # one key per DEL: a cluster pipeline refuses multi-key DEL
+                pipe.delete(k(model, "votes", s))
+                pipe.delete(k(model, "vinfo", s))
+                if states.get(s) != "aborted":
+                    pipe.delete(k(model, "step", s))
+                    pipe.zrem(k(model, "steps"), s)
+            pipe.execute()
+
+    def delete_durable_manifests(self, model: str, steps: Iterable[int]) -> None:
+        """Delete the durable manifests of ``steps`` (first, before their objects: an index rebuild
+        must never resurrect a step whose objects are going)."""
+        if self.durable is None:
+            return
+        for s in sorted(set(steps)):
+            self.durable.delete(durable_manifest_name(model, s))
+
+    def restore_durable(self, model: str, manifest: dict) -> None:
+        """Record a step from its durable manifest as ``durable`` (index rebuild), replacing what was there.
+
+        The objects are the caller's to record first (:meth:`Index.record_object`);
+        the entries of older steps it reads are pinned here.
+        """
+        step = manifest["step"]
+        ks = self._keys(model, step)
+        committed = manifest.get("committed_at", 0.0)
+        index_copy = {k: v for k, v in manifest.items() if k != "durable"}
+        with translate_redis_errors(f"rebuild step {step} of {model}", self.index.url):
+            pipe = self.index._r.pipeline(transaction=True)
+            pipe.delete(ks["step"], ks["votes"], ks["vinfo"])
+            pipe.hset(ks["step"], mapping={
+                "state": "durable", "world": manifest["world"], "epoch": manifest.get("epoch", 0),
+                "started": committed, "decided": committed, "durable_at": committed,
+                "layout": json.dumps(manifest.get("layout")), "timeout": 0, "nmigrated": manifest["world"],
+                "rebuilt": 1, "attempt": manifest.get("attempt") or 1,
+            })
+            pipe.zadd(ks["steps"], {str(step): step})
+            pipe.set(ks["manifest"], json.dumps(index_copy, separators=(",", ":")))
+            pipe.execute()
+        own = {o["key"] for o in manifest_objects(manifest)}
+        self.index.pin_objects([ShardKey.parse(o["key"]) for o in complete_entries(manifest) if o["key"] not in own],
+                               step)
+        self.index.register_model(model)
+
+    def subscribe(self, model: str) -> EventSubscription:
+        """Subscribe to ``model``'s step events (the caller closes the subscription)."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"subscribe to events of {model}", self.index.url):
+            p = self.index._r.pubsub(ignore_subscribe_messages=True)
+            p.subscribe(self._keys(model, 0)["events"])
+        return EventSubscription(p, self.index.url, model)

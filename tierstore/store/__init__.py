@@ -54,6 +54,7 @@ from tierstore.store.writing import PendingObject, WritePath
 __all__ = ["KINDS", "ObjectRecord", "PendingObject", "TierStore"]
 
 log = logging.getLogger(__name__)
+_DELETE_ATTEMPTS = 8  # records of one key replaced by concurrent puts while a delete runs
 
 
 class TierStore(WritePath, ReadPath):
@@ -105,17 +106,35 @@ class TierStore(WritePath, ReadPath):
 
 
     def delete(self, key: ShardKey | str) -> bool:
-        """Delete an object from every tier and the index; return whether it existed anywhere."""
+        """Delete an object from every tier and the index; return whether it existed anywhere.
+
+        The record goes first, and only while it still names the copy read
+        (:meth:`Index.delete_object` with ``name``); then that copy goes from
+        every tier. So a background migration (or replication) of the copy
+        that finishes after this finds no record (``add_tier`` refuses) and
+        removes what it wrote, and one that finished before had its copy
+        removed here: no copy outlives the delete, whatever the order. A
+        record replaced meanwhile (a new put of the key) is deleted in turn.
+        A crash between the two steps leaves unindexed copies (as garbage
+        collection's does), never a record without copies.
+        """
         key = check_key(key)
         self._check_open()
-        rec = self.index.get_object(key)
-        existed = rec is not None
-        names = [rec.name] if rec is not None else [str(key)]  # no record: a copy under the plain key
-        for tier in self.tiers:
-            for name in names:
-                existed = tier.delete(name) or existed
-        self.index.delete_object(key)
-        return existed
+        for attempt in range(_DELETE_ATTEMPTS):
+            rec = self.index.get_object(key)
+            if rec is None:
+                if attempt:
+                    return True  # deleted here (another delete removed a replacing record)
+                existed = False  # no record: a copy under the plain key (written before names carried a tag)
+                for tier in self.tiers:
+                    existed = tier.delete(str(key)) or existed
+                return existed
+            gone = self.index.delete_object(key, name=rec.name)
+            for tier in self.tiers:
+                tier.delete(rec.name)
+            if gone:
+                return True
+        return True  # every record read was deleted, but puts of the key keep replacing it
 
     def _collect(self, key: ShardKey, name: str) -> bool:
         """Delete the record of ``key`` if it still names the copy ``name``, then that copy (garbage collection).

@@ -48,6 +48,7 @@ from tierstore.migration import Migrator
 from tierstore.placement import Placement
 from tierstore.readpath import Resolution, resolve
 from tierstore.store.common import check_key
+from tierstore.store.device_tier import DeviceTier
 from tierstore.store.reading import ReadPath
 from tierstore.store.writing import PendingObject, WritePath
 
@@ -99,6 +100,7 @@ class TierStore(WritePath, ReadPath):
         self._sealer: ThreadPoolExecutor | None = None  # finish_async's thread, started on first use
         self.chains = ChainDepths(index, config.max_delta_chain)
         self.steps = StepProtocol(index, durable, on_lost=self._on_lost if config.rebuild_index_on_loss else None)
+        self.device_tier = DeviceTier.from_mode(config.device_tier, config.device_capacity_bytes)
 
     def _on_lost(self, model: str) -> None:
         report = self.rebuild_index(model)
@@ -287,6 +289,8 @@ class TierStore(WritePath, ReadPath):
                     mover.close()
             for t in self.tiers:
                 t.close()
+            if self.device_tier is not None:
+                self.device_tier.close()
             self.index.close()
 
     def __enter__(self) -> Self:

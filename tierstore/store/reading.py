@@ -35,6 +35,7 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey
 from tierstore.store.common import INTERNAL, UNREAD, check_key
+from tierstore.store.device_tier import DeviceTier
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +51,7 @@ class ReadPath:
     config: StoreConfig
     index: Index
     tiers: list[Backend]
+    device_tier: DeviceTier | None
 
     if TYPE_CHECKING:  # provided by TierStore
         def _check_open(self) -> None: ...
@@ -175,6 +177,11 @@ class ReadPath:
             raise CorruptObjectError(f"{key}: delta/ref chain longer than {self.config.max_delta_chain}", key=str(key))
         if rec is UNREAD:
             rec = self.index.get_object(key)
+        if self.device_tier is not None and rec is not None and rec.kind == "full":
+            held = self.device_tier.read(key, rec, out)  # a rollback of the newest copy: device memory first
+            if held is not None:
+                held.metadata.pop(INTERNAL, None)
+                return held
 
         def consume(blob):
             obj = codec.open_object(blob)  # header and table, bounded; verified by decode below

@@ -46,6 +46,7 @@ from tierstore.keys import ShardKey, object_name
 from tierstore.migration import Migrator
 from tierstore.placement import Placement
 from tierstore.store.common import INTERNAL, check_key
+from tierstore.store.device_tier import DeviceTier, StagedCopy
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +58,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PendingObject:
-    """A snapshot copied into the host tier but not yet sealed and published.
+    """A snapshot copied into the host tier (or the device tier) but not yet sealed and published.
 
-    Call :meth:`finish` (from any thread) to seal, publish, index and queue
-    migration; or :meth:`abort` to drop it.
+    Call :meth:`finish` (from any thread) to drain a device copy into the host
+    tier, seal, publish, index and queue migration; or :meth:`abort` to drop it.
     """
 
     store: WritePath
@@ -72,6 +73,7 @@ class PendingObject:
     target: ShardKey | None
     epoch: int | None
     name: str = ""
+    staged: StagedCopy | None = None  # in the device tier; drained into a host reservation by finish()
     _done: bool = field(default=False, repr=False)
 
     def finish(self) -> ObjectRecord:
@@ -83,7 +85,10 @@ class PendingObject:
     def abort(self) -> None:
         if not self._done:
             self._done = True
-            self.reservation.abort()
+            if self.reservation is not None:
+                self.reservation.abort()
+            if self.staged is not None:
+                self.staged.release()
 
 
 class _Sealed:
@@ -116,6 +121,7 @@ class WritePath:
     _replicator: Migrator | None
     _lock: threading.Lock
     _sealer: ThreadPoolExecutor | None
+    device_tier: DeviceTier | None
 
     if TYPE_CHECKING:  # provided by TierStore and ReadPath
         def _check_open(self) -> None: ...
@@ -179,6 +185,10 @@ class WritePath:
         name = object_name(key, _tag(epoch))
         if compress == "never" or (compress == "auto" and kind == "full"):
             plan = codec.plan(tensors, meta)
+            staged = self.device_tier.stage(key, tensors) if self.device_tier is not None else None
+            if staged is not None:  # in device buffers: the host reservation and its copy are finish()'s
+                return PendingObject(self, key, codec.plan(staged.tensors, meta), None, kind, base, target, epoch,
+                                     name, staged)
             res = self._reserve(key, name, plan.nbytes)
             try:
                 plan.write(res.buffer)
@@ -224,6 +234,30 @@ class WritePath:
             return self.host.reserve(name, nbytes)
 
     def _publish(self, p: PendingObject) -> ObjectRecord:
+        if p.staged is None:
+            return self._publish_host(p)
+        staged = p.staged
+        try:
+            res = self._reserve(p.key, p.name, p.plan.nbytes)  # the drain: device buffers into the host tier
+            try:
+                staged.wait()
+                p.plan.write(res.buffer)
+            except BaseException:
+                res.abort()
+                raise
+            p.reservation = res
+            meta = codec.open_object(res.buffer).metadata  # as a reader of the host copy would get it
+            record = self._publish_host(p)
+        except BaseException:
+            staged.release()
+            raise
+        if self.device_tier is not None:
+            self.device_tier.published(staged, p.name, record.checksum, meta)
+        else:
+            staged.release()
+        return record
+
+    def _publish_host(self, p: PendingObject) -> ObjectRecord:
         checksum = p.plan.seal(p.reservation.buffer)
         size = p.plan.nbytes
         if p.epoch is not None and p.epoch >= 0:

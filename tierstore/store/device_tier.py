@@ -33,8 +33,9 @@ one. Device memory is not re-hashed on a read: a host or durable copy is
 what a restore after a lost process reads, and those are verified.
 
 Modes (``StoreConfig.device_tier``): ``"auto"``/``"cuda"`` stage objects whose
-tensors all live on one CUDA device, on that device; ``"cuda:N"`` on device N
-only; ``"cpu"`` stages CPU tensors in this process's memory (the same code
+tensors live on one CUDA device, on that device (small CPU tensors beside
+them, such as an optimizer's ``step`` scalars, are copied in too); ``"cuda:N"``
+on device N only; ``"cpu"`` stages CPU tensors in this process's memory (the same code
 path without a GPU: an extra copy, for tests); ``"off"`` builds no tier.
 
 Memory bound: two buffer sets per series, each the size of its largest
@@ -127,23 +128,32 @@ class DeviceTier:
 
     # -- staging -------------------------------------------------------------------
     def _device_of(self, tensors: Mapping[str, Any]) -> str | None:
-        """The device the tensors all live on, if this tier stages objects of that device."""
-        device = None
+        """The device this tier stages ``tensors`` on, or ``None`` (the host path).
+
+        ``"cpu"``: every tensor is on the CPU. The CUDA modes: the tensors live
+        on one CUDA device (of the mode's index, for ``"cuda:N"``), except CPU
+        tensors of at most as many bytes as those (an optimizer's ``step``
+        scalars beside a layer's parameters: copied to the device buffers
+        synchronously, as the host path would copy them).
+        """
+        cuda = None
+        cuda_bytes = cpu_bytes = 0
         for t in tensors.values():
             d = t.device
-            if device is None:
-                device = d
-            elif d != device:
-                return None
-        if device is None:
-            return None
+            if d.type == "cpu":
+                cpu_bytes += t.numel() * t.element_size()
+            elif d.type == "cuda" and (cuda is None or d == cuda):
+                cuda = d
+                cuda_bytes += t.numel() * t.element_size()
+            else:
+                return None  # another device, or two CUDA devices
         if self.mode == "cpu":
-            return "cpu" if device.type == "cpu" else None
-        if device.type != "cuda":
+            return "cpu" if cuda is None and tensors else None
+        if cuda is None or cpu_bytes > cuda_bytes:
             return None
-        if self.mode.startswith("cuda:") and device.index != int(self.mode[5:]):
+        if self.mode.startswith("cuda:") and cuda.index != int(self.mode[5:]):
             return None
-        return str(device)
+        return str(cuda)
 
     def _backend(self, device: str) -> DeviceBackend:
         from backends.device import DeviceBackend  # lazy: it imports torch, which the admin commands run without

@@ -136,7 +136,8 @@ class StoreConfig:
             (the drain and rollback logic without a GPU; an extra copy).
         device_capacity_bytes: the device tier's buffers at most (two sets per
             layer and rank: the newest copy and the one being made); ``None``:
-            a quarter of a CUDA device's memory, unbounded on ``"cpu"``. A
+            a quarter of a CUDA device's memory and at most half of what is free
+            at the first snapshot staged there; unbounded on ``"cpu"``. A
             snapshot that does not fit takes the host path.
     """
 

@@ -17,6 +17,10 @@ refs and delta chains are resolved into full tensors.
 background threads, and combines the write path (:mod:`tierstore.store.writing`:
 snapshot, seal, publish, ``finish_async``) with the read path
 (:mod:`tierstore.store.reading`: ``get``, ``get_many``, refs and deltas).
+With ``StoreConfig.device_tier`` on (the default ``"auto"``, where CUDA tensors
+are saved), snapshots land in reused device buffers first and are drained into
+the host tier by ``finish()``; a rollback reads them back
+(:mod:`tierstore.store.device_tier`).
 
 The commit protocol (:meth:`TierStore.begin_step`, :meth:`vote`,
 :meth:`wait_step`, :meth:`open_epoch`), garbage collection (:meth:`gc`) and

@@ -40,7 +40,9 @@ path without a GPU: an extra copy, for tests); ``"off"`` builds no tier.
 
 Memory bound: two buffer sets per series, each the size of its largest
 object, within ``device_capacity_bytes`` per device (``None``: a quarter of a
-CUDA device's memory; unbounded on ``"cpu"``).
+CUDA device's memory, and at most half of what was free when the first object
+was staged on it; unbounded on ``"cpu"``). A snapshot that does not fit takes
+the host path. Buffers stay allocated until the store closes.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ class DeviceTier:
                 if capacity is None and device != "cpu":
                     import torch  # lazy: only a CUDA tensor gets here, so torch is loaded already
 
-                    capacity = torch.cuda.get_device_properties(torch.device(device)).total_memory // 4
+                    free, total = torch.cuda.mem_get_info(torch.device(device))
+                    capacity = min(total // 4, free // 2)  # what the trainer had not taken by its first save
                 b = DeviceBackend(device, capacity_bytes=capacity, buffers_per_name=_BUFFERS_PER_SERIES,
                                   wait_timeout_s=0.0)
                 self._backends[device] = b

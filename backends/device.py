@@ -12,9 +12,11 @@ for an in-process rollback.
 
 Double buffering: each name has ``buffers_per_name`` (default 2) buffer sets.
 Save N+1 copies into a free set while save N still drains from the other. A
-set is free when its snapshot was released and it is not the latest of its
-name (so a rollback source is never overwritten). If none is free, snapshot
-waits for a release (``wait_timeout_s``, then :class:`TierFullError`).
+set is free when its snapshot was released, it is not the latest of its
+name (so a rollback source is never overwritten) and no reader pinned it
+(:meth:`DeviceSnapshot.pin`: an older snapshot read for a rollback stays
+intact until unpinned). If none is free, snapshot waits for a release
+(``wait_timeout_s``, then :class:`TierFullError`; 0 fails at once).
 
 On CUDA the buffers live on the device and the copies run on a side stream
 that first waits for the current stream; the snapshot records an event.
@@ -55,6 +57,7 @@ class _Slot:
     buffer: torch.Tensor  # flat uint8
     snapshot: DeviceSnapshot | None = None
     released: bool = True
+    readers: int = 0  # pins of its snapshot (a rollback reading it): not reused while > 0
 
 
 @dataclass(eq=False)
@@ -75,6 +78,11 @@ class DeviceSnapshot:
     _event: object | None = field(default=None, repr=False)
 
     @property
+    def intact(self) -> bool:
+        """Whether the buffers still hold this snapshot (no later snapshot reused them, not dropped)."""
+        return self._backend._holds(self)
+
+    @property
     def done(self) -> bool:
         """Whether the copies have finished (always true on CPU)."""
         return self._event is None or self._event.query()  # type: ignore[attr-defined]
@@ -93,6 +101,17 @@ class DeviceSnapshot:
     def release(self) -> None:
         """The reader is done: the buffers may be reused by a later snapshot. Idempotent."""
         self._backend._release(self)
+
+    def pin(self) -> bool:
+        """Keep the buffers from reuse while reading them; ``False`` if a later snapshot already reused them.
+
+        Each successful pin needs one :meth:`unpin`.
+        """
+        return self._backend._pin(self)
+
+    def unpin(self) -> None:
+        """Undo one successful :meth:`pin`."""
+        self._backend._unpin(self)
 
 
 class DeviceBackend(Backend):
@@ -145,7 +164,11 @@ class DeviceBackend(Backend):
                                 tier="device", capacity=self.capacity_bytes, requested=extra)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+        except torch.OutOfMemoryError as e:
+            raise TierFullError(f"device {self.device} has no room for {nbytes} more bytes: {e}",
+                                tier="device", requested=nbytes) from e
 
     # -- snapshots -------------------------------------------------------------------
     def snapshot(self, name: str, tensors: Mapping[str, torch.Tensor]) -> DeviceSnapshot:
@@ -197,7 +220,7 @@ class DeviceBackend(Backend):
             def free() -> _Slot | None:
                 latest = self._latest.get(name)
                 for s in slots:
-                    if s.released and (latest is None or latest._slot is not s):
+                    if s.released and not s.readers and (latest is None or latest._slot is not s):
                         return s
                 return None
 
@@ -223,6 +246,22 @@ class DeviceBackend(Backend):
             if snap._slot.snapshot is snap:
                 snap._slot.released = True
                 self._cond.notify_all()
+
+    def _holds(self, snap: DeviceSnapshot) -> bool:
+        with self._cond:
+            return snap._slot.snapshot is snap and any(snap._slot is s for s in self._slots.get(snap.name, ()))
+
+    def _pin(self, snap: DeviceSnapshot) -> bool:
+        with self._cond:
+            if snap._slot.snapshot is not snap or not any(snap._slot is s for s in self._slots.get(snap.name, ())):
+                return False
+            snap._slot.readers += 1
+            return True
+
+    def _unpin(self, snap: DeviceSnapshot) -> None:
+        with self._cond:
+            snap._slot.readers -= 1
+            self._cond.notify_all()
 
     def latest(self, name: str) -> DeviceSnapshot | None:
         """The newest snapshot of ``name`` (its buffers are not reused while it is the newest)."""

@@ -398,7 +398,13 @@ class HostBackend(Backend):
         return iter(sorted(names))
 
     def cleanup_temp(self, max_age_s: float = 3600.0) -> int:
-        """Remove reservations abandoned by crashed writers older than ``max_age_s``."""
+        """Remove reservations abandoned by crashed writers older than ``max_age_s``.
+
+        A reservation's age is that of its file's change time: the claim of a
+        pooled segment renames it into ``.tmp``, which sets the change time,
+        while its modification time is that of the object it held last (hours
+        old, perhaps). So a reservation just made from an old segment is young.
+        """
         removed = 0
         now = time.time()
         for dirpath, _dirs, files in os.walk(self.root):
@@ -406,7 +412,8 @@ class HostBackend(Backend):
                 if f.startswith((_TMP, ".claimed-")):
                     p = os.path.join(dirpath, f)
                     try:
-                        if now - os.stat(p).st_mtime > max_age_s:
+                        st = os.stat(p)
+                        if now - max(st.st_mtime, st.st_ctime) > max_age_s:
                             os.unlink(p)
                             removed += 1
                     except FileNotFoundError:

@@ -12,8 +12,10 @@ segment entered the pool are read from the name, so no ``stat`` is needed to
 choose or age one. Claiming an entry is an atomic ``rename`` out of the pool
 (one process wins), then a non-blocking exclusive ``flock``: readers hold a
 shared lock on every object they have mapped (see
-:meth:`backends.host.HostBackend.get`), so a segment still being read is put
-back instead of being overwritten. A segment is reused by *size class* (sizes
+:meth:`backends.host.HostBackend.get`), so a segment still being read is freed
+(its reader keeps the pages) instead of being overwritten. A claimed segment
+never returns to the pool: a drain (:meth:`SegmentPool.free`, in any process)
+that ran since the claim would miss it. A segment is reused by *size class* (sizes
 within 1/8 of a power of two share a class): it is truncated or grown to the
 new object's exact size (objects are files of their exact length).
 
@@ -222,11 +224,13 @@ class SegmentPool:
         fd = os.open(tmp, os.O_RDWR)
         if try_lock_exclusive(fd):
             return fd
-        os.close(fd)  # a reader still holds a view of the object this segment was: put it back
-        try:
-            os.rename(tmp, src)
-        except OSError:
-            os.unlink(tmp)
+        # a reader still holds a view of the object this segment was: free it (the reader's mapping keeps its
+        # pages until it goes). Not back into the pool: a drain that ran since the rename (the tier's last holder
+        # letting go, in another process) would never see it, and it would outlive every user of the tier.
+        st = os.fstat(fd)
+        os.close(fd)
+        os.unlink(tmp)
+        self.discard(st.st_dev, st.st_ino)
         return None
 
     def take(self, nbytes: int, tmp: str) -> int | None:

@@ -21,6 +21,8 @@ variable                       field
 ``TIERSTORE_SHM_DIR``          ``shm_dir`` (where derived host roots go; default ``/dev/shm``)
 ``TIERSTORE_REBUILD_INDEX``    ``rebuild_index_on_loss`` (``1``/``true``: rebuild a lost index)
 ``TIERSTORE_BACKGROUND_NICE``  ``background_nice``
+``TIERSTORE_DEVICE_TIER``      ``device_tier`` (``auto``, ``off``, ``cpu``, ``cuda``, ``cuda:N``)
+``TIERSTORE_DEVICE_CAPACITY``  ``device_capacity_bytes``
 =============================  ===============================================
 """
 
@@ -54,8 +56,11 @@ _ENV = {
     "shm_dir": "TIERSTORE_SHM_DIR",
     "rebuild_index_on_loss": "TIERSTORE_REBUILD_INDEX",
     "background_nice": "TIERSTORE_BACKGROUND_NICE",
+    "device_tier": "TIERSTORE_DEVICE_TIER",
+    "device_capacity_bytes": "TIERSTORE_DEVICE_CAPACITY",
 }
 _VERIFY = ("auto", "full", "trailer")
+_DEVICE_TIERS = ("auto", "off", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,20 @@ class StoreConfig:
             much nicer than the thread that opened the store (Linux, per thread;
             0 keeps the trainer's priority). Default 10: on a node whose ranks use
             every core, the trainer gets ~90% of a contended core.
+        device_tier: where snapshots land first (:mod:`tierstore.store.device_tier`):
+            ``"auto"`` (default) puts a full object whose tensors all live on
+            one CUDA device into reused buffers on that device, drained to the
+            host tier in ``finish()``, and reads it back from there while it is
+            the copy the index records (a rollback); objects of CPU tensors, and
+            every object on a machine without CUDA, take the host path as with
+            ``"off"``. ``"cuda"``/``"cuda:N"``: likewise, on that device only.
+            ``"cpu"``: the same tier for CPU tensors, in this process's memory
+            (the drain and rollback logic without a GPU; an extra copy).
+        device_capacity_bytes: the device tier's buffers at most (two sets per
+            layer and rank: the newest copy and the one being made); ``None``:
+            a quarter of a CUDA device's memory and at most half of what is free
+            at the first snapshot staged there; unbounded on ``"cpu"``. A
+            snapshot that does not fit takes the host path.
     """
 
     home: str = ".tierstore"
@@ -148,6 +167,8 @@ class StoreConfig:
     rebuild_index_on_loss: bool = False
     restore_verify: str = "auto"
     background_nice: int = 10
+    device_tier: str = "auto"
+    device_capacity_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:
@@ -169,6 +190,12 @@ class StoreConfig:
             raise ConfigError(f"background_nice must be within 0..19, got {self.background_nice}")
         if self.host_pool_segments < 0:
             raise ConfigError("host_pool_segments must be >= 0")
+        tier = self.device_tier
+        if not (tier in _DEVICE_TIERS or (tier.startswith("cuda:") and tier[5:].isdigit())):
+            raise ConfigError(f"device_tier must be one of {_DEVICE_TIERS} or 'cuda:N', got {tier!r}",
+                              field="device_tier")
+        if self.device_capacity_bytes is not None and self.device_capacity_bytes <= 0:
+            raise ConfigError("device_capacity_bytes must be positive", field="device_capacity_bytes")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:
@@ -189,7 +216,8 @@ class StoreConfig:
                 values["index_ack_timeout_s"] = float(values["index_ack_timeout_s"])
             except ValueError as e:
                 raise ConfigError(f"{_ENV['index_ack_timeout_s']} must be a number: {e}") from e
-        for name in ("host_capacity_bytes", "peer_replicas", "index_replicas", "background_nice"):
+        for name in ("host_capacity_bytes", "peer_replicas", "index_replicas", "background_nice",
+                     "device_capacity_bytes"):
             if name in values:
                 try:
                     values[name] = int(values[name])

@@ -1,0 +1,308 @@
+"""The tier manager: ``tierstore.open()`` and :class:`TierStore`.
+
+A put is copied once, straight into the host tier's shared-memory object (the
+snapshot), sealed with its checksum, published under a physical name unique to
+this write (:func:`~tierstore.keys.object_name`: the key plus a fresh tag,
+create-once), recorded in the index (which refuses a stale epoch and any key
+of a committed step), and queued for migration to the durable tier. A name is
+never reused, so no writer (a fenced zombie, a retried attempt) can publish
+over, or delete, the live copy of a key: it only ever touches its own. A delta
+or ref that a reader could not follow (``max_delta_chain``) is written as a
+full object instead. A get asks the index what it knows (the live copy's
+name), then reads the fastest tier holding the object, verifies the checksum,
+and falls back to the next tier on a miss, an unreachable tier or a mismatch;
+refs and delta chains are resolved into full tensors.
+
+:class:`TierStore` is the facade: it owns the tiers, the index client and the
+background threads, and combines the write path (:mod:`tierstore.store.writing`:
+snapshot, seal, publish, ``finish_async``) with the read path
+(:mod:`tierstore.store.reading`: ``get``, ``get_many``, refs and deltas).
+With ``StoreConfig.device_tier`` on (the default ``"auto"``, where CUDA tensors
+are saved), snapshots land in reused device buffers first and are drained into
+the host tier by ``finish()``; a rollback reads them back
+(:mod:`tierstore.store.device_tier`).
+
+The commit protocol (:meth:`TierStore.begin_step`, :meth:`vote`,
+:meth:`wait_step`, :meth:`open_epoch`), garbage collection (:meth:`gc`) and
+index rebuilds (:meth:`rebuild_index`) are delegated to :mod:`consistency`;
+the read path (:meth:`resolve`) to :mod:`tierstore.readpath`. See ``DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import builtins  # TierStore.list shadows the builtin inside the class
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Self
+
+from backends.base import Backend
+from backends.host import HostBackend
+from consistency.gc import GCReport, Retention, collect
+from consistency.index import KINDS, Index, ObjectRecord
+from consistency.rebuild import RebuildReport, rebuild_index
+from consistency.twophase import StepProtocol
+from tierstore.chains import ChainDepths
+from tierstore.config import StoreConfig
+from tierstore.errors import TierUnavailableError
+from tierstore.eviction import evict_host
+from tierstore.keys import ShardKey, validate_name, validate_step
+from tierstore.migration import Migrator
+from tierstore.placement import Placement
+from tierstore.readpath import Resolution, resolve
+from tierstore.store.common import check_key
+from tierstore.store.device_tier import DeviceTier
+from tierstore.store.reading import ReadPath
+from tierstore.store.writing import PendingObject, WritePath
+
+__all__ = ["KINDS", "ObjectRecord", "PendingObject", "TierStore"]
+
+log = logging.getLogger(__name__)
+_DELETE_ATTEMPTS = 8  # records of one key replaced by concurrent puts while a delete runs
+
+
+class TierStore(WritePath, ReadPath):
+    """Tiered, versioned storage of checkpoint shards. Build it with :func:`open`.
+
+    Thread-safe. Owns its index client, backends and migration threads;
+    :meth:`close` releases them (it does not stop the embedded server).
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: Index,
+        host: HostBackend,
+        durable: Backend | None = None,
+        *,
+        peer: Backend | None = None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.host = host
+        self.peer = peer
+        self.durable = durable
+        self.tiers: list[Backend] = [t for t in (host, peer, durable) if t is not None]
+        self._migrator = (
+            Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers,
+                     retries=config.migration_retries, backoff_s=config.migration_backoff_s,
+                     backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice)
+            if durable is not None and config.migrate
+            else None
+        )
+        self.placement = Placement(config.peer_replicas if peer is not None else 0, config.durable_every)
+        self._replicator = (
+            Migrator(host, peer, index, maxsize=config.migration_queue, workers=1, name="replicate",
+                     retries=config.migration_retries, backoff_s=config.migration_backoff_s,
+                     backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice)
+            if peer is not None
+            else None
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+        self._sealer: ThreadPoolExecutor | None = None  # finish_async's thread, started on first use
+        self.chains = ChainDepths(index, config.max_delta_chain)
+        self.steps = StepProtocol(index, durable, on_lost=self._on_lost if config.rebuild_index_on_loss else None)
+        self.device_tier = DeviceTier.from_mode(config.device_tier, config.device_capacity_bytes)
+
+    def _on_lost(self, model: str) -> None:
+        report = self.rebuild_index(model)
+        log.warning("index rebuilt for %s from the durable tier: %s", model, report.to_json())
+
+
+    def delete(self, key: ShardKey | str) -> bool:
+        """Delete an object from every tier and the index; return whether it existed anywhere.
+
+        The record goes first, and only while it still names the copy read
+        (:meth:`Index.delete_object` with ``name``); then that copy goes from
+        every tier. So a background migration (or replication) of the copy
+        that finishes after this finds no record (``add_tier`` refuses) and
+        removes what it wrote, and one that finished before had its copy
+        removed here: no copy outlives the delete, whatever the order. A
+        record replaced meanwhile (a new put of the key) is deleted in turn.
+        A crash between the two steps leaves unindexed copies (as garbage
+        collection's does), never a record without copies.
+        """
+        key = check_key(key)
+        self._check_open()
+        for attempt in range(_DELETE_ATTEMPTS):
+            rec = self.index.get_object(key)
+            if rec is None:
+                if attempt:
+                    return True  # deleted here (another delete removed a replacing record)
+                existed = False  # no record: a copy under the plain key (written before names carried a tag)
+                for tier in self.tiers:
+                    existed = tier.delete(str(key)) or existed
+                return existed
+            gone = self.index.delete_object(key, name=rec.name)
+            for tier in self.tiers:
+                tier.delete(rec.name)
+            if gone:
+                return True
+        return True  # every record read was deleted, but puts of the key keep replacing it
+
+    def _collect(self, key: ShardKey, name: str) -> bool:
+        """Delete the record of ``key`` if it still names the copy ``name``, then that copy (garbage collection).
+
+        A record replaced meanwhile (a new write of the key) is left alone, and so is its copy.
+        """
+        if not self.index.delete_object(key, name=name):
+            return False
+        self._drop_copy(name)
+        return True
+
+    def list(self, model: str, layer: str | None = None, step: int | None = None) -> list[ShardKey]:
+        """Keys of ``model`` recorded in the index, optionally of one layer and/or step."""
+        validate_name(model, "model")
+        if layer is not None:
+            validate_name(layer, "layer")
+        if step is not None:
+            validate_step(step)
+        return self.index.list_objects(model, layer, step)
+
+    def models(self) -> builtins.list[str]:
+        return self.index.models()
+
+    # -- steps (two-phase commit), delegated -------------------------------------
+    def open_epoch(self, model: str) -> int:
+        """Start a new incarnation of ``model``'s job; writes of older epochs are fenced.
+
+        The epoch is recorded in the durable tier too, so it never goes backwards.
+
+        Raises:
+            IndexLostError: the index lost ``model`` (its durable tier holds steps the index does not know).
+        """
+        return self.steps.open_epoch(model)
+
+    def begin_step(self, model: str, step: int, world_size: int, *, layout: dict | None = None,
+                   epoch: int | None = None) -> None:
+        """Begin (prepare) ``step``: call on every rank before writing its objects.
+
+        Raises:
+            StepCommittedError: ``step`` is already committed (nothing was written).
+            IndexLostError: the index lost ``model`` (nothing was written).
+            FencedError: ``epoch`` is stale.
+        """
+        self.steps.begin(model, step, world_size, layout=layout, epoch=epoch)
+
+    def vote(self, model: str, step: int, rank: int, objects: builtins.list[ObjectRecord], *, extra: dict | None = None,
+             ok: bool = True, epoch: int | None = None) -> str:
+        """Vote for ``step`` with this rank's objects; the last vote of the world commits it."""
+        state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
+        if (ok and self._migrator is not None and self.steps.durable is not None
+                and all(self.placement.to_durable(o.kind, o.key.step) for o in objects)):
+            self._migrator.when_done([(o.key, o.name) for o in objects],
+                                     lambda failures: self.steps.mark_migrated(model, step, rank, failures, epoch=epoch))
+        return state
+
+    def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:
+        return self.steps.wait(model, step, timeout=timeout)
+
+    def resolve(self, model: str, max_staleness: int = 0, *, step: int | None = None) -> Resolution:
+        """The freshest consistent layer set of ``model`` that verifies; see :mod:`tierstore.readpath`.
+
+        Args:
+            step: resolve this committed step (no fallback to another).
+        """
+        return resolve(self.steps, self.tiers, model, max_staleness=max_staleness,
+                       max_chain=self.config.max_delta_chain, step=step, verify=self.config.restore_verify)
+
+    def rebuild_index(self, model: str | None = None) -> RebuildReport:
+        """Rebuild a lost index from the durable manifests; see :mod:`consistency.rebuild`."""
+        return rebuild_index(self.steps, model, host=self.host)
+
+    def gc(self, model: str, retention: Retention | None = None, *, dry_run: bool = True,
+           max_staleness: int = 0) -> GCReport:
+        """Collect what ``retention`` does not keep of ``model``; see :mod:`consistency.gc`.
+
+        Objects still queued for migration are left for a later pass (reported as deferred).
+        """
+        durable_tier = self.durable.tier if self._migrator is not None and self.durable is not None else None
+
+        def still_migrating(rec: ObjectRecord) -> bool:
+            return durable_tier not in rec.tiers
+
+        return collect(self.steps, model, retention or Retention(), delete=self._collect, dry_run=dry_run,
+                       max_staleness=max_staleness,
+                       still_migrating=still_migrating if durable_tier is not None else None)
+
+    # -- host-tier eviction ----------------------------------------------------------
+    def evict_host(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` in the host tier by dropping host copies that are durable.
+
+        Never drops the only copy of anything (the durable copy must verify
+        first), nor a copy of a model's newest committed step. Raises
+        :class:`TierFullError` when not enough can be freed.
+        """
+        return evict_host(self.host, self.durable, self.index, self.steps, nbytes)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def rewire(
+        self,
+        *,
+        tier: Callable[[Backend], Backend] | None = None,
+        index: Callable[[Index], Index] | None = None,
+        before_migrate: Callable[[ShardKey], None] | None = None,
+    ) -> None:
+        """Wrap this store's tiers and index (fault injection, tracing), before it is used from other threads.
+
+        Args:
+            tier: returns the backend to use in place of each tier.
+            index: returns the index to use in place of the current one.
+            before_migrate: called before each object migrates to the durable tier.
+        """
+        if tier is not None:
+            self.host = tier(self.host)  # type: ignore[assignment]
+            self.peer = tier(self.peer) if self.peer is not None else None
+            self.durable = tier(self.durable) if self.durable is not None else None
+            self.tiers = [t for t in (self.host, self.peer, self.durable) if t is not None]
+        if index is not None:
+            self.index = index(self.index)
+            self.chains.index = self.index
+        self.steps = StepProtocol(self.index, self.durable, step_timeout_s=self.steps.step_timeout_s,
+                                  on_lost=self.steps.on_lost)
+        for mover, target in ((self._migrator, self.durable), (self._replicator, self.peer)):
+            if mover is not None and target is not None:
+                mover.source, mover.target, mover.index = self.host, target, self.index
+        if before_migrate is not None and self._migrator is not None:
+            self._migrator.before_each = before_migrate
+
+    def flush(self) -> None:
+        """Wait for background migration; raise the first error it met."""
+        for mover in (self._replicator, self._migrator):
+            if mover is not None:
+                mover.flush()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailableError("this TierStore is closed")
+
+    def close(self) -> None:
+        """Flush, then release everything this store owns. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._sealer is not None:
+                self._sealer.shutdown(wait=True)
+            for mover in (self._replicator, self._migrator):
+                if mover is not None:
+                    mover.close()
+            for t in self.tiers:
+                t.close()
+            if self.device_tier is not None:
+                self.device_tier.close()
+            self.index.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<TierStore tiers={[t.tier for t in self.tiers]} node={self.config.node_id!r}>"
+

@@ -1,0 +1,343 @@
+"""The store's write path: snapshot into the host tier, then seal, publish, index and queue migration.
+
+Protocol (who calls what, in which order): the trainer's thread calls
+:meth:`WritePath.snapshot` (the copy into a host-tier reservation: the only part
+a trainer waits for) and gets a :class:`PendingObject`; then, from any thread,
+``PendingObject.finish()`` seals it (the checksum trailer), publishes it under a
+physical name unique to this write (create-once), records it in the index (which
+refuses a stale epoch and any key of a committed step) and queues it for
+replication and migration. :meth:`WritePath.finish_async` runs those finishes on
+the store's background thread; :meth:`WritePath.put` is snapshot-then-finish.
+
+With a device tier (:mod:`tierstore.store.device_tier`), ``snapshot`` copies a
+full object into reused device buffers instead, and ``finish`` first drains
+them into the host reservation.
+
+:class:`WritePath` is a mixin of :class:`tierstore.store.TierStore` (the facade
+that owns the tiers, index and threads it uses).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from backends.base import Backend
+from backends.host import HostBackend
+from consistency.index import KINDS, Index, ObjectRecord
+from tierstore import codec
+from tierstore.background import lower_priority
+from tierstore.chains import ChainDepths
+from tierstore.config import StoreConfig
+from tierstore.errors import (
+    FencedError,
+    InvalidValueError,
+    KeyExistsError,
+    NoValidCopyError,
+    TierFullError,
+    TierStoreError,
+)
+from tierstore.keys import ShardKey, object_name
+from tierstore.migration import Migrator
+from tierstore.placement import Placement
+from tierstore.store.common import INTERNAL, check_key
+from tierstore.store.device_tier import DeviceTier, StagedCopy
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PendingObject", "WritePath"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingObject:
+    """A snapshot copied into the host tier (or the device tier) but not yet sealed and published.
+
+    Call :meth:`finish` (from any thread) to drain a device copy into the host
+    tier, seal, publish, index and queue migration; or :meth:`abort` to drop it.
+    """
+
+    store: WritePath
+    key: ShardKey
+    plan: Any
+    reservation: Any
+    kind: str
+    base: ShardKey | None
+    target: ShardKey | None
+    epoch: int | None
+    name: str = ""
+    staged: StagedCopy | None = None  # in the device tier; drained into a host reservation by finish()
+    _done: bool = field(default=False, repr=False)
+
+    def finish(self) -> ObjectRecord:
+        if self._done:
+            raise RuntimeError(f"{self.key} already finished")
+        self._done = True
+        return self.store._publish(self)
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            if self.reservation is not None:
+                self.reservation.abort()
+            if self.staged is not None:
+                self.staged.release()
+
+
+class _Sealed:
+    """An object encoded (and checksummed) up front, standing in for an EncodePlan."""
+
+    def __init__(self, blob: bytes):
+        self.nbytes = len(blob)
+        self._checksum = codec.checksum(blob)
+
+    def seal(self, buf: memoryview) -> str:
+        return self._checksum
+
+
+def _tag(epoch: int | None) -> str:
+    """A fresh tag for one write's physical name (the writer's epoch, for a person reading the tiers)."""
+    rand = secrets.token_hex(6)
+    return f"e{epoch}-{rand}" if epoch is not None and epoch >= 0 else rand
+
+
+class WritePath:
+    """The write half of :class:`~tierstore.store.TierStore` (a mixin; the store owns the state it uses)."""
+
+    config: StoreConfig
+    index: Index
+    host: HostBackend
+    tiers: list[Backend]
+    chains: ChainDepths
+    placement: Placement
+    _migrator: Migrator | None
+    _replicator: Migrator | None
+    _lock: threading.Lock
+    _sealer: ThreadPoolExecutor | None
+    device_tier: DeviceTier | None
+
+    if TYPE_CHECKING:  # provided by TierStore and ReadPath
+        def _check_open(self) -> None: ...
+        def evict_host(self, nbytes: int) -> int: ...
+        def _get(self, key: ShardKey, out: Any, raw: bool, depth: int, rec: Any = ...) -> codec.Shard | None: ...
+
+    # -- writing -------------------------------------------------------------------
+    def snapshot(
+        self,
+        key: ShardKey | str,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        kind: str = "full",
+        base: ShardKey | None = None,
+        target: ShardKey | None = None,
+        epoch: int | None = None,
+        compress: str = "auto",
+    ) -> PendingObject:
+        """Copy ``tensors`` into the host tier (the only part a trainer waits for).
+
+        Returns a :class:`PendingObject`; the tensors may change as soon as
+        this returns. Nothing is visible to readers until ``finish()``.
+
+        ``compress``: ``"auto"`` copies full objects raw (dense floats do not
+        compress; the copy is the whole stall) and compresses other kinds with
+        lz4 or zstd where a sample shows it pays (:mod:`tierstore.codec.compression`);
+        ``"always"`` / ``"never"`` force it.
+
+        Raises:
+            InvalidKeyError, InvalidValueError: bad key, kind or values.
+            TierFullError: no room in the host tier even after eviction.
+        """
+        key = check_key(key)
+        self._check_open()
+        if kind not in KINDS:
+            raise InvalidValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if compress not in ("auto", "always", "never"):
+            raise InvalidValueError(f"compress must be 'auto', 'always' or 'never', got {compress!r}")
+        if kind == "delta" and base is None:
+            raise InvalidValueError(f"{key}: a delta object needs its base")
+        if kind == "ref" and target is None:
+            raise InvalidValueError(f"{key}: a ref object needs its target")
+        if not isinstance(tensors, Mapping):
+            raise InvalidValueError(f"{key}: tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
+        meta = dict(metadata or {})
+        if INTERNAL in meta:
+            raise InvalidValueError(f"{key}: metadata key {INTERNAL!r} is reserved")
+        meta[INTERNAL] = {
+            "kind": kind,
+            "base": str(check_key(base)) if base else None,
+            "target": str(check_key(target)) if target else None,
+        }
+        link = check_key(base) if kind == "delta" else check_key(target) if kind == "ref" else None
+        if link is not None and self.chains.depth(link) + 1 > self.config.max_delta_chain:
+            # a reader follows at most max_delta_chain links: this object would be unreadable, so the chain
+            # is cut here and the object written as a new base (a full object with the same contents)
+            tensors, meta = self._rebased(key, link, tensors, meta, ref=kind == "ref")
+            kind, base, target = "full", None, None
+            meta[INTERNAL] = {"kind": "full", "base": None, "target": None}
+        name = object_name(key, _tag(epoch))
+        if compress == "never" or (compress == "auto" and kind == "full"):
+            plan = codec.plan(tensors, meta)
+            staged = self.device_tier.stage(key, tensors) if self.device_tier is not None else None
+            if staged is not None:  # in device buffers: the host reservation and its copy are finish()'s
+                return PendingObject(self, key, codec.plan(staged.tensors, meta), None, kind, base, target, epoch,
+                                     name, staged)
+            res = self._reserve(key, name, plan.nbytes)
+            try:
+                plan.write(res.buffer)
+            except BaseException:
+                res.abort()
+                raise
+            return PendingObject(self, key, plan, res, kind, base, target, epoch, name)
+        # deltas (byte-shuffled XOR) compress; dense full objects rarely do, so they skip the sampling
+        blob = codec.encode(tensors, meta, compress="always" if compress == "always" else "auto")
+        res = self._reserve(key, name, len(blob))
+        try:
+            res.buffer[:] = blob
+        except BaseException:
+            res.abort()
+            raise
+        return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch, name)
+
+    def _rebased(self, key: ShardKey, base: ShardKey, deltas: Mapping[str, torch.Tensor],
+                 meta: dict, *, ref: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+        """The full tensors (and metadata) a delta on ``base``, or a ref to it, stands for."""
+        old = self._get(base, None, False, 0)
+        if old is None:
+            raise NoValidCopyError(f"{key} is a delta on (or ref to) {base}, which is gone", key=str(key))
+        if ref:
+            return dict(old.tensors), dict(old.metadata)
+        from tierstore.delta import apply_xor_delta  # lazy: delta imports torch; the admin commands run without it
+
+        layout = meta.get("_delta") or {}
+        full: dict[str, torch.Tensor] = {}
+        for name, b in old.tensors.items():
+            full[name] = apply_xor_delta(b, deltas[name]) if name in deltas else b
+        for name in deltas:
+            if name not in old.tensors or (name in layout and list(old.tensors[name].shape) != list(layout[name]["shape"])):
+                raise InvalidValueError(f"{key}: delta tensor {name!r} does not fit its base {base}", entry=name)
+        return full, {k: v for k, v in meta.items() if k != "_delta"}
+
+    def _reserve(self, key: ShardKey, name: str, nbytes: int):
+        try:
+            return self.host.reserve(name, nbytes)
+        except TierFullError:
+            freed = self.evict_host(nbytes)
+            log.info("host tier full: evicted %d bytes for %s", freed, key)
+            return self.host.reserve(name, nbytes)
+
+    def _publish(self, p: PendingObject) -> ObjectRecord:
+        if p.staged is None:
+            return self._publish_host(p)
+        staged = p.staged
+        try:
+            res = self._reserve(p.key, p.name, p.plan.nbytes)  # the drain: device buffers into the host tier
+            try:
+                staged.wait()
+                p.plan.write(res.buffer)
+            except BaseException:
+                res.abort()
+                raise
+            p.reservation = res
+            meta = codec.open_object(res.buffer).metadata  # as a reader of the host copy would get it
+            record = self._publish_host(p)
+        except BaseException:
+            staged.release()
+            raise
+        if self.device_tier is not None:
+            self.device_tier.published(staged, p.name, record.checksum, meta)
+        else:
+            staged.release()
+        return record
+
+    def _publish_host(self, p: PendingObject) -> ObjectRecord:
+        checksum = p.plan.seal(p.reservation.buffer)
+        size = p.plan.nbytes
+        if p.epoch is not None and p.epoch >= 0:
+            current = self.index.epoch(p.key.model)
+            if p.epoch < current:  # fenced: refused early (the fresh name is what makes a late publish harmless)
+                p.reservation.abort()
+                raise FencedError(f"put of {p.key}: epoch {p.epoch} is fenced (now {current})", epoch=current)
+        try:
+            p.reservation.commit(if_absent=True)  # a fresh name: create-once, never over another copy
+        except KeyExistsError:
+            raise  # not ours (a tag collision): leave it
+        except TierStoreError:
+            self._drop_copy(p.name)  # a torn publish may have left our own copy behind
+            raise
+        try:
+            old = self.index.record_object(
+                p.key, kind=p.kind, size=size, checksum=checksum, tiers=[self.host.tier],
+                base=p.base, target=p.target, epoch=p.epoch, name=p.name,
+            )
+        except TierStoreError:
+            self._drop_copy(p.name)  # fenced, committed or index gone: our own copy must not linger unindexed
+            raise
+        if old is not None:
+            self._drop_copy(old)  # the copy of the record this one replaced (of an uncommitted step)
+        self.chains.published(p.key, p.base if p.kind == "delta" else p.target if p.kind == "ref" else None)
+        if self._replicator is not None and self.placement.to_peer(p.kind, p.key.step):
+            self._replicator.enqueue(p.key, checksum, p.name)
+        if self._migrator is not None and self.placement.to_durable(p.kind, p.key.step):
+            self._migrator.enqueue(p.key, checksum, p.name)
+        return ObjectRecord(p.key, p.kind, size, checksum, p.base, p.target, p.epoch if p.epoch is not None else 0,
+                            tiers=frozenset((self.host.tier,)), name=p.name)
+
+    def _drop_copy(self, name: str) -> None:
+        """Delete the copy ``name`` from every tier, best effort (a name belongs to one write only)."""
+        for tier in self.tiers:
+            try:
+                tier.delete(name)
+            except TierStoreError as e:
+                log.warning("could not delete %s from the %s tier: %s", name, tier.tier, e)
+
+    def finish_async(self, pendings: Sequence[PendingObject]) -> Future[list[ObjectRecord]]:
+        """Seal, publish and index ``pendings`` in order on the store's background thread.
+
+        The thread runs ``config.background_nice`` nicer than the trainer
+        (:mod:`tierstore.background`). The future holds the objects' infos; if
+        one fails, the rest are aborted and the future holds its error.
+        """
+        self._check_open()
+        items = list(pendings)
+        with self._lock:
+            if self._sealer is None:
+                self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-seal",
+                                                  initializer=lower_priority, initargs=(self.config.background_nice,))
+            return self._sealer.submit(self._finish_all, items)
+
+    @staticmethod
+    def _finish_all(items: list[PendingObject]) -> list[ObjectRecord]:
+        done: list[ObjectRecord] = []
+        try:
+            for p in items:
+                done.append(p.finish())
+        except BaseException:
+            for p in items[len(done):]:
+                p.abort()
+            raise
+        return done
+
+    def put(
+        self,
+        key: ShardKey | str,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        kind: str = "full",
+        base: ShardKey | None = None,
+        target: ShardKey | None = None,
+        epoch: int | None = None,
+        compress: str = "auto",
+    ) -> ObjectRecord:
+        """Store one shard; it is in the host tier when this returns, durable later (see :meth:`flush`)."""
+        return self.snapshot(key, tensors, metadata, kind=kind, base=base, target=target, epoch=epoch,
+                             compress=compress).finish()
+

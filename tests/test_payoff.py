@@ -33,6 +33,19 @@ def test_rule_pays_on_ratio_and_cpu():
     assert r.pays(0.7, 0.0, MB)  # the bound itself pays
 
 
+def test_cpu_counted_is_the_delta_s_extra_over_a_full_write():
+    r = PayoffRule(max_cpu_ms_per_mb=20.0)
+    assert not r.pays(0.5, 0.030, 2 * MB)  # 30 ms for 1 MB saved
+    assert r.pays(0.5, 0.030, 2 * MB, full_cpu_s=0.015)  # 15 ms more than a full write: pays
+    pay = Payoff(r)
+    pay.record("a", "full", 2 * MB, 2 * MB, 0.015)
+    pay.record("a", "delta", 2 * MB, MB, 0.030)
+    assert pay.mode("a") == "delta"
+    pay2 = Payoff(r)
+    pay2.record("a", "delta", 2 * MB, MB, 0.030)  # no full write measured yet: the whole cost counts
+    assert pay2.mode("a") == "full"
+
+
 @pytest.mark.parametrize("kw", [dict(max_ratio=0.0), dict(max_ratio=1.5), dict(max_cpu_ms_per_mb=0),
                                 dict(revisit=0), dict(revisit=8, max_revisit=4), dict(alpha=0.0)])
 def test_rule_rejects_bad_config(kw):

@@ -10,11 +10,13 @@ gives a delta that barely compresses, and then the delta costs the CPU of the
 XOR, the sampling and the compression for nothing, plus a longer chain to
 apply on restore. :class:`Payoff` measures each layer and decides.
 
-Measured per delta write of a layer: ``ratio`` = bytes stored / bytes of the
-full layer, and ``cpu`` = thread CPU seconds of the XOR and the encode. A
-delta *pays* when ``ratio <= rule.max_ratio`` and the CPU per byte saved is at
-most ``rule.max_cpu_ms_per_mb`` milliseconds per MB saved (both over an
-exponential average, so one odd step does not flip the decision).
+Measured per staged write of a layer (thread CPU seconds of the writer, from
+the XOR to the published object): for deltas, ``ratio`` = bytes stored /
+bytes of the full layer and ``cpu``; for full objects, ``cpu`` alone. A delta
+*pays* when ``ratio <= rule.max_ratio`` and its extra CPU (the delta's minus a
+full write's of the same layer: the XOR, the sampling and the compression) is
+at most ``rule.max_cpu_ms_per_mb`` milliseconds per MB saved (all over
+exponential averages, so one odd step does not flip the decision).
 
 Per layer, a small state machine (pure logic, no store, no clock of its own)::
 
@@ -63,8 +65,8 @@ class PayoffRule:
     Attributes:
         max_ratio: a delta pays only if it stores at most this fraction of
             the full layer's bytes (averaged).
-        max_cpu_ms_per_mb: and only if its encode (XOR + compression) costs at
-            most this many CPU milliseconds per MB it saves (averaged). The
+        max_cpu_ms_per_mb: and only if its CPU beyond a full write's (XOR +
+            compression) is at most this many milliseconds per MB it saves (averaged). The
             default, 20 ms/MB, accepts a delta that halves the bytes at the
             encode speed measured here (~3 ms per MB of layer) and refuses one
             that saves a few percent.
@@ -91,12 +93,12 @@ class PayoffRule:
         if not 0.0 < self.alpha <= 1.0:
             raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}", field="alpha")
 
-    def pays(self, ratio: float, cpu_s: float, raw_bytes: int) -> bool:
-        """Whether a delta storing ``ratio`` of ``raw_bytes`` for ``cpu_s`` of encode pays."""
+    def pays(self, ratio: float, cpu_s: float, raw_bytes: int, full_cpu_s: float = 0.0) -> bool:
+        """Whether a delta storing ``ratio`` of ``raw_bytes`` for ``cpu_s`` pays (a full write costs ``full_cpu_s``)."""
         if ratio > self.max_ratio:
             return False
         saved_mb = (1.0 - ratio) * raw_bytes / _MB
-        return saved_mb > 0 and 1e3 * cpu_s <= self.max_cpu_ms_per_mb * saved_mb
+        return saved_mb > 0 and 1e3 * max(0.0, cpu_s - full_cpu_s) <= self.max_cpu_ms_per_mb * saved_mb
 
 
 @dataclass
@@ -105,7 +107,8 @@ class LayerPayoff:
 
     mode: str = "probe"  # "probe" | "delta" | "full"
     ratio: float | None = None  # averaged stored / raw of its deltas
-    cpu_s: float | None = None  # averaged encode CPU seconds of its deltas
+    cpu_s: float | None = None  # averaged writer CPU seconds of its deltas
+    full_cpu_s: float = 0.0  # averaged writer CPU seconds of its staged full objects
     raw_bytes: int = 0
     revisit: int = 0
     fulls_left: int = 0  # full saves before the next probe
@@ -155,6 +158,8 @@ class Payoff:
         """After a staged write of ``layer``: what it stored (``kind`` "full" or "delta") and its CPU time."""
         st = self._get(layer)
         if kind != "delta":
+            a = self.rule.alpha if st.fulls else 1.0
+            st.full_cpu_s = a * cpu_s + (1 - a) * st.full_cpu_s
             st.fulls += 1
             return
         st.deltas += 1
@@ -164,7 +169,7 @@ class Payoff:
         if st.mode != "probe" and st.ratio is not None and st.cpu_s is not None:  # a probe starts afresh
             ratio, cpu_s = a * ratio + (1 - a) * st.ratio, a * cpu_s + (1 - a) * st.cpu_s
         st.ratio, st.cpu_s = ratio, cpu_s
-        pays = self.rule.pays(ratio, cpu_s, raw_bytes)
+        pays = self.rule.pays(ratio, cpu_s, raw_bytes, st.full_cpu_s)
         if pays:
             if st.mode == "probe":
                 st.revisit = self.rule.revisit
@@ -191,6 +196,7 @@ class Payoff:
                 "mode": st.mode,
                 "ratio": None if st.ratio is None else round(st.ratio, 4),
                 "cpu_ms": None if st.cpu_s is None else round(1e3 * st.cpu_s, 3),
+                "full_cpu_ms": round(1e3 * st.full_cpu_s, 3),
                 "deltas": st.deltas,
                 "staged_fulls": st.fulls,
                 "direct_fulls": st.direct,

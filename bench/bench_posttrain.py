@@ -195,15 +195,15 @@ def report(r: dict[str, Any]) -> str:
     rows = r["rows"]
     ex = rows["exact"]
     out = [
-        f"GPT d_model={a['d_model']} n_layer={a['n_layer']} ({r['params']:,} params, fp32 + AdamW), 1 rank; "
+        (f"GPT d_model={a['d_model']} n_layer={a['n_layer']} ({r['params']:,} params, fp32 + AdamW), 1 rank; "
         f"pretrain {a['pretrain']} steps on Python sources (loss {r['pretrain_loss'][0]:.2f} -> "
         f"{r['pretrain_loss'][1]:.2f}), fine-tune {a['steps']} steps on English prose at lr {a['lr']} "
         f"(warm-up {a['warmup']}, cosine to 0.1x; loss {r['finetune_loss'][0]:.2f} -> {r['finetune_loss'][1]:.2f}), "
         f"a save every step; layerwise tau={a['tau']} S={a['staleness']}; differential base every "
-        f"{a['base_every']}; deviation over {a['after']} steps after restore; load {r['uptime']}",
+        f"{a['base_every']}; deviation over {a['after']} steps after restore; load {r['uptime']}"),
         "",
-        "| policy | bytes/step | x fewer than exact | objects full/delta | iteration ms median (min-max) "
-        "| x exact | restore ms | post-restore deviation |",
+        ("| policy | bytes/step | x fewer than exact | objects full/delta | iteration ms median (min-max) "
+        "| x exact | restore ms | post-restore deviation |"),
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for n, row in rows.items():
@@ -215,8 +215,8 @@ def report(r: dict[str, Any]) -> str:
             f"{row['iter_ms_median'] / ex['iter_ms_median']:.2f} | {row['restore_ms']:.0f} | {row['deviation']:.3%} |"
         )
     pay = rows["differential"]["payoff"] or {}
-    out += ["", f"| layer | median relative change per {a['chunk']} steps | differential: mode | delta ratio | encode CPU ms "
-                "| deltas / staged fulls / direct fulls |", "| --- | ---: | --- | ---: | ---: | --- |"]
+    out += ["", (f"| layer | median relative change per {a['chunk']} steps | differential: mode | delta ratio | encode CPU ms "
+                "| deltas / staged fulls / direct fulls |"), "| --- | ---: | --- | ---: | ---: | --- |"]
     for ln, mv in r["motion"].items():
         p = pay.get(ln, {})
         out.append(f"| {ln} | {mv:.2e} | {p.get('mode')} | {p.get('ratio')} | {p.get('cpu_ms')} | "

@@ -156,7 +156,7 @@ class Checkpointer:
         self.report = RestoreReport()
         pol = self.policy
         self._lw = LayerwiseTracker(pol.tau, pol.max_staleness) if pol.tau is not None else None
-        self._diff = DiffTracker(pol.base_every, pol.chain_limit) if pol.base_every else None
+        self._diff = DiffTracker(pol.base_every, pol.chain_limit, pol.payoff) if pol.base_every else None
         self._dedup = None
         if pol.dedup and self.group is not None:
             self._dedup = DedupPlanner(pol.dedup_group or self.group, pol.dedup_algo)
@@ -250,11 +250,11 @@ class Checkpointer:
         if not base:
             return self._replay.snapshot(step, col)
         snap = Snapshot(step, selected, collective=self._dedup is not None)
-        direct = self._diff is None and self._dedup is None
         try:
             for ln in selected:
                 live = col.layers[ln]
-                if direct:
+                # payoff: a layer whose deltas do not pay is written like exact's (tierstore.train.payoff)
+                if self._dedup is None and (self._diff is None or self._diff.direct(ln)):
                     key = ShardKey(self.model, ln, step, self.rank)
                     snap.pendings.append((ln, self.store.snapshot(key, live, col.metas[ln], epoch=self.epoch)))
                 else:
@@ -302,7 +302,7 @@ class Checkpointer:
                 if self._dedup is not None:
                     self.ranks.await_ranks(step, self.epoch, self._last_t)
                     owners = self._dedup.plan(snap.staged)
-                for ln in snap.selected:
+                for ln in snap.staged:  # in the order selected; layers written directly are not staged
                     infos.append(write_layer(self.store, self.model, self.rank, ln, step, snap.staged[ln],
                                              snap.metas[ln], owners.get(ln), self._diff, self.epoch))
         except BaseException as e:

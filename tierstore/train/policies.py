@@ -13,7 +13,9 @@ and :func:`compose` merges them (later arguments win on a field they set)::
   version within the bound (``store.resolve(max_staleness=S)``).
 * :func:`differential` (TierCheck): a full base every ``base_every`` steps of
   a layer; in between, lossless XOR deltas against the layer's previous saved
-  version, at most ``max_chain`` in a row.
+  version, at most ``max_chain`` in a row, and only where they pay: per layer,
+  the measured compression and encode CPU decide delta or full object, and
+  the decision is revisited (:mod:`tierstore.train.payoff`).
 * :func:`dedup` (AdaCheck): shards bitwise identical across the ranks of the
   data-parallel group are written once (see :mod:`tierstore.train.dedup`).
 * :func:`replay` (AdaCheck's online checkpoints): a full base every
@@ -36,11 +38,13 @@ from typing import Any
 import torch
 
 from tierstore.errors import ConfigError
+from tierstore.train.payoff import Payoff, PayoffRule
 from tierstore.train.stagger import forced_save, is_base_step
 
 __all__ = [
     "DiffTracker",
     "LayerwiseTracker",
+    "PayoffRule",
     "Policy",
     "compose",
     "dedup",
@@ -64,6 +68,8 @@ class Policy:
         base_every: TierCheck: steps between full bases of a layer; ``None``
             writes full objects only.
         max_chain: the most deltas in a row (default ``base_every - 1``).
+        payoff: differential: when a layer's deltas pay (``None``: a delta
+            whenever the chain allows one, paying or not).
         dedup: write shards identical across the group once (AdaCheck).
         dedup_algo: digest algorithm for dedup (``xxh3`` or ``blake2s``).
         dedup_group: the data-parallel process group (``None``: the whole world).
@@ -77,6 +83,7 @@ class Policy:
     max_staleness: int = 0
     base_every: int | None = None
     max_chain: int | None = None
+    payoff: PayoffRule | None = None
     dedup: bool = False
     dedup_algo: str = "xxh3"
     dedup_group: Any = field(default=None, compare=False, repr=False)
@@ -125,9 +132,15 @@ def layerwise(tau: float = 0.01, max_staleness: int = 10) -> Policy:
     return Policy(tau=tau, max_staleness=max_staleness, names=("layerwise",))
 
 
-def differential(base_every: int = 10, max_chain: int | None = None) -> Policy:
-    """TierCheck: a full base every ``base_every`` steps of a layer, XOR deltas between."""
-    return Policy(base_every=base_every, max_chain=max_chain, names=("differential",))
+def differential(base_every: int = 10, max_chain: int | None = None,
+                 payoff: PayoffRule | None = PayoffRule()) -> Policy:
+    """TierCheck: a full base every ``base_every`` steps of a layer, XOR deltas between where they pay.
+
+    ``payoff`` decides per layer from measured compression and CPU whether
+    its deltas are worth writing (:mod:`tierstore.train.payoff`); ``None``
+    writes a delta whenever the chain allows one.
+    """
+    return Policy(base_every=base_every, max_chain=max_chain, payoff=payoff, names=("differential",))
 
 
 def dedup(group: Any = None, algo: str = "xxh3") -> Policy:
@@ -225,20 +238,29 @@ class _DiffState:
 class DiffTracker:
     """Per layer: the full tensors of the last saved version (the next delta's base).
 
-    Protocol: ``kind(layer, tensors)`` -> ``("full", None)`` or
-    ``("delta", base_step)``; after the object is written,
-    ``saved(layer, step, tensors, kind)`` keeps ``tensors`` (the tracker then
-    owns them: pass a copy). ``forget(layer)`` forces the next one full.
+    Protocol: at the snapshot, ``direct(layer)`` says whether this save of
+    the layer is a full object written straight into the host tier (its
+    deltas do not pay: no staging copy, no base kept); otherwise the layer is
+    staged and, on the writer's thread, ``kind(layer, tensors)`` ->
+    ``("full", None)`` or ``("delta", base_step)``; after the object is
+    written, ``saved(layer, step, tensors, kind)`` keeps ``tensors`` (the
+    tracker then owns them: pass a copy) and ``record(layer, kind, raw,
+    stored, cpu_s)`` feeds the payoff measurements. ``forget(layer)`` forces
+    the next one full.
     """
 
-    def __init__(self, base_every: int, max_chain: int) -> None:
+    def __init__(self, base_every: int, max_chain: int, payoff: PayoffRule | None = None) -> None:
         self.base_every = base_every
         self.max_chain = max_chain
+        self.payoff = Payoff(payoff) if payoff is not None else None
         self._state: dict[str, _DiffState] = {}
         self._base_step: dict[str, int] = {}
         self.slots: dict[str, int] = {}
 
     def kind(self, layer: str, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[str, int | None]:
+        if self.payoff is not None and self.payoff.mode(layer) == "full":
+            self.payoff.direct(layer)  # staged anyway (dedup plans it): counts as one of the full saves
+            return "full", None
         st = self._state.get(layer)
         if st is None or self.max_chain == 0:
             return "full", None
@@ -251,6 +273,18 @@ class DiffTracker:
         ):
             return "full", None
         return "delta", st.step
+
+    def direct(self, layer: str) -> bool:
+        """At the snapshot: True when this save of ``layer`` is a full object that needs no base kept."""
+        if self.payoff is None or not self.payoff.direct(layer):
+            return False
+        self.forget(layer)
+        return True
+
+    def record(self, layer: str, kind: str, raw_bytes: int, stored_bytes: int, cpu_s: float) -> None:
+        """What a staged write of ``layer`` stored and cost (see :meth:`Payoff.record`)."""
+        if self.payoff is not None:
+            self.payoff.record(layer, kind, raw_bytes, stored_bytes, cpu_s)
 
     def base_tensors(self, layer: str) -> dict[str, torch.Tensor]:
         return self._state[layer].tensors

@@ -10,6 +10,7 @@ committed steps no longer reach.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,7 @@ def write_layer(store: Any, model: str, rank: int, ln: str, step: int, tensors: 
         meta["_refs"] = refs
     if diff is None:
         return store.put(key, mine, meta, epoch=epoch)
+    cpu0 = time.thread_time()
     kind, base_step = diff.kind(ln, step, mine)
     if kind == "delta" and base_step is not None:
         base = diff.base_tensors(ln)
@@ -124,6 +126,7 @@ def write_layer(store: Any, model: str, rank: int, ln: str, step: int, tensors: 
     else:
         info = store.put(key, mine, meta, epoch=epoch)
     diff.saved(ln, step, mine, kind)
+    diff.record(ln, kind, nbytes(mine), info.size, time.thread_time() - cpu0)  # payoff: delta or full next
     return info
 
 

@@ -43,7 +43,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_u8(a), _u8(b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_u8(a.cpu()), _u8(b.cpu()))
 
 
 def _hostile(opt: torch.optim.Optimizer):
@@ -103,19 +103,25 @@ def _check_objects(store, name: str, refs: dict[int, dict], rank: int = 0) -> in
     return compared
 
 
-@pytest.mark.parametrize("pname", list(POLICIES))
-def test_snapshot_holds_the_state_of_save_when_the_update_mutates_everything(store, monkeypatch, pname):
+CASES = [(p, "cpu") for p in POLICIES] + [
+    pytest.param("exact", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.mark.parametrize(("pname", "device"), CASES)
+def test_snapshot_holds_the_state_of_save_when_the_update_mutates_everything(store, monkeypatch, pname, device):
     torch.manual_seed(0)
     model, opt = make_model(CFG, seed=0)
     model.blocks[0].register_buffer("seen", torch.zeros(3))  # a buffer the forward pass changes (as BatchNorm's)
-    ck = Checkpointer(store, f"lz-{pname}", model, opt, POLICIES[pname], lazy=True, keep_last=None)
+    model.to(device)  # the same Parameter objects: the optimizer still holds them
+    ck = Checkpointer(store, f"lz-{pname}-{device}", model, opt, POLICIES[pname], lazy=True, keep_last=None)
     gate = _CopyAfterStepStarts(ck, monkeypatch)
     hostile = _hostile(opt)  # registered after the Checkpointer's hook: runs the moment it returns
     data = char_dataset()
     refs = {}
     try:
         for s in range(7):
-            x, y = get_batch(data, s, 0, 4, CFG.block, 0)
+            x, y = (t.to(device) for t in get_batch(data, s, 0, 4, CFG.block, 0))
             opt.zero_grad(set_to_none=True)
             model(x, y).backward()
             opt.step()
@@ -123,7 +129,7 @@ def test_snapshot_holds_the_state_of_save_when_the_update_mutates_everything(sto
             gate.reached.clear()  # armed: this save's copy starts at the next optimizer.step()
             ck.save(s)
             model.blocks[0].seen.add_(1.0)  # right after save() returns, before the next forward
-        x, y = get_batch(data, 7, 0, 4, CFG.block, 0)
+        x, y = (t.to(device) for t in get_batch(data, 7, 0, 4, CFG.block, 0))
         model(x, y).backward()
         opt.step()  # the last save's copy runs behind this step's pre-hook
         assert ck.wait() == "committed"
@@ -131,7 +137,7 @@ def test_snapshot_holds_the_state_of_save_when_the_update_mutates_everything(sto
         gate.remove()
         hostile.remove()
         ck.close()
-    assert _check_objects(store, f"lz-{pname}", refs) > 0
+    assert _check_objects(store, f"lz-{pname}-{device}", refs) > 0
     assert ck.stats.waits >= 1  # the gate held the update back at least once (the copy starts late)
 
 

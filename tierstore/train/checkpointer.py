@@ -202,6 +202,11 @@ class Checkpointer:
             self._preallocate(first)
 
     @property
+    def saving(self) -> bool:
+        """Whether the last save's background work (copy, publish, vote) is still running."""
+        return self._future is not None and not self._future.done()
+
+    @property
     def layers(self) -> list[str]:
         """The layers of the state as of now."""
         return sorted(self.view.collect().layers)

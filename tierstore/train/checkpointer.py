@@ -12,6 +12,15 @@ Protocol (every rank of the job, in the same order)::
     ckpt.wait()                        # "committed" / "aborted" of the last save
     ckpt.close()
 
+Lazy snapshots (``Checkpointer(..., lazy=True)``, any policy): ``save(step)``
+returns once the step is begun; the copy of the parameters and optimizer
+state runs in the background while the trainer computes the next
+forward/backward, and an optimizer step pre-hook installed by the
+Checkpointer blocks the next ``optimizer.step()`` only until that copy is
+done. A loop that changes parameters or optimizer state in place without an
+optimizer's ``step()`` calls :meth:`Checkpointer.before_update` first. See
+:mod:`tierstore.train.lazy`.
+
 ``Checkpointer(store, name, model, optimizer, policy)`` is ``state={"model":
 model, "optim": optimizer}``. How the state becomes layers and JSON: :mod:`tierstore.train.view`.
 
@@ -30,11 +39,19 @@ model, "optim": optimizer}``. How the state becomes layers and JSON: :mod:`tiers
    ranks by an ``all_reduce(MAX)``, after every rank began the step);
 5. *snapshot*: the only step that reads tensor memory: copy into host-tier
    shared memory (``store.snapshot``) or staging copies. It takes only what
-   *collect* and *select* produced, so it can move to a background thread
-   behind an optimizer pre-hook (issue 15);
+   *collect* and *select* produced; with ``lazy=True`` steps 4 and 5 run on
+   the background thread, behind the optimizer pre-hook
+   (:mod:`tierstore.train.lazy`), and only the tensors an update does not own
+   (buffers, the ``_state`` layer) are copied here;
 6. the rest runs on one background thread: retention, publishing, dedup and
    deltas, the vote with the JSON document. Any failure after *open* votes
    negatively: a step is never left ``preparing`` by this rank.
+
+A step this rank voted for but another rank voted down (or abandoned) is
+never a base for this rank's deltas or layer-wise comparisons: before each
+*select*, the outcome of the earlier steps this rank's vote left undecided is
+read, and an aborted one resets the policy's trackers (every layer full and
+due again).
 
 A rank that never calls ``save(step)``: every other rank raises
 :class:`~tierstore.errors.CommitError` with ``missing_ranks`` once
@@ -75,6 +92,7 @@ from tierstore.train.gather import read_shards
 from tierstore.train.gradlog import ReplayLog
 from tierstore.train.importing import adopt_import, import_seeds, seed_trackers
 from tierstore.train.layers import PARAM
+from tierstore.train.lazy import UpdateGate, clone_eager
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
 from tierstore.train.stagger import balanced_slots, shifted
@@ -108,6 +126,10 @@ class Checkpointer:
             two generations of this rank's full shards up front.
         missing_rank_grace: seconds after its own ``save(step)`` before a rank
             reports the ranks that have not begun ``step``.
+        lazy: ``save()`` returns before the copy; the copy overlaps the next
+            forward/backward and the next ``optimizer.step()`` of every
+            optimizer in the state waits for it (:meth:`before_update` in
+            custom loops). Default ``False``: ``save()`` returns after the copy.
 
     Memory bound (host tier, this rank): at most ``keep_last + 1`` generations
     of the saved shards, plus the reuse pool.
@@ -130,6 +152,7 @@ class Checkpointer:
         keep_last: int | None = 3,
         preallocate: bool = True,
         missing_rank_grace: float = 30.0,
+        lazy: bool = False,
     ) -> None:
         if isinstance(module, Mapping):
             if state is not None or optimizer is not None:
@@ -158,6 +181,11 @@ class Checkpointer:
         self._lw = LayerwiseTracker(pol.tau, pol.max_staleness) if pol.tau is not None else None
         self._diff = DiffTracker(pol.base_every, pol.chain_limit, pol.payoff) if pol.base_every else None
         self._dedup = None
+        # the gate's hooks go on before replay's gradient capture, so they run first
+        self._gate = UpdateGate(self.stats) if lazy else None
+        if self._gate is not None:
+            self._gate.watch(self._optimizers())
+        self._undecided: list[int] = []  # steps this rank voted for that were still preparing
         if pol.dedup and self.group is not None:
             self._dedup = DedupPlanner(pol.dedup_group or self.group, pol.dedup_algo)
         self._replay: Any = None
@@ -174,6 +202,11 @@ class Checkpointer:
         self._retained_below = 0
         if preallocate and self._diff is None and self._dedup is None and hasattr(store, "host"):
             self._preallocate(first)
+
+    @property
+    def saving(self) -> bool:
+        """Whether the last save's background work (copy, publish, vote) is still running."""
+        return self._future is not None and not self._future.done()
 
     @property
     def layers(self) -> list[str]:
@@ -209,6 +242,13 @@ class Checkpointer:
             FencedError: a newer incarnation of the job took over.
             TierStoreError: the previous save failed in the background (its error, typed).
         """
+        t_in = time.perf_counter()
+        try:
+            self._save(step, extra)
+        finally:
+            self.stats.save_s += time.perf_counter() - t_in
+
+    def _save(self, step: int, extra: Any) -> None:
         self._drain()
         self._check_pending()
         col = self.view.collect(extra)
@@ -222,17 +262,72 @@ class Checkpointer:
         self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
         try:
             self.ranks.note(step, self.epoch)
+            if self._gate is not None:
+                self._gate.watch(self._optimizers())
+                clone_eager(col)  # what a forward pass may change is copied now; the rest waits for the update
+        except BaseException as e:
+            self._vote_down(step, e)
+            raise self._typed(step, e) from e
+        self._last_step, self._last_t = step, t0
+        self.stats.saves += 1
+        if self._gate is not None:
+            job = self._gate.begin(step)
+            self._future = self._pool.submit(self._lazy, job, step, col, base, layout["layers"], t0)
+            return
+        snap = self._prepare(step, col, base, layout["layers"], t0)
+        self._future = self._pool.submit(self._finish, snap)
+
+    def _prepare(self, step: int, col: Collected, base: bool, layers: list[str], t0: float) -> Snapshot:
+        """*select* and *snapshot*: on the caller's thread, or the background one when lazy."""
+        try:
+            self._forget_aborted()
             if self._lw is not None:
                 self.ranks.await_ranks(step, self.epoch, t0)
-            selected = self._select(step, col) if base else layout["layers"]
+            selected = self._select(step, col) if base else layers
             snap = self._snapshot(step, col, selected, base)
         except BaseException as e:
             self._vote_down(step, e)
             raise self._typed(step, e) from e
         snap.vote_extra = {"state": col.doc, "policy": self.policy.name, **snap.vote_extra}
-        self._last_step, self._last_t = step, t0
-        self.stats.saves += 1
-        self._future = self._pool.submit(self._finish, snap)
+        return snap
+
+    def _lazy(self, job: Any, step: int, col: Collected, base: bool, layers: list[str], t0: float) -> str:
+        """The background part of a lazy save: copy, release the gate, then the rest."""
+        try:
+            snap = self._prepare(step, col, base, layers, t0)
+        finally:
+            job.release()
+        return self._finish(snap)
+
+    def before_update(self) -> float:
+        """Block until the lazy save in flight no longer reads the live state; return the seconds blocked.
+
+        Every optimizer of the state calls it from its step pre-hook; call it
+        yourself before changing parameters or optimizer state in place any
+        other way. A no-op without ``lazy`` or without a save in flight.
+        """
+        if self._gate is None:
+            return 0.0
+        return self._gate.wait()
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [v for v in self.state.values() if isinstance(v, torch.optim.Optimizer)]
+
+    def _forget_aborted(self) -> None:
+        """Reset the trackers if a step this rank voted for was aborted by another rank's vote (or the grace)."""
+        if not self._undecided:
+            return
+        still = []
+        aborted = False
+        for s in self._undecided:
+            st = self.store.steps.state(self.model, s)
+            if st == "aborted" or st is None:
+                aborted = True
+            elif st == "preparing":
+                still.append(s)
+        self._undecided = still
+        if aborted:
+            self._reset_trackers()
 
     def _select(self, step: int, col: Collected) -> list[str]:
         layers = sorted(col.layers)
@@ -328,6 +423,8 @@ class Checkpointer:
             self._reset_trackers()
             raise
         self._pending_step = self._last_step if state == "preparing" else None
+        if state == "preparing" and self._last_step is not None:
+            self._undecided = [*self._undecided[-7:], self._last_step]
         if state == "aborted":  # this rank's vote decided it: the next save starts from full objects
             self._reset_trackers()
         return state
@@ -347,6 +444,7 @@ class Checkpointer:
             raise err
 
     def _reset_trackers(self) -> None:
+        self._undecided = []
         if self._lw is not None:
             self._lw.reset()
         if self._diff is not None:
@@ -384,6 +482,7 @@ class Checkpointer:
                 state = self.store.wait_step(self.model, step, timeout=max(0.0, deadline - time.monotonic()))
         else:
             state = self.store.wait_step(self.model, step, timeout=timeout)
+        self._undecided = [s for s in self._undecided if s != step]
         if state == "aborted":
             self._reset_trackers()
         return "committed" if state in ("committed", "durable") else state
@@ -489,6 +588,8 @@ class Checkpointer:
         try:
             self._drain()
         finally:
+            if self._gate is not None:
+                self._gate.close()
             if self._replay is not None:
                 self._replay.close()
             self._pool.shutdown(wait=True)

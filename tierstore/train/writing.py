@@ -27,7 +27,12 @@ __all__ = ["SaveStats", "Snapshot", "bits_equal", "nbytes", "retain", "write_lay
 
 
 class SaveStats:
-    """Counters of what this rank wrote: bytes and objects per kind."""
+    """Counters of what this rank wrote (bytes and objects per kind) and of how long the trainer was blocked.
+
+    ``save_s``: seconds spent in ``save()``; ``wait_s`` / ``waits``: seconds
+    and count of the waits of a lazy save's update gate that found the copy
+    unfinished (:mod:`tierstore.train.lazy`). Their sum is the stall.
+    """
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -36,6 +41,9 @@ class SaveStats:
         self.saves = 0
         self.layers_saved = 0
         self.per_step: dict[int, int] = {}
+        self.save_s = 0.0
+        self.wait_s = 0.0
+        self.waits = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +52,9 @@ class SaveStats:
             "objects": dict(self.objects),
             "saves": self.saves,
             "layers_saved": self.layers_saved,
+            "save_s": self.save_s,
+            "wait_s": self.wait_s,
+            "waits": self.waits,
         }
 
     def record(self, step: int, infos: list) -> None:

@@ -19,13 +19,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from tierstore.cli.bench.systems import System, SystemUnavailable, register
+from tierstore.cli.bench.systems import LazySystem, System, SystemUnavailable, register
 from tierstore.cli.bench.workload import dir_bytes
 
 __all__ = [
     "CopyBound",
     "DcpAsync",
     "DcpAsyncStaged",
+    "DcpAsyncStagedLazy",
     "DcpSave",
     "TorchSaveDisk",
     "TorchSaveShm",
@@ -262,3 +263,30 @@ class DcpAsyncStaged(_DcpAsyncBase):
     def teardown(self) -> None:
         super().teardown()
         self.stager.close()
+
+
+@register("dcp_async_staged_lazy")
+class DcpAsyncStagedLazy(LazySystem, DcpAsyncStaged):
+    """DCP's "zero-overhead" checkpointing (as torchtitan uses it): ``async_save`` with the reused stager and
+    async staging, the stand-in forward/backward, then the staging future awaited just before the update."""
+
+    describe = ("dcp.async_save, reused DefaultStager, async staging, staging awaited before the update "
+                "(stand-in forward/backward between)")
+
+    def setup(self) -> None:
+        super().setup()
+        self.setup_window()
+
+    def start(self, step: int) -> None:
+        resp = dcp.async_save(
+            self.ctx.work.state_dict(),
+            storage_writer=self._writer(step),
+            process_group=self.ctx.pg,
+            async_stager=self.stager,
+        )
+        self._staging = getattr(resp, "staging_completion", None)
+        self._track(getattr(resp, "upload_completion", resp))
+
+    def before_update(self) -> None:
+        if self._staging is not None:
+            self._staging.result()

@@ -56,7 +56,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         first = recs[0]
         n = min(len(r["samples"]) for r in recs)
         fig: dict[str, Any] = {"kind": first["kind"], "describe": first["describe"]}
-        for field in ("stall_s", "complete_s", "committed_s", "durable_s", "returns_s"):
+        for field in ("stall_s", "complete_s", "committed_s", "durable_s", "returns_s", "fwd_bwd_s",
+                      "update_wait_s"):
             per_round = []
             for i in range(n):
                 vals = [r["samples"][i].get(field) for r in recs]
@@ -141,6 +142,13 @@ def render_markdown(res: dict[str, Any]) -> str:
     lines += ["", "Systems:"]
     for name, f in summ.items():
         lines.append(f"- `{name}`: {f['describe']}.")
+    lazy = {n: f for n, f in summ.items() if f.get("fwd_bwd_s")}
+    if lazy:
+        lines += ["", (f"Lazy systems (stall = time in the save call + wait before the update): a stand-in "
+                       f"forward/backward of {cfg.get('fwd_bwd_s', 0) * 1e3:.0f} ms idle runs between the save "
+                       "and the update; measured with the save running beside it: "
+                       + "; ".join(f"`{n}` {_ms(f['fwd_bwd_s'])}, wait before the update {_ms(f['update_wait_s'])}"
+                                   for n, f in lazy.items()) + ".")]
     ex = summ.get("copy", {}).get("extras", {})
     if "xxh3_128_gib_s" in ex:
         lines += ["", (f"Hashing: xxh3-128 over the state at {ex['xxh3_128_gib_s']:.2f} GiB/s per rank "

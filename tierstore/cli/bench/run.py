@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_SYSTEMS", "build_parser", "main"]
 
 DEFAULT_SYSTEMS = [
     "copy", "torch_save_shm", "torch_save_disk", "dcp_save", "dcp_async", "dcp_async_staged",
-    "tierstore_host",
+    "tierstore_host", "dcp_async_staged_lazy", "tierstore_lazy",
 ]
 
 
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs // ranks)")
     p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default: a temp dir)")
     p.add_argument("--matmul-n", type=int, default=512, help="size of the stand-in training step")
+    p.add_argument("--fwd-bwd-ms", type=float, default=None,
+                   help="lazy systems: the stand-in forward/backward between a save and the next update, "
+                        "in ms idle (default: 1000 per GiB of state, at least 100)")
     return p
 
 
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     size = args.size_gib if args.size_gib is not None else (1 / 16 if args.quick else 1.0)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    fwd_bwd_s = (args.fwd_bwd_ms if args.fwd_bwd_ms is not None else max(100.0, 1000.0 * size)) / 1e3
     now = datetime.datetime.now(datetime.UTC)
     out = args.out or os.path.join("bench", "results", now.strftime("%Y%m%dT%H%M%SZ"))
     out = os.path.abspath(out)
@@ -94,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads or max(1, (os.cpu_count() or 1) // args.ranks),
         "idle_s": 0.6 if args.quick else 2.0,
         "matmul_n": args.matmul_n,
+        "fwd_bwd_s": fwd_bwd_s,
+        "options": {"fwd_bwd_s": fwd_bwd_s, "matmul_n": args.matmul_n},
         "out": out,
         "shm_dir": shm_dir,
         "disk_dir": disk_dir,
@@ -109,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
-        _stop_embedded(os.path.join(disk_dir, "tierstore"))
+        for home in ("tierstore", "tierstore-lazy"):
+            _stop_embedded(os.path.join(disk_dir, home))
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(disk_dir, ignore_errors=True)
     md_path = os.path.join(out, "results.md")

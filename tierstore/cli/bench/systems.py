@@ -24,19 +24,22 @@ in other modules and are added by :func:`load_builtin` when importable.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+import torch
 import torch.distributed as dist
 
-from tierstore.cli.bench.workload import Workload
+from tierstore.cli.bench.workload import Workload, matmul_step
 
 __all__ = [
     "SKIPPED",
     "SYSTEMS",
     "BenchContext",
+    "LazySystem",
     "System",
     "SystemUnavailable",
     "load_builtin",
@@ -152,6 +155,70 @@ def timings(
     for k, v in marks.items():
         out[f"{k}_s"] = rel(v)
     return out
+
+
+class LazySystem(System):
+    """A system whose save overlaps the next forward/backward (lazy snapshot, "zero-overhead" checkpointing).
+
+    ``save(step)`` runs what a training loop does between two updates:
+    ``start(step)`` (the save call; returns early), the stand-in
+    forward/backward (``fwd_bwd_steps`` matmul steps of ``matmul_n``, agreed
+    across ranks in :meth:`setup_window`), then ``before_update()`` (blocks
+    until the snapshot is safe from the update). The *stall* is every moment
+    the trainer is blocked: the time in ``start`` plus the time in
+    ``before_update``. Marks: ``returns`` (``start`` done), ``fwd_bwd`` (the
+    stand-in step's seconds, slowed by the copy running beside it) and
+    ``update_wait``. In the slowdown pass ``begin`` is ``start`` alone: the
+    training steps then run while the copy and the rest run.
+    """
+
+    background = True
+    fwd_bwd_steps = 0
+
+    def setup_window(self) -> None:
+        """Calibrate the stand-in forward/backward to ``options["fwd_bwd_s"]`` seconds idle (same count on every rank)."""
+        seconds = float(self.ctx.options.get("fwd_bwd_s", 0.5))
+        n = int(self.ctx.options.get("matmul_n", 512))
+        for _ in range(3):
+            matmul_step(n)
+        one = statistics.median(matmul_step(n) for _ in range(15))
+        count = torch.tensor([max(1, round(seconds / max(one, 1e-6)))], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ctx.pg)
+        self.fwd_bwd_steps = int(count.item())
+        self.matmul_n = n
+
+    def start(self, step: int) -> None:
+        """The save call of the training loop (returns before the snapshot is safe)."""
+        raise NotImplementedError
+
+    def before_update(self) -> None:
+        """Block until the snapshot is safe from the next optimizer update."""
+        raise NotImplementedError
+
+    def begin(self, step: int) -> dict[str, float]:
+        self.start(step)
+        return {}
+
+    def save(self, step: int) -> dict[str, float | None]:
+        t0 = time.perf_counter()
+        self.start(step)
+        t_ret = time.perf_counter()
+        for _ in range(self.fwd_bwd_steps):
+            matmul_step(self.matmul_n)
+        t_fb = time.perf_counter()
+        self.before_update()
+        t_safe = time.perf_counter()
+        events = self.finish()
+        out = timings(t0, t_ret, {}, events)
+        out["stall_s"] = (t_ret - t0) + (t_safe - t_fb)
+        out["returns_s"] = t_ret - t0
+        out["fwd_bwd_s"] = t_fb - t_ret
+        out["update_wait_s"] = t_safe - t_fb
+        return out
+
+    def extras(self) -> dict[str, Any]:
+        return {"fwd_bwd_steps": self.fwd_bwd_steps, "fwd_bwd_target_s": self.ctx.options.get("fwd_bwd_s")}
 
 
 SYSTEMS: dict[str, type[System]] = {}

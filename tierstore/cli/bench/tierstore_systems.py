@@ -14,6 +14,18 @@ store is opened with ``home`` in the run's disk directory, ``host_root`` in its
 says otherwise; rank 0 opens first, and stops the embedded server it started at
 teardown. Where tierstore cannot be imported or opened,
 the system is skipped and the reason lands in :data:`tierstore.cli.bench.systems.SKIPPED`.
+
+``tierstore_lazy``: the trainer-facing path, lazily: a
+:class:`~tierstore.train.checkpointer.Checkpointer` with ``lazy=True`` (exact
+policy, ``keep_last=1``, host tier pre-allocated for two generations) over the
+workload seen as a module (its parameters) and an AdamW optimizer (its
+state), sharing the workload's tensors. ``save(step)`` returns once the step
+is begun; the stand-in forward/backward runs while the copy does; the
+optimizer's ``step()`` (no gradients: only its pre-hooks run) blocks until
+the copy is done (:class:`~tierstore.cli.bench.systems.LazySystem`). It is
+*committed* when ``ckpt.wait()`` returns. Restore is not measured here (the
+Checkpointer's restore goes through ``load_state_dict``; ``tierstore_host``
+measures the host tier's).
 """
 
 from __future__ import annotations
@@ -26,13 +38,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from tierstore import codec
-from tierstore.cli.bench.systems import SKIPPED, System, SystemUnavailable, barrier, register
+from tierstore.cli.bench.systems import SKIPPED, LazySystem, System, SystemUnavailable, barrier, register
 from tierstore.embedded import stop_server
 from tierstore.keys import ShardKey
+from tierstore.train.checkpointer import Checkpointer
+from tierstore.train.policies import exact
 
-__all__ = ["TierstoreHost", "shard_tensors"]
+__all__ = ["TierstoreHost", "TierstoreLazy", "shard_tensors"]
 
 MODEL = "bench"
 
@@ -66,6 +81,20 @@ if _open is not None:
         describe = "tierstore: snapshot straight into host-tier shared memory, seal+publish in background"
 
         def setup(self) -> None:
+            self._open_store()
+            try:
+                self._get_out = "out" in inspect.signature(self.store.get).parameters
+            except (TypeError, ValueError):
+                self._get_out = False
+            self.staging = dict(self.ctx.work.layers)  # snapshots go straight into the host tier
+            self.keys: list[Any] = []
+            self._pending: list[Any] = []
+
+            sizes = [codec.plan(group, {"_ts": {}}).nbytes for group in self.staging.values()]
+            self.store.host.preallocate(sizes)  # pre-faulted segments, reused after each round's cleanup
+            self._thread: threading.Thread | None = None
+
+        def _open_store(self) -> None:
             self._key = ShardKey
             given = self.ctx.options.get("tierstore_open")
             kwargs = dict(given or self.default_open_kwargs())
@@ -83,17 +112,6 @@ if _open is not None:
                     barrier()
             if err is not None:
                 raise SystemUnavailable(f"tierstore.open({kwargs}) failed: {type(err).__name__}: {err}") from err
-            try:
-                self._get_out = "out" in inspect.signature(self.store.get).parameters
-            except (TypeError, ValueError):
-                self._get_out = False
-            self.staging = dict(self.ctx.work.layers)  # snapshots go straight into the host tier
-            self.keys: list[Any] = []
-            self._pending: list[Any] = []
-
-            sizes = [codec.plan(group, {"_ts": {}}).nbytes for group in self.staging.values()]
-            self.store.host.preallocate(sizes)  # pre-faulted segments, reused after each round's cleanup
-            self._thread: threading.Thread | None = None
 
         def default_open_kwargs(self) -> dict[str, Any]:
             """The embedded default, host tier only, everything inside the run's directories
@@ -193,3 +211,73 @@ if _open is not None:
                 barrier()
                 if self.ctx.rank == 0 and self._own_home is not None:
                     stop_server(self._own_home)
+
+    def _as_module(layers: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The workload as a module (one submodule per layer, its ``param``) and AdamW holding its state.
+
+        Parameters and optimizer state share the workload's tensors: what the harness changes, they see.
+        """
+        root = nn.Module()
+        params = []
+        for name, group in layers.items():
+            sub = nn.Module()
+            sub.param = nn.Parameter(group["param"], requires_grad=True)
+            root.add_module(name.split(".", 1)[-1], sub)
+            params.append((sub.param, group))
+        opt = torch.optim.AdamW([p for p, _ in params], lr=1e-3)
+        for p, group in params:
+            opt.state[p] = {"step": group["step"], "exp_avg": group["exp_avg"], "exp_avg_sq": group["exp_avg_sq"]}
+        return root, opt
+
+    @register("tierstore_lazy")
+    class TierstoreLazy(LazySystem, TierstoreHost):
+        """The Checkpointer with ``lazy=True``: the copy overlaps the stand-in forward/backward."""
+
+        restores = False
+        describe = ("tierstore Checkpointer(lazy=True): save() returns, the copy into host-tier shared memory "
+                    "overlaps the stand-in forward/backward, optimizer.step()'s pre-hook waits for it")
+
+        def setup(self) -> None:
+            self._open_store()
+            self.keys = []
+            self.module, self.opt = _as_module(self.ctx.work.layers)
+            self.ckpt = Checkpointer(self.store, MODEL + "-lazy", state={"model": self.module, "optim": self.opt},
+                                     policy=exact(), group=self.ctx.pg, keep_last=1, lazy=True,
+                                     layer_fn=lambda n: n.split(".", 1)[0])
+            self.setup_window()
+
+        def default_open_kwargs(self) -> dict[str, Any]:
+            """As ``tierstore_host``'s, in directories of its own (its embedded server is its own to stop)."""
+            return {
+                "home": os.path.join(self.ctx.disk_dir, "tierstore-lazy"),
+                "host_root": os.path.join(self.ctx.shm_dir, "tierstore-lazy-host"),
+                "durable": "none",
+            }
+
+        def start(self, step: int) -> None:
+            self.ckpt.save(step)
+
+        def before_update(self) -> None:
+            self.opt.step()  # no gradients: the update changes nothing, its pre-hooks run (the gate)
+
+        def done(self) -> bool:
+            return not self.ckpt.saving
+
+        def finish(self) -> dict[str, float | None]:
+            state = self.ckpt.wait()
+            if state != "committed":
+                raise RuntimeError(f"tierstore_lazy: the step was {state}")
+            t = time.perf_counter()
+            return {"complete": t, "committed": t, "durable": None}
+
+        def cleanup(self) -> None:
+            """Nothing: the Checkpointer's retention (``keep_last=1``) recycles the older versions."""
+
+        def extras(self) -> dict[str, Any]:
+            return {**LazySystem.extras(self), "stats": self.ckpt.stats.as_dict()}
+
+        def teardown(self) -> None:
+            try:
+                self.ckpt.close()
+            finally:
+                TierstoreHost.teardown(self)

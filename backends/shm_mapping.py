@@ -21,7 +21,7 @@ import mmap
 import os
 from typing import Any
 
-__all__ = ["Mapping"]
+__all__ = ["Mapping", "release_pages"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
@@ -30,6 +30,9 @@ _mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, 
 _munmap = _libc.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_madvise = _libc.madvise
+_madvise.restype = ctypes.c_int
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -76,3 +79,26 @@ class Mapping:
         addr = getattr(self, "addr", None)  # unset if mmap(2) failed in __init__
         if addr is not None:
             _munmap(addr, self.length)
+
+
+def release_pages(buf: memoryview) -> None:
+    """Punch the pages under ``buf`` out of its shared-memory file (``MADV_REMOVE``); the mapping stays.
+
+    ``buf`` is a view of a :class:`Mapping` (:meth:`Mapping.view`) or of an
+    :class:`mmap.mmap`. The whole mapping is released; a later write faults
+    in a fresh zero page.
+
+    Raises:
+        OSError: the kernel refused (not a shared-memory mapping).
+        ValueError: ``buf`` is not a view of a mapping.
+    """
+    obj = buf.obj
+    if isinstance(obj, mmap.mmap):
+        obj.madvise(mmap.MADV_REMOVE)
+        return
+    mapping = getattr(obj, "_tierstore_mapping", None)
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"not a view of a shared mapping: {type(obj).__name__}")
+    if _madvise(mapping.addr, mapping.length, mmap.MADV_REMOVE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_REMOVE) failed: {os.strerror(err)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from consistency.manifest import MANIFEST_VERSION
 
-__all__ = ["BEGIN", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED", "VOTE"]
+__all__ = ["BEGIN", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED", "SUPERSEDE", "VOTE"]
 
 # Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
 # last ARGV, a negative value meaning "ask the server".
@@ -306,6 +306,20 @@ if redis.call('HGET', KEYS[2], 'state') == 'committed' then
   return 1
 end
 return 0
+"""
+
+# KEYS: epoch, step; ARGV: epoch, reason, channel, step, now. A committed (or durable) step that a newer
+# incarnation could not read when it restored (its copies lost with a node, or corrupt in every tier) is
+# recorded aborted with the reason, so that incarnation can save the step number again (BEGIN then opens a
+# new attempt). Only a step an older epoch committed (never the caller's own); fenced. Returns the state
+# before the call.
+SUPERSEDE = _FENCE + _NOW + """
+local st = redis.call('HGET', KEYS[2], 'state')
+if st ~= 'committed' and st ~= 'durable' then return st or '' end
+if ep < 0 or ep <= tonumber(redis.call('HGET', KEYS[2], 'epoch') or '-1') then return st end
+redis.call('HSET', KEYS[2], 'state', 'aborted', 'decided', now, 'reason', ARGV[2], 'superseded', ARGV[1])
+redis.call('PUBLISH', ARGV[3], ARGV[4] .. ' aborted')
+return st
 """
 
 # KEYS: step; ARGV: reason. Record why a committed step stays in memory only (its migration gave up), if the

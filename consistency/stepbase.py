@@ -18,7 +18,7 @@ from backends.base import Backend
 from consistency.epochs import EpochLog
 from consistency.index import Index, translate_redis_errors
 from consistency.manifest import parse_manifest
-from consistency.scripts import BEGIN, DURABLE, EXPIRE, JOIN_EPOCH, MEMORY_ONLY, MIGRATED, VOTE
+from consistency.scripts import BEGIN, DURABLE, EXPIRE, JOIN_EPOCH, MEMORY_ONLY, MIGRATED, SUPERSEDE, VOTE
 from tierstore.errors import CommitError, InvalidKeyError, TierUnavailableError
 from tierstore.keys import validate_name, validate_step
 
@@ -67,6 +67,7 @@ class StepBase:
         self._durable = r.register_script(DURABLE)
         self._memory_only = r.register_script(MEMORY_ONLY)
         self._join = r.register_script(JOIN_EPOCH)
+        self._supersede = r.register_script(SUPERSEDE)
 
     def _register(self, model: str) -> None:
         """Add ``model`` to the models list once per instance (it lives outside the model's slot)."""

@@ -134,6 +134,28 @@ class StepRecords(StepBase):
                     pipe.zrem(k(model, "steps"), s)
             pipe.execute()
 
+    def supersede(self, model: str, step: int, *, epoch: int, reason: str) -> str:
+        """Record committed ``step`` aborted, with ``reason``, so incarnation ``epoch`` can save it again.
+
+        For a step an older incarnation committed that this one could not
+        read when it restored (:meth:`tierstore.train.checkpointer.Checkpointer.restore`
+        fell back past it): without this, resuming from the older step could
+        never save that step number again. A durable step's durable manifest
+        is deleted first (an index rebuild must not resurrect it, and the new
+        attempt writes its own). A step of ``epoch`` itself, or one no longer
+        committed, is left alone. Returns the state before the call.
+
+        Raises:
+            FencedError: ``epoch`` is older than the job's.
+        """
+        self._check(model, step)
+        ks = self._keys(model, step)
+        if self.state(model, step) == "durable" and self.durable is not None:
+            self.durable.delete(durable_manifest_name(model, step))
+        out = self._run(f"supersede step {step} of {model}", self._supersede, [ks["epoch"], ks["step"]],
+                        [epoch, reason[:1000], ks["events"], step])
+        return _s(out)
+
     def delete_durable_manifests(self, model: str, steps: Iterable[int]) -> None:
         """Delete the durable manifests of ``steps`` (first, before their objects: an index rebuild
         must never resurrect a step whose objects are going)."""

@@ -208,6 +208,86 @@ def test_a_corrupt_newest_step_falls_back_with_a_warning(store, caplog):
         store.resolve(M, step=3)
 
 
+def _flip_everywhere(store, key: ShardKey) -> None:
+    for root in (store.host.root, store.durable.root):  # one byte flipped in every tier
+        p = live_path(root, store, key)
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        p.write_bytes(bytes(raw))
+
+
+def test_training_resumed_past_an_unreadable_committed_step_saves_that_step_again(store, caplog):
+    """The newest committed (here durable) step cannot be read, so restore falls back a step; the trainer
+    resumes from there and saves the next step number, which was committed: the unreadable step is
+    superseded (recorded aborted, with why) and the new save commits and becomes durable in its place.
+    A step the restore could read stays immutable."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    ck = Checkpointer(store, "resume", net, keep_last=None)
+    assert ck.restore() == (None, None)
+    for step in range(3):
+        with torch.no_grad():
+            net[0].weight.add_(1.0)
+        ck.save(step)
+        ck.wait()
+    store.flush()
+    assert store.steps.state("resume", 2) == "durable"
+    (bad, *_) = [info.key for info in store.resolve("resume", step=2).objects.values()]
+    _flip_everywhere(store, bad)
+
+    net2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    ck2 = Checkpointer(store, "resume", net2, keep_last=None)
+    with caplog.at_level("WARNING"):
+        step, _ = ck2.restore()
+        assert step == 1 and ck2.report.fell_back
+        with pytest.raises(StepCommittedError):  # step 1 was read: it stays immutable
+            ck2.save(1)
+        with torch.no_grad():
+            net2[1].bias.fill_(7.0)
+        ck2.save(2)
+        assert ck2.wait() in ("committed", "durable")
+    assert any("saved again" in r.getMessage() for r in caplog.records)
+    (rec,) = store.steps.records("resume", [2])
+    assert rec.attempt == 2 and rec.state in ("committed", "durable")
+    store.flush()
+    assert store.steps.state("resume", 2) == "durable"
+    want = {k: v.clone() for k, v in net2.state_dict().items()}
+
+    net3 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    ck3 = Checkpointer(store, "resume", net3, keep_last=None)
+    assert ck3.restore()[0] == 2 and not ck3.report.fell_back
+    for k, v in net3.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    with pytest.raises(StepCommittedError):  # the new step 2 is as immutable as any
+        ck3.save(2)
+    for c in (ck, ck2, ck3):
+        c.close()
+
+
+def test_only_a_writer_that_fell_back_supersedes(store):
+    """A read-only restore, a named-step restore and a restore of the newest step never make a committed
+    step savable again; nor can an older epoch supersede the step of a newer one."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    ck = Checkpointer(store, "keep", net, keep_last=None)
+    ck.restore()
+    for step in range(3):
+        ck.save(step)
+        ck.wait()
+    for kwargs in ({"step": 1}, {"read_only": True}, {}):
+        other = Checkpointer(store, "keep", torch.nn.Sequential(torch.nn.Linear(4, 4)), keep_last=None)
+        other.restore(**kwargs)
+        with pytest.raises(StepCommittedError):
+            other.save(2)
+        other.close()
+    assert [r.attempt for r in store.steps.records("keep", [0, 1, 2])] == [1, 1, 1]
+    e0 = store.steps.records("keep", [2])[0].epoch
+    with pytest.raises(FencedError):  # the first incarnation is fenced by the later writers' restores
+        store.steps.supersede("keep", 2, epoch=e0, reason="stale")
+    assert store.steps.state("keep", 2) == "committed"
+    ck.close()
+
+
 # -- item 6: a fenced zombie paused between its epoch check and its publish ----------------------------
 
 

@@ -174,8 +174,9 @@ class Migrator:
             self.before_each(key)
         blob = self.source.get(name)
         if blob is None:
-            if self._gone(key, name):
-                return  # deleted (garbage-collected) or replaced by a newer write before its turn
+            if self._gone(key, name):  # deleted (garbage-collected) or replaced by a newer write before its turn
+                self._forget_target(key, name)  # an earlier try may have written it before the delete
+                return
             raise TierUnavailableError(f"{key} vanished from the {self.source.tier} tier before migration",
                                        key=str(key))
         size = len(blob)

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import time
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from backends import agent_protocol as P
+from backends.shm_mapping import release_pages
 from backends.ucx_util import post_recv
 from tierstore.errors import KeyExistsError, TierFullError, TierStoreError
 
@@ -66,12 +66,10 @@ def _release_stuck(buf: memoryview) -> None:
     which the reservation is aborted as usual. A late write would only fault
     in a page of the already unlinked segment.
     """
-    obj = buf.obj
-    if isinstance(obj, mmap.mmap):
-        try:
-            obj.madvise(mmap.MADV_REMOVE)
-        except (OSError, ValueError, AttributeError) as e:  # not a shared-memory mapping: keep the pages
-            log.warning("could not release a stuck buffer's pages: %s", e)
+    try:
+        release_pages(buf)
+    except (OSError, ValueError) as e:  # not a shared-memory mapping: keep the pages
+        log.warning("could not release a stuck buffer's pages: %s", e)
 
 
 class _Closed(Exception):

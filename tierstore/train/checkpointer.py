@@ -84,6 +84,7 @@ from tierstore.errors import (
     CommitError,
     ConfigError,
     NoValidCopyError,
+    StepCommittedError,
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
@@ -175,6 +176,7 @@ class Checkpointer:
         self.ranks = Ranks(store, self.model, rank, world_size, group, timeout=timeout, grace=missing_rank_grace)
         self.rank, self.world_size, self.group = self.ranks.rank, self.ranks.world_size, self.ranks.group
         self.epoch: int | None = None
+        self._lost: set[int] = set()  # committed steps this incarnation's restore could not read
         self.stats = SaveStats()
         self.report = RestoreReport()
         pol = self.policy
@@ -259,7 +261,7 @@ class Checkpointer:
         t0 = time.monotonic()
         if self.epoch is None:
             self.epoch = self.ranks.join()
-        self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
+        self._begin(step, layout)
         try:
             self.ranks.note(step, self.epoch)
             if self._gate is not None:
@@ -538,8 +540,29 @@ class Checkpointer:
             if self._replay is not None and got.step is not None:
                 self._replay.continue_from(got.step, self.report.base_step)
         self.report.step, self.report.epoch = got.step, self.epoch
+        self._lost = ({s for s in committed if s > got.step}
+                      if not read_only and step is None and got.step is not None else set())
         self.report.fell_back = got.step != self.report.newest if got.step is not None else False
         return got
+
+    def _begin(self, step: int, layout: dict[str, Any]) -> None:
+        """Begin ``step``; a committed step that this incarnation's restore fell back past (it could not
+        be read: its copies were lost with a node, or corrupt in every tier) is superseded first, so
+        training resumed from an older step can save that step number again."""
+        try:
+            self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
+        except StepCommittedError:
+            if step not in self._lost or self.epoch is None:
+                raise
+            why = (f"lost: incarnation {self.epoch} could not read it and resumed from step {self.report.step}; "
+                   "saved again")
+            was = self.store.steps.supersede(self.model, step, epoch=self.epoch, reason=why)
+            if was in ("committed", "durable"):
+                log.warning("step %d of %s was %s but unreadable at the restore: saved again (%s)",
+                            step, self.model, was, why)
+            self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
+        finally:
+            self._lost.discard(step)
 
     def _restore(self, step: int | None, only: Iterable[str] | None) -> Restored:
         t0 = time.perf_counter()

@@ -3,7 +3,7 @@ the way a user or operator would, through the public API and the ``tierstore adm
 
 One test (or a small group) per item of the issue: 1 gc of a layer-wise model, 3 long delta chains, 4 a
 step saved twice, 5 a corrupt newest step, 6 a zombie paused between its epoch check and its publish.
-Items 2, 9, 10 and 12 are in ``tests/test_index_loss.py``.
+Items 2, 9, 10 and 12 are in ``tests/test_committed_ops.py``.
 """
 
 from __future__ import annotations

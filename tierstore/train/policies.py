@@ -173,18 +173,40 @@ def compose(*policies: Policy) -> Policy:
     return Policy(**values, names=tuple(names) or ("exact",))
 
 
-def relative_change(live: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> float:
-    """``||W - W_saved|| / ||W_saved||`` over all tensors of a layer (float64 sums)."""
-    num = 0.0
-    den = 0.0
+def _sum_squares(norms: list[torch.Tensor]) -> float:
+    """Sum of the squares of 0-d float64 norms, with one device-to-host read where they share a device."""
+    if not norms:
+        return 0.0
+    if len({t.device for t in norms}) == 1:
+        return float(torch.stack(norms).square().sum())
+    return sum(float(t) ** 2 for t in norms)
+
+
+def saved_norm2(saved: Mapping[str, torch.Tensor]) -> float:
+    """``||W_saved||**2`` over the floating-point tensors of a layer (float64 sums): the denominator of
+    :func:`relative_change`, computed once per saved version."""
+    return _sum_squares([torch.linalg.vector_norm(t, dtype=torch.float64)
+                         for t in saved.values() if t.is_floating_point()])
+
+
+def relative_change(live: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], *,
+                    den: float | None = None) -> float:
+    """``||W - W_saved|| / ||W_saved||`` over all tensors of a layer (float64 sums; ``den``: the saved
+    version's :func:`saved_norm2`, if known). A non-floating tensor that differs is an infinite change.
+
+    One float32 temporary per tensor (the difference), float64 only inside the reductions, and one read of
+    the result per layer (no synchronisation per tensor on a GPU)."""
+    nums: list[torch.Tensor] = []
     for n, s in saved.items():
         w = live[n]
         if not (w.is_floating_point() and s.is_floating_point()):
             if not torch.equal(w, s):
                 return float("inf")
             continue
-        num += float((w.double() - s.double()).pow(2).sum())
-        den += float(s.double().pow(2).sum())
+        nums.append(torch.linalg.vector_norm(w - s, dtype=torch.float64))
+    num = _sum_squares(nums)
+    if den is None:
+        den = saved_norm2(saved)
     if den == 0.0:
         return 0.0 if num == 0.0 else float("inf")
     return (num / den) ** 0.5
@@ -203,6 +225,7 @@ class LayerwiseTracker:
         self.tau = tau
         self.max_staleness = max_staleness
         self._saved: dict[str, dict[str, torch.Tensor]] = {}
+        self._den: dict[str, float] = {}  # saved_norm2 of each saved version
         self._step: dict[str, int] = {}
         self.slots: dict[str, int] = {}
 
@@ -214,10 +237,11 @@ class LayerwiseTracker:
         if (layer in self.slots and step - self._step[layer] >= max(1, self.max_staleness // 2)
                 and forced_save(step, self._step[layer], self.slots[layer], self.max_staleness)):
             return True  # smoothed I/O: past half the bound, a layer's forced save falls on its own slot
-        return relative_change(live, self._saved[layer]) > self.tau
+        return relative_change(live, self._saved[layer], den=self._den[layer]) > self.tau
 
     def saved(self, layer: str, step: int, params: Mapping[str, torch.Tensor]) -> None:
         self._saved[layer] = {n: t.detach().clone() for n, t in params.items()}
+        self._den[layer] = saved_norm2(self._saved[layer])
         self._step[layer] = step
 
     def last_step(self, layer: str) -> int | None:
@@ -225,6 +249,7 @@ class LayerwiseTracker:
 
     def reset(self) -> None:
         self._saved.clear()
+        self._den.clear()
         self._step.clear()
 
 

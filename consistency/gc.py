@@ -78,8 +78,24 @@ def closure(index: Index, roots: set[ShardKey]) -> set[ShardKey]:
     return out
 
 
-def required_steps(steps: StepProtocol, model: str, step_numbers: list[int]) -> set[int]:
-    """``step_numbers`` with every step their manifests (transitively) ``require``."""
+def _manifest(steps: StepProtocol, model: str, step: int, cache: dict[int, dict] | None) -> dict | None:
+    if cache is None:
+        return steps.manifest(model, step)
+    m = cache.get(step)
+    if m is None:
+        m = steps.manifest(model, step)
+        if m is not None:  # a committed step's manifest never changes while its writer's epoch lasts
+            cache[step] = m
+    return m
+
+
+def required_steps(steps: StepProtocol, model: str, step_numbers: list[int], *,
+                   cache: dict[int, dict] | None = None) -> set[int]:
+    """``step_numbers`` with every step their manifests (transitively) ``require``.
+
+    ``cache``: parsed manifests by step, filled and reused (a writer's retention passes one for as long
+    as its epoch lasts: a committed manifest changes only when a newer incarnation supersedes the step).
+    """
     out: set[int] = set()
     todo = list(step_numbers)
     while todo:
@@ -87,18 +103,21 @@ def required_steps(steps: StepProtocol, model: str, step_numbers: list[int]) -> 
         if s in out:
             continue
         out.add(s)
-        m = steps.manifest(model, s)
+        m = _manifest(steps, model, s, cache)
         if m is not None:
             todo += [r for r in m.get("requires", []) if r not in out]
     return out
 
 
-def reachable(steps: StepProtocol, model: str, step_numbers: list[int]) -> set[ShardKey]:
+def reachable(steps: StepProtocol, model: str, step_numbers: list[int], *,
+              cache: dict[int, dict] | None = None) -> set[ShardKey]:
     """Every object a restore of one of ``step_numbers`` reads: the complete sets their manifests (and the
-    manifests of the steps they require) record, with any delta base or ref target the index links beyond."""
+    manifests of the steps they require) record, with any delta base or ref target the index links beyond.
+    Each manifest is read once (``cache``: see :func:`required_steps`)."""
+    cache = {} if cache is None else cache
     roots: set[ShardKey] = set()
-    for s in sorted(required_steps(steps, model, step_numbers)):
-        m = steps.manifest(model, s)
+    for s in sorted(required_steps(steps, model, step_numbers, cache=cache)):
+        m = _manifest(steps, model, s, cache)
         if m is not None:
             roots.update(ShardKey.parse(o["key"]) for o in complete_entries(m))
     return closure(steps.index, roots)

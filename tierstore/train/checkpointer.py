@@ -177,6 +177,7 @@ class Checkpointer:
         self.rank, self.world_size, self.group = self.ranks.rank, self.ranks.world_size, self.ranks.group
         self.epoch: int | None = None
         self._lost: set[int] = set()  # committed steps this incarnation's restore could not read
+        self._manifests: dict[int, dict] = {}  # retention's parsed manifests, for this epoch
         self.stats = SaveStats()
         self.report = RestoreReport()
         pol = self.policy
@@ -391,7 +392,8 @@ class Checkpointer:
                 snap.before_vote(snap.vote_extra)
             self._retained_below = retain(self.store, self.model, self.rank, self.keep_last,
                                           self.policy.max_staleness or 0, self._retained_below,
-                                          self._replay.base_of if self._replay is not None else None)
+                                          self._replay.base_of if self._replay is not None else None,
+                                          self._manifests)
             while snap.pendings:
                 infos.append(snap.pendings.pop(0)[1].finish())
             if snap.staged:
@@ -540,6 +542,7 @@ class Checkpointer:
             if self._replay is not None and got.step is not None:
                 self._replay.continue_from(got.step, self.report.base_step)
         self.report.step, self.report.epoch = got.step, self.epoch
+        self._manifests.clear()  # a step of an older incarnation may have been superseded
         self._lost = ({s for s in committed if s > got.step}
                       if not read_only and step is None and got.step is not None else set())
         self.report.fell_back = got.step != self.report.newest if got.step is not None else False
@@ -557,6 +560,7 @@ class Checkpointer:
             why = (f"lost: incarnation {self.epoch} could not read it and resumed from step {self.report.step}; "
                    "saved again")
             was = self.store.steps.supersede(self.model, step, epoch=self.epoch, reason=why)
+            self._manifests.pop(step, None)  # retention must read the new attempt's manifest
             if was in ("committed", "durable"):
                 log.warning("step %d of %s was %s but unreadable at the restore: saved again (%s)",
                             step, self.model, was, why)

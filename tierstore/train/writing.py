@@ -142,12 +142,14 @@ def write_layer(store: Any, model: str, rank: int, ln: str, step: int, tensors: 
 
 
 def retain(store: Any, model: str, rank: int, keep_last: int | None, max_staleness: int, below: int,
-           floor: Callable[[int], int] | None = None) -> int:
+           floor: Callable[[int], int] | None = None, manifests: dict[int, dict] | None = None) -> int:
     """Delete this rank's objects that the last ``keep_last`` committed steps no longer reach.
 
     ``below`` is the horizon of the previous pass (nothing to do if it did not move
     and no aborted step waits); returns the new horizon. ``floor(oldest)`` widens
     what is kept to the step a restore of ``oldest`` starts from (replay: its base).
+    ``manifests``: the caller's cache of parsed manifests (see :func:`consistency.gc.reachable`);
+    entries below the kept window are dropped from it.
     """
     if keep_last is None:
         return below
@@ -164,7 +166,10 @@ def retain(store: Any, model: str, rank: int, keep_last: int | None, max_stalene
     horizon = kept[0]
     if horizon <= below and not aborted:
         return below
-    keep = reachable(store.steps, model, kept)
+    if manifests is not None:
+        for s in [s for s in manifests if s < horizon]:
+            del manifests[s]
+    keep = reachable(store.steps, model, kept, cache=manifests)
     victims = [k for k in store.list(model)
                if k.rank == rank and k not in keep and (k.step < horizon or k.step in aborted)]
     deferred = False

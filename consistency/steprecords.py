@@ -150,8 +150,13 @@ class StepRecords(StepBase):
         """
         self._check(model, step)
         ks = self._keys(model, step)
-        if self.state(model, step) == "durable" and self.durable is not None:
-            self.durable.delete(durable_manifest_name(model, step))
+        if self.durable is not None:
+            (rec,) = self.records(model, [step])
+            if rec.state == "durable" and rec.epoch < epoch and epoch >= self.index.epoch(model):
+                # the script below could still be fenced by an incarnation that began since this check:
+                # the step then stays durable without its manifest (an index rebuild loses it), never
+                # the other way round (a superseded step resurrected by a rebuild)
+                self.durable.delete(durable_manifest_name(model, step))
         out = self._run(f"supersede step {step} of {model}", self._supersede, [ks["epoch"], ks["step"]],
                         [epoch, reason[:1000], ks["events"], step])
         return _s(out)

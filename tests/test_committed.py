@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tierstore
+from consistency.manifest import durable_manifest_name
 from tests._tiers import copies, live_path
 from tests.test_twophase import M, save_step, shard
 from tierstore import ShardKey
@@ -274,6 +275,8 @@ def test_only_a_writer_that_fell_back_supersedes(store):
     for step in range(3):
         ck.save(step)
         ck.wait()
+    store.flush()  # durable before the next incarnations fence this writer's migration marks
+    assert store.steps.state("keep", 2) == "durable"
     for kwargs in ({"step": 1}, {"read_only": True}, {}):
         other = Checkpointer(store, "keep", torch.nn.Sequential(torch.nn.Linear(4, 4)), keep_last=None)
         other.restore(**kwargs)
@@ -284,7 +287,8 @@ def test_only_a_writer_that_fell_back_supersedes(store):
     e0 = store.steps.records("keep", [2])[0].epoch
     with pytest.raises(FencedError):  # the first incarnation is fenced by the later writers' restores
         store.steps.supersede("keep", 2, epoch=e0, reason="stale")
-    assert store.steps.state("keep", 2) == "committed"
+    assert store.steps.state("keep", 2) == "durable"  # and its durable manifest is still there
+    assert store.durable.exists(durable_manifest_name("keep", 2))
     ck.close()
 
 

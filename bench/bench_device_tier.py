@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from tierstore.embedded import stop_server
+
 
 def _fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:.1f} ms ({min(xs) * 1e3:.1f}–{max(xs) * 1e3:.1f})"
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dev_store.close()
         host_store.close()
+        stop_server(tmp)  # the embedded index server the run started
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 

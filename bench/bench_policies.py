@@ -30,6 +30,8 @@ import tempfile
 import time
 from datetime import timedelta
 
+from tierstore.embedded import stop_server
+
 
 def _policies(a: argparse.Namespace):
     from tierstore.train import policies as P
@@ -50,7 +52,6 @@ def _rank(rank: int, world: int, port: int, home: str, out: str, a: argparse.Nam
 
     import tierstore
     from tierstore import codec
-    from tierstore.train.checkpointer import Checkpointer
     from tierstore.testing.gpt import (
         GPTConfig,
         char_dataset,
@@ -59,6 +60,7 @@ def _rank(rank: int, world: int, port: int, home: str, out: str, a: argparse.Nam
         setup_determinism,
         train_step,
     )
+    from tierstore.train.checkpointer import Checkpointer
 
     setup_determinism(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             port = s.getsockname()[1]
         out = os.path.join(tmp, "out")
         mp.start_processes(_rank, args=(2, port, os.path.join(tmp, "home"), out, a), nprocs=2, start_method="spawn")
+        stop_server(os.path.join(tmp, "home"))  # the embedded index server the ranks shared
         ranks = [json.load(open(f"{out}.{r}.json")) for r in range(2)]
         lz = json.load(open(f"{out}.lz4.json"))
     names = list(ranks[0]["res"])

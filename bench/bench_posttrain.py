@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 import tierstore
+from tierstore.embedded import stop_server
 from tierstore.testing.gpt import GPTConfig, char_dataset, get_batch, make_model, setup_determinism, train_step
 from tierstore.train import policies as P
 from tierstore.train.checkpointer import Checkpointer
@@ -122,64 +123,68 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     nparams = sum(p.numel() for p in model.parameters())
 
     with tempfile.TemporaryDirectory(prefix="bench-posttrain-") as tmp:
-        store = tierstore.open(home=os.path.join(tmp, "home"))
-        jobs: dict[str, dict[str, Any]] = {}
-        for i, (name, pol) in enumerate(policies(a).items()):
-            m, o, s = _job(cfg, pre, a)
-            ck = Checkpointer(store, f"ft{i}", state={"model": m, "optim": o, "sched": s}, policy=pol)
-            jobs[name] = {"model": m, "opt": o, "sched": s, "ck": ck, "chunks": [], "losses": []}
-        motion: dict[str, list[float]] = {}
-        prev = {n: p.detach().clone() for n, p in jobs["exact"]["model"].named_parameters()}
-        for start in range(0, a.steps, a.chunk):
-            stop = min(a.steps, start + a.chunk)
+        home = os.path.join(tmp, "home")
+        try:
+            store = tierstore.open(home=home)
+            jobs: dict[str, dict[str, Any]] = {}
+            for i, (name, pol) in enumerate(policies(a).items()):
+                m, o, s = _job(cfg, pre, a)
+                ck = Checkpointer(store, f"ft{i}", state={"model": m, "optim": o, "sched": s}, policy=pol)
+                jobs[name] = {"model": m, "opt": o, "sched": s, "ck": ck, "chunks": [], "losses": []}
+            motion: dict[str, list[float]] = {}
+            prev = {n: p.detach().clone() for n, p in jobs["exact"]["model"].named_parameters()}
+            for start in range(0, a.steps, a.chunk):
+                stop = min(a.steps, start + a.chunk)
+                for name, j in jobs.items():
+                    t = time.perf_counter()
+                    for step in range(start, stop):
+                        x, y = get_batch(prose, step, 0, a.batch, cfg.block, 1)
+                        j["losses"].append(train_step(j["model"], j["opt"], x, y))
+                        j["sched"].step()
+                        j["ck"].save(step)
+                    state = j["ck"].wait()
+                    j["chunks"].append((time.perf_counter() - t) / (stop - start))
+                    if state != "committed":
+                        raise RuntimeError(f"{name}: step {stop - 1} {state}")
+                # layer motion over the chunk, from the exact copy, outside the timed chunks
+                _layer_motion(jobs["exact"]["model"], prev, motion)
+            rows: dict[str, dict[str, Any]] = {}
             for name, j in jobs.items():
+                ck = j["ck"]
+                st = ck.stats.as_dict()
+                payoff = ck._diff.payoff.report() if ck._diff is not None and ck._diff.payoff is not None else None
+                ck.close()
+                m2, o2, s2 = _job(cfg, pre, a)
+                ck2 = Checkpointer(store, ck.model, state={"model": m2, "optim": o2, "sched": s2}, policy=ck.policy)
                 t = time.perf_counter()
-                for step in range(start, stop):
+                restored = ck2.restore().step
+                restore_s = time.perf_counter() - t
+                ck2.close()
+                dev = 0.0
+                for step in range(a.steps, a.steps + a.after):
                     x, y = get_batch(prose, step, 0, a.batch, cfg.block, 1)
-                    j["losses"].append(train_step(j["model"], j["opt"], x, y))
+                    lo = train_step(j["model"], j["opt"], x, y)
                     j["sched"].step()
-                    j["ck"].save(step)
-                state = j["ck"].wait()
-                j["chunks"].append((time.perf_counter() - t) / (stop - start))
-                if state != "committed":
-                    raise RuntimeError(f"{name}: step {stop - 1} {state}")
-            # layer motion over the chunk, from the exact copy, outside the timed chunks
-            _layer_motion(jobs["exact"]["model"], prev, motion)
-        rows: dict[str, dict[str, Any]] = {}
-        for name, j in jobs.items():
-            ck = j["ck"]
-            st = ck.stats.as_dict()
-            payoff = ck._diff.payoff.report() if ck._diff is not None and ck._diff.payoff is not None else None
-            ck.close()
-            m2, o2, s2 = _job(cfg, pre, a)
-            ck2 = Checkpointer(store, ck.model, state={"model": m2, "optim": o2, "sched": s2}, policy=ck.policy)
-            t = time.perf_counter()
-            restored = ck2.restore().step
-            restore_s = time.perf_counter() - t
-            ck2.close()
-            dev = 0.0
-            for step in range(a.steps, a.steps + a.after):
-                x, y = get_batch(prose, step, 0, a.batch, cfg.block, 1)
-                lo = train_step(j["model"], j["opt"], x, y)
-                j["sched"].step()
-                lr_ = train_step(m2, o2, x, y)
-                s2.step()
-                dev = max(dev, abs(lr_ - lo) / lo)
-            rows[name] = {
-                "bytes_per_step": st["bytes"] / a.steps,
-                "logical_bytes_per_step": st["logical_bytes"] / a.steps,
-                "objects": st["objects"],
-                "layers_saved": st["layers_saved"],
-                "iter_ms_median": 1e3 * statistics.median(j["chunks"]),
-                "iter_ms_min": 1e3 * min(j["chunks"]),
-                "iter_ms_max": 1e3 * max(j["chunks"]),
-                "restored_step": restored,
-                "restore_ms": 1e3 * restore_s,
-                "deviation": dev,
-                "payoff": payoff,
-                "final_loss": j["losses"][-1],
-            }
-        store.close()
+                    lr_ = train_step(m2, o2, x, y)
+                    s2.step()
+                    dev = max(dev, abs(lr_ - lo) / lo)
+                rows[name] = {
+                    "bytes_per_step": st["bytes"] / a.steps,
+                    "logical_bytes_per_step": st["logical_bytes"] / a.steps,
+                    "objects": st["objects"],
+                    "layers_saved": st["layers_saved"],
+                    "iter_ms_median": 1e3 * statistics.median(j["chunks"]),
+                    "iter_ms_min": 1e3 * min(j["chunks"]),
+                    "iter_ms_max": 1e3 * max(j["chunks"]),
+                    "restored_step": restored,
+                    "restore_ms": 1e3 * restore_s,
+                    "deviation": dev,
+                    "payoff": payoff,
+                    "final_loss": j["losses"][-1],
+                }
+            store.close()
+        finally:
+            stop_server(home)  # the embedded index server the run started
     return {
         "args": vars(a), "params": nparams, "pretrain_s": pretrain_s,
         "pretrain_loss": [pre_losses[0], pre_losses[-1]],

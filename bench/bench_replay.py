@@ -23,6 +23,7 @@ import tempfile
 import time
 
 import tierstore
+from tierstore.embedded import stop_server
 from tierstore.testing.gpt import (
     GPTConfig,
     char_dataset,
@@ -104,9 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     setup_determinism(0)
     cfg = GPTConfig(d_model=a.d_model, n_layer=a.layers)
-    with tempfile.TemporaryDirectory() as home, tierstore.open(home=home) as store:
-        bytes_per_step(store, cfg, a.steps, a.base_every)
-        restore_vs_chain(store, cfg, [int(c) for c in a.chains.split(",")])
+    with tempfile.TemporaryDirectory() as home:
+        try:
+            with tierstore.open(home=home) as store:
+                bytes_per_step(store, cfg, a.steps, a.base_every)
+                restore_vs_chain(store, cfg, [int(c) for c in a.chains.split(",")])
+        finally:
+            stop_server(home)  # the embedded index server the run started
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tierstore
+from tierstore.embedded import stop_server
 from tierstore.train.checkpointer import Checkpointer
 from tierstore.train.export import export_model
 from tierstore.train.importing import import_model
@@ -126,6 +127,7 @@ def main() -> None:
     finally:
         store.close()
         if a.dir is None:
+            stop_server(root / "home")  # the embedded index server the run started
             shutil.rmtree(root, ignore_errors=True)
     ratios = {"export/save_file": rows["export safetensors"][0] / rows["safetensors.save_file"][0],
               "import/load_file": rows["import safetensors"][0] / rows["safetensors.load_file"][0],

@@ -106,14 +106,7 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
     arguments and the scripts), :class:`~consistency.steprecords.StepRecords`,
     :class:`~consistency.progress.Incarnations` and
     :class:`~consistency.durable.DurableLevel`; this module holds the vote/commit path.
-
-    Args:
-        index: the index.
-        durable: where durable manifests go (``None``: steps never become durable).
-        step_timeout_s: a step still preparing this long after it began is aborted (0: never).
-        clock: seconds since the epoch to use instead of the server's ``TIME`` (tests inject one).
-        on_lost: called with a model the index lost (its durable manifests exist): it must restore
-            the index (the store rebuilds it); ``None`` raises :class:`IndexLostError` instead.
+    The constructor's arguments are :class:`~consistency.stepbase.StepBase`'s.
     """
 
     def begin(self, model: str, step: int, world_size: int, *, layout: dict | None = None,

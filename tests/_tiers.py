@@ -24,3 +24,14 @@ def live_name(store, key: ShardKey) -> str:
 def live_path(root, store, key: ShardKey) -> Path:
     """The file of the live copy of ``key`` below a tier's ``root`` (host or local durable)."""
     return Path(root) / live_name(store, key)
+
+
+def flip_everywhere(store, key: ShardKey) -> None:
+    """Flip one byte in the middle of the live copy of ``key`` in the host tier and, if it is a local
+    directory, the durable tier: a corruption every tier that holds it shares."""
+    roots = [store.host.root] + ([store.durable.root] if getattr(store.durable, "root", None) else [])
+    for root in roots:
+        p = live_path(root, store, key)
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        p.write_bytes(bytes(raw))

@@ -18,7 +18,7 @@ import torch
 
 import tierstore
 from consistency.manifest import durable_manifest_name
-from tests._tiers import copies, live_path
+from tests._tiers import copies, flip_everywhere
 from tests.test_twophase import M, save_step, shard
 from tierstore import ShardKey
 from tierstore.delta import xor_delta
@@ -190,11 +190,7 @@ def test_a_corrupt_newest_step_falls_back_with_a_warning(store, caplog):
     save_step(store, 2, 2)
     store.flush()
     bad = ShardKey(M, "b", 2, 1)
-    for root in (store.host.root, store.durable.root):  # one byte flipped in every tier
-        p = live_path(root, store, bad)
-        raw = bytearray(p.read_bytes())
-        raw[len(raw) // 2] ^= 0x01
-        p.write_bytes(bytes(raw))
+    flip_everywhere(store, bad)  # one byte flipped in every tier
     with caplog.at_level("WARNING"):
         res = store.resolve(M)
     assert res.step == 1 and list(res.skipped) == [2] and str(bad) in res.skipped[2]
@@ -207,14 +203,6 @@ def test_a_corrupt_newest_step_falls_back_with_a_warning(store, caplog):
     assert store.resolve(M, step=1).step == 1
     with pytest.raises(NoValidCopyError, match="not committed"):
         store.resolve(M, step=3)
-
-
-def _flip_everywhere(store, key: ShardKey) -> None:
-    for root in (store.host.root, store.durable.root):  # one byte flipped in every tier
-        p = live_path(root, store, key)
-        raw = bytearray(p.read_bytes())
-        raw[len(raw) // 2] ^= 0x01
-        p.write_bytes(bytes(raw))
 
 
 def test_training_resumed_past_an_unreadable_committed_step_saves_that_step_again(store, caplog):
@@ -234,7 +222,7 @@ def test_training_resumed_past_an_unreadable_committed_step_saves_that_step_agai
     store.flush()
     assert store.steps.state("resume", 2) == "durable"
     (bad, *_) = [info.key for info in store.resolve("resume", step=2).objects.values()]
-    _flip_everywhere(store, bad)
+    flip_everywhere(store, bad)
 
     net2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     ck2 = Checkpointer(store, "resume", net2, keep_last=None)

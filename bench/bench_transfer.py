@@ -37,10 +37,10 @@ from torch import nn
 
 import tierstore
 from tierstore.embedded import stop_server
+from tierstore.interop.export import export_model
+from tierstore.interop.importing import import_model
+from tierstore.interop.weights_files import INDEX_FILE, parse_size
 from tierstore.train.checkpointer import Checkpointer
-from tierstore.train.export import export_model
-from tierstore.train.importing import import_model
-from tierstore.train.weights_files import INDEX_FILE, parse_size
 
 
 def timeit(fn: Callable[[int], object], reps: int, clean: Callable[[], None]) -> tuple[float, float, float]:

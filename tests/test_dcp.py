@@ -33,8 +33,8 @@ from tierstore.errors import (
     StepAbortedError,
     UnknownError,
 )
-from tierstore.train import dcp as tsdcp
-from tierstore.train.dcp import (
+from tierstore.interop import dcp as tsdcp
+from tierstore.interop.dcp import (
     TierStoreReader,
     TierStoreWriter,
     metadata_from_json,
@@ -407,7 +407,7 @@ def test_named_step_load_refuses_a_step_whose_coordinator_died_before_its_vote(s
         import tierstore
         from tierstore.config import StoreConfig
         from tierstore.store import TierStore
-        from tierstore.train.dcp import META_LAYER, TierStoreWriter
+        from tierstore.interop.dcp import META_LAYER, TierStoreWriter
         put = TierStore.put
         def dying_put(self, key, *a, **k):
             rec = put(self, key, *a, **k)
@@ -440,7 +440,7 @@ def test_tampered_value_never_reaches_a_general_unpickler(store, tmp_path, monke
     immutable), so the forged bytes go in the way an attacker with a patched
     writer would put them: the writer's own refusal is switched off for the save.
     """
-    from tierstore.train import dcp_storage
+    from tierstore.interop import dcp_storage
 
     evil = _Evil()
     evil.marker = str(tmp_path / "pwned")

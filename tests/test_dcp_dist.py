@@ -84,7 +84,7 @@ def _ddp(rank: int, world: int, store, res: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from tests import dcp_cases as cases
-    from tierstore.train.dcp import TierStoreReader, TierStoreWriter
+    from tierstore.interop.dcp import TierStoreReader, TierStoreWriter
 
     def fresh():
         model = DDP(cases.Net())
@@ -176,8 +176,8 @@ def _fsdp_save(rank: int, world: int, store, res: dict, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from tests import dcp_cases as cases
-    from tierstore.train import dcp as tsdcp
-    from tierstore.train.dcp import TierStoreWriter
+    from tierstore.interop import dcp as tsdcp
+    from tierstore.interop.dcp import TierStoreWriter
 
     objs = _fsdp_model(world)
     cases.train(*objs, steps=2, seed=0)
@@ -199,7 +199,7 @@ def _fsdp_load(rank: int, world: int, store, res: dict, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from tierstore.train.dcp import TierStoreReader
+    from tierstore.interop.dcp import TierStoreReader
 
     objs = _fsdp_model(world)
     msd, osd = get_state_dict(objs[0], objs[1])
@@ -217,7 +217,7 @@ def _subgroups(rank: int, world: int, store, res: dict) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from tierstore.train.dcp import TierStoreReader, TierStoreWriter
+    from tierstore.interop.dcp import TierStoreReader, TierStoreWriter
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     gid = rank // 2

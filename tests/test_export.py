@@ -17,14 +17,14 @@ from torch import nn
 from tests._trainer import CFG, make, train_step
 from tierstore.cli import main as cli_main
 from tierstore.errors import KeyExistsError, MissingDependencyError, NoValidCopyError, RestoreMismatchError
+from tierstore.interop.export import export_model
+from tierstore.interop.importing import ImportMismatchError, import_model
+from tierstore.interop.weights_files import INDEX_FILE
 from tierstore.keys import ShardKey
 from tierstore.testing.gpt import GPT
 from tierstore.train.checkpointer import Checkpointer
-from tierstore.train.export import export_model
-from tierstore.train.importing import ImportMismatchError, import_model
 from tierstore.train.policies import differential, layerwise
 from tierstore.train.state import RNGState
-from tierstore.train.weights_files import INDEX_FILE
 
 
 def demo_gpt() -> nn.Module:

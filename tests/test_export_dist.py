@@ -19,10 +19,10 @@ import tierstore
 from tests._trainer import CFG
 from tests.redis_server import free_port
 from tests.test_export import bits, load_export, pretrained
+from tierstore.interop.export import export_model
+from tierstore.interop.importing import import_model
 from tierstore.keys import ShardKey
 from tierstore.testing.gpt import GPT
-from tierstore.train.export import export_model
-from tierstore.train.importing import import_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,6 +4,8 @@ functions and under TYPE_CHECKING), and the ownership of the index's keys and cl
 - the data path (``tierstore/*.py``) never imports ``tierstore.train``, ``tierstore.cli`` or
   ``tierstore.testing``; the trainer surface (``tierstore.train``) never imports the command line
   or the test tooling: the library never imports its CLI;
+- the trainer surface (``tierstore.train``) never imports the adapters (``tierstore.interop``): interop
+  is built on train, never the reverse;
 - ``backends/`` imports nothing of the project but ``backends``, ``tierstore.errors`` and ``tierstore.keys``;
 - ``consistency/`` imports of ``tierstore`` only its leaf modules (``errors``, ``keys``): never the store;
 - only ``consistency/`` spells index keys (``ts:...``) or touches the index's client (``._r``, ``._k``);
@@ -72,7 +74,7 @@ def _under(mod: str, *prefixes: str) -> bool:
     return any(mod == p or mod.startswith(p + ".") for p in prefixes)
 
 
-DATA_PATH_FORBIDDEN = ("tierstore.train", "tierstore.cli", "tierstore.testing")
+DATA_PATH_FORBIDDEN = ("tierstore.train", "tierstore.interop", "tierstore.cli", "tierstore.testing")
 
 
 def test_data_path_never_imports_train_cli_or_testing():
@@ -87,6 +89,13 @@ def test_the_library_never_imports_its_command_line():
     def rule(me: str, mod: str) -> bool:
         library = not _under(me, "tierstore.cli", "tierstore.testing")
         return library and _under(mod, "tierstore.cli", "tierstore.testing")
+
+    assert _violations(rule) == []
+
+
+def test_train_never_imports_interop():
+    def rule(me: str, mod: str) -> bool:
+        return _under(me, "tierstore.train") and _under(mod, "tierstore.interop")
 
     assert _violations(rule) == []
 

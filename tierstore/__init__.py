@@ -16,7 +16,8 @@ the leaf modules (:mod:`tierstore.errors`, :mod:`tierstore.keys`) can be used
 by every layer without import cycles.
 
 Layout: the data path lives here at the top level; :mod:`tierstore.train` is
-what a trainer touches; :mod:`tierstore.cli` the processes (never imported by
+what a trainer touches; :mod:`tierstore.interop` the adapters (DCP, export/import);
+:mod:`tierstore.cli` the processes (never imported by
 the library); :mod:`tierstore.testing` fault injection and the demo's model.
 """
 

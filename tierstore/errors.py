@@ -169,6 +169,6 @@ class ObjectNotFoundError(UnknownError, KeyError):
 class CheckpointFailedError(TierStoreError):
     """A ``torch.distributed.checkpoint`` save or load failed on some rank for a reason outside tierstore.
 
-    Raised by :mod:`tierstore.train.dcp`'s ``save``/``async_save``/``load`` in place of DCP's
+    Raised by :mod:`tierstore.interop.dcp`'s ``save``/``async_save``/``load`` in place of DCP's
     ``CheckpointException`` (a ``BaseException``); ``failures`` maps each failed rank to its error.
     """

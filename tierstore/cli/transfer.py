@@ -6,8 +6,8 @@
 
 Progress goes to stderr (a bar on a terminal, a line per tenth otherwise); the
 summary to stdout (``--json``: one JSON object). The work is done by
-:func:`tierstore.train.export.export_model` and
-:func:`tierstore.train.importing.import_model`.
+:func:`tierstore.interop.export.export_model` and
+:func:`tierstore.interop.importing.import_model`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import tierstore
 from tierstore.cli.admin import _connection_parser
 from tierstore.errors import ConfigError
-from tierstore.train.export import FORMATS, export_model
-from tierstore.train.importing import import_model
+from tierstore.interop.export import FORMATS, export_model
+from tierstore.interop.importing import import_model
 
 __all__ = ["export_main", "import_main"]
 

@@ -1,5 +1,5 @@
-"""What a trainer touches: the Checkpointer, its policies, layers, dedup, staggering, replay, the DCP adapter.
+"""What a trainer touches: the Checkpointer, its policies, layers, dedup, staggering, replay.
 
 Built on the data path (:mod:`tierstore.store` and friends); the data path never
-imports this package.
+imports this package; the adapters (:mod:`tierstore.interop`) are built on it, never the reverse.
 """

@@ -91,7 +91,7 @@ from tierstore.keys import ShardKey, validate_name
 from tierstore.train.dedup import DedupPlanner
 from tierstore.train.gather import read_shards
 from tierstore.train.gradlog import ReplayLog
-from tierstore.train.importing import adopt_import, import_seeds, seed_trackers
+from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
 from tierstore.train.layers import PARAM
 from tierstore.train.lazy import UpdateGate, clone_eager
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact

@@ -1,6 +1,6 @@
 """The DCP ``StorageWriter``/``StorageReader`` on tierstore; the protocol, call by call.
 
-Users import these from :mod:`tierstore.train.dcp` (usage there).
+Users import these from :mod:`tierstore.interop.dcp` (usage there).
 
 Write protocol (DCP's calls in order, who makes them, what tierstore does):
 
@@ -25,7 +25,7 @@ Write protocol (DCP's calls in order, who makes them, what tierstore does):
    votes for the step (``world + 1`` voters). Any failure here is a negative
    vote: the step is aborted at once, never left ``preparing``.
 5. the coordinator, ``finish``: DCP's :class:`Metadata` as JSON (never
-   pickled; :mod:`tierstore.train.dcp_format`) in
+   pickled; :mod:`tierstore.interop.dcp_format`) in
    ``ShardKey(model, "dcp-metadata", step, world)``, voted by voter
    ``world``: the last vote, the commit point.
 
@@ -41,9 +41,9 @@ one (``store.resolve``); ``read_data`` reads each rank object once, narrows
 each chunk to the request (any world size may read: DCP reshards by offsets)
 and hands non-tensor values to the planner.
 
-Unpickling: only through :func:`tierstore.train.dcp_format.restricted_load`
+Unpickling: only through :func:`tierstore.interop.dcp_format.restricted_load`
 (``weights_only=True``): in ``write_data`` (the check before a value is
-stored) and in ``read_data``; :mod:`tierstore.train.dcp` explains what DCP's
+stored) and in ``read_data``; :mod:`tierstore.interop.dcp` explains what DCP's
 planner then does with the value.
 """
 
@@ -85,9 +85,7 @@ from tierstore.errors import (
     TierStoreError,
     UnknownError,
 )
-from tierstore.keys import ShardKey, validate_name
-from tierstore.store import TierStore
-from tierstore.train.dcp_format import (
+from tierstore.interop.dcp_format import (
     BYTES,
     SCHEMA,
     TENSOR,
@@ -98,7 +96,9 @@ from tierstore.train.dcp_format import (
     resave,
     restricted_load,
 )
-from tierstore.train.store_ref import StoreRef
+from tierstore.interop.store_ref import StoreRef
+from tierstore.keys import ShardKey, validate_name
+from tierstore.store import TierStore
 
 __all__ = ["DATA_LAYER", "META_LAYER", "TierStoreReader", "TierStoreWriter", "check_tensor_props"]
 

@@ -1,6 +1,6 @@
 """A picklable handle to a store: its configuration crosses process boundaries, the live store does not.
 
-Used by the DCP writer and reader (:mod:`tierstore.train.dcp_storage`), which
+Used by the DCP writer and reader (:mod:`tierstore.interop.dcp_storage`), which
 DCP's process-based ``async_save`` pickles into its checkpoint process.
 """
 

@@ -20,7 +20,7 @@ writes nothing to the store, so a running trainer is not disturbed::
    back to the next tier on a bad copy, as a restore does), reassemble
    tensors split across ranks (:func:`~tierstore.train.gather.assemble_layer`),
    cast floating-point tensors to ``dtype``, hand each tensor to the writer
-   (:mod:`tierstore.train.weights_files`), drop the layer.
+   (:mod:`tierstore.interop.weights_files`), drop the layer.
 
 Names in the files: a module's tensors keep their normalised names
 (``blocks.0.attn.qkv.weight``: wrapper prefixes such as ``module.`` and
@@ -50,10 +50,10 @@ from typing import Any
 import torch
 
 from tierstore.errors import InvalidValueError, NoValidCopyError
+from tierstore.interop.weights_files import SafetensorsWriter, TorchWriter, parse_size
 from tierstore.keys import validate_name
 from tierstore.train.gather import Meter, assemble_layer, nbytes, read_object
 from tierstore.train.layers import BUFFER, OPTIM, PARAM
-from tierstore.train.weights_files import SafetensorsWriter, TorchWriter, parse_size
 
 __all__ = ["DTYPES", "FORMATS", "ExportReport", "export_model", "natural_key", "parse_dtype"]
 

@@ -1,7 +1,7 @@
 """What the DCP adapter stores: DCP metadata as JSON, and non-tensor values read back safely.
 
 This module owns the stored form of a ``torch.distributed.checkpoint`` save in
-tierstore (:mod:`tierstore.train.dcp` owns the protocol):
+tierstore (:mod:`tierstore.interop.dcp` owns the protocol):
 
 - DCP's :class:`Metadata` is written as JSON (:func:`metadata_to_json` /
   :func:`metadata_from_json`), never pickled: tensor properties, sizes and

@@ -17,11 +17,11 @@ works: the checkpoint process opens the same store (same index, same host
 tier) once and keeps it for its next saves.
 
 The protocol DCP runs against the writer and reader, call by call, and which
-rank does what, is in :mod:`tierstore.train.dcp_storage`; what is stored, in
-:mod:`tierstore.train.dcp_format`.
+rank does what, is in :mod:`tierstore.interop.dcp_storage`; what is stored, in
+:mod:`tierstore.interop.dcp_format`.
 
 Where unpickling happens, and that it is restricted: a non-tensor value is
-unpickled once by tierstore, in :func:`tierstore.train.dcp_format.restricted_load`
+unpickled once by tierstore, in :func:`tierstore.interop.dcp_format.restricted_load`
 (``torch.load(weights_only=True)``, allowing ``io.BytesIO``, ``bytes`` and what
 the caller allowed). The object it returns is re-serialised with ``torch.save`` and
 handed to ``planner.load_bytes``: DCP's default planner unpickles that with
@@ -53,8 +53,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from tierstore.errors import CheckpointFailedError, InvalidValueError, TierStoreError
-from tierstore.train.dcp_format import check_restricted, metadata_from_json, metadata_to_json
-from tierstore.train.dcp_storage import (
+from tierstore.interop.dcp_format import check_restricted, metadata_from_json, metadata_to_json
+from tierstore.interop.dcp_storage import (
     DATA_LAYER,
     META_LAYER,
     TierStoreReader,

@@ -8,7 +8,7 @@ Protocol: one process, before the job's Checkpointer is constructed::
 
 :func:`import_model`, in this order:
 
-1. *read the headers* (:func:`~tierstore.train.weights_files.open_source`):
+1. *read the headers* (:func:`~tierstore.interop.weights_files.open_source`):
    names, shapes and dtypes, no tensor data;
 2. *normalise names*: a ``module.`` prefix on every name (a DDP
    ``state_dict``) is dropped, and wrapper components (``_orig_mod``, ...) as
@@ -31,7 +31,7 @@ Protocol: one process, before the job's Checkpointer is constructed::
 
 A model that already has steps is refused (:class:`~tierstore.errors.KeyExistsError`).
 
-The Checkpointer side (:func:`adopt_import`, :func:`import_seeds`): a
+The Checkpointer side (:mod:`tierstore.train.imported`): a
 restore that lands on an imported step loads its one module into the
 state's one module and leaves every other entry (optimizer, scheduler, data,
 RNG) as constructed; and a writer's restore seeds the policy's trackers with
@@ -54,16 +54,15 @@ import torch
 from torch import nn
 
 from tierstore.errors import KeyExistsError, RestoreMismatchError
+from tierstore.interop.export import natural_key, parse_dtype
+from tierstore.interop.weights_files import open_source
 from tierstore.keys import ShardKey, validate_name
-from tierstore.train.export import natural_key, parse_dtype
+from tierstore.train.imported import IMPORT_STEP, MODULE_KEY
 from tierstore.train.layers import BUFFER, OPTIM, PARAM, StateMap, default_layer_fn, sanitize_layer_name
 from tierstore.train.state import normalise_fqn
-from tierstore.train.weights_files import open_source
 
-__all__ = ["IMPORT_STEP", "ImportMismatchError", "ImportReport", "adopt_import", "import_model", "import_seeds"]
+__all__ = ["IMPORT_STEP", "ImportMismatchError", "ImportReport", "import_model"]
 
-IMPORT_STEP = 0
-_MODULE_KEY = "model"
 
 
 class ImportMismatchError(RestoreMismatchError):
@@ -216,8 +215,8 @@ def _write(store: Any, model: str, get: Callable[[str], torch.Tensor], names: Ma
     order = sorted(layers, key=natural_key)
     epoch = store.open_epoch(model)
     store.begin_step(model, IMPORT_STEP, world, layout={"layers": order}, epoch=epoch)
-    doc = {"entries": {_MODULE_KEY: {"kind": "module", "prefix": "", "layers": order, "extra": {}}},
-           "user": None, "imported": {"module": _MODULE_KEY, "files": report.files}}
+    doc = {"entries": {MODULE_KEY: {"kind": "module", "prefix": "", "layers": order, "extra": {}}},
+           "user": None, "imported": {"module": MODULE_KEY, "files": report.files}}
     infos: list[list[Any]] = [[] for _ in range(world)]
     try:
         for i, ln in enumerate(order):
@@ -251,56 +250,3 @@ def _write(store: Any, model: str, get: Callable[[str], torch.Tensor], names: Ma
         state = store.wait_step(model, IMPORT_STEP, timeout=60.0)
     if state not in ("committed", "durable"):
         raise RestoreMismatchError(f"step {IMPORT_STEP} of {model!r} ended {state}", layer=None, tensor=None)
-
-
-# ---- the Checkpointer side ---------------------------------------------------------------------
-
-def is_imported(doc: Mapping[str, Any]) -> bool:
-    return isinstance(doc.get("imported"), dict)
-
-
-def adopt_import(state: Mapping[str, Any], doc: dict[str, Any], only: Iterable[str] | None,
-                 ) -> tuple[dict[str, Any], list[str] | None]:
-    """For a restore of an imported step: the document and ``only`` that load its module into the state's.
-
-    Any other step: ``(doc, only)`` unchanged.
-
-    Raises:
-        RestoreMismatchError: the state does not hold exactly one module.
-    """
-    if not is_imported(doc):
-        return doc, None if only is None else list(only)
-    entry = (doc.get("entries") or {}).get(doc["imported"].get("module", _MODULE_KEY))
-    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-    if entry is None or len(modules) != 1:
-        raise RestoreMismatchError(f"an imported step restores into a state with exactly one module (this one has "
-                                   f"{modules})", layer=None, tensor=None)
-    keys = [modules[0]] if only is None or modules[0] in set(only) else []
-    return {**doc, "entries": {modules[0]: entry}}, keys
-
-
-def import_seeds(doc: Mapping[str, Any], res: Any, shards: Mapping[str, tuple[dict[str, torch.Tensor], dict]],
-                 rank: int, world_size: int) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
-    """``layer -> (version, tensors)`` a writer's trackers start from after restoring an imported step.
-
-    Empty unless ``doc`` is an imported step's and ``res`` was written for
-    ``world_size`` ranks: each layer whose object for ``rank`` is its own full
-    object or a reference to another's (a delta against it then reads back).
-    """
-    if not is_imported(doc) or res.world_size != world_size:
-        return {}
-    out = {}
-    for ln, (tensors, _meta) in shards.items():
-        info = res.objects.get((ln, rank))
-        if info is not None and info.kind in ("full", "ref"):
-            out[ln] = (res.layers[ln], tensors)
-    return out
-
-
-def seed_trackers(seeds: Mapping[str, tuple[int, dict[str, torch.Tensor]]], layerwise: Any, diff: Any) -> None:
-    """Start a writer's ``layerwise`` / ``differential`` trackers from :func:`import_seeds` (they own the tensors)."""
-    for ln, (version, tensors) in seeds.items():
-        if diff is not None:
-            diff.saved(ln, version, tensors, "full")
-        if layerwise is not None:
-            layerwise.saved(ln, version, {n: t for n, t in tensors.items() if n.startswith(PARAM)})

@@ -1,30 +1,47 @@
-"""Garbage collection and host-tier eviction.
+"""Retention per tier and garbage collection.
 
-Retention (:class:`Retention`): keep the last ``keep_last`` committed steps,
-every ``keep_durable_every``-th durable step, every step still being
-prepared, and every step a kept step ``requires`` (a replay's base and logs).
-:func:`collect` deletes, from every tier and the index:
+Each tier survives another failure, so each keeps its own window
+(:func:`plan_retention`):
 
-- objects of aborted steps, and of committed steps the retention drops,
-  that no kept manifest reaches. A manifest records the complete set of
-  objects a restore of its step reads (its own, the older layer versions it
-  inherits under a layer-wise policy, every delta base and ref target they
-  reach: :func:`consistency.manifest.complete_entries`), so keeping what the
-  kept manifests list is right for every policy; links the index records
-  beyond them are followed too (manifests written before they listed them);
-- orphans: objects of a step never begun, older than the newest decided step.
+- **memory tiers** (host, peer) keep the last ``keep_last`` committed steps
+  (at least 1), widened by the staleness bound and by what those steps
+  ``require`` (a replay's base and logs), and every object their manifests reach;
+- **the durable tier** always keeps the newest durable step and everything its
+  manifest reaches, plus the last ``keep_durable`` durable steps and every
+  ``keep_durable_every``-th one. An object leaves the durable tier only once
+  a newer durable step exists that does not reach it: after any node loss a
+  restore finds a step no older than the newest step that was durable at
+  the moment of the loss;
+- windows count the live line only: committed steps of an older incarnation
+  *ahead* of the newest step the newest incarnation committed (a restore fell
+  back past them) are held, never retired here, until the live line saves
+  their numbers again (supersedes them, with proof that they are lost);
+- a committed step in neither window is **retired**: its durable manifest
+  goes first (an index rebuild can never resurrect it), then its objects that
+  no kept step reaches, from every tier and the index, then its step records
+  (it is no longer reported, nor restorable, anywhere). A committed step
+  newer than the newest durable step whose migration may still finish
+  (``hold``) is not retired yet;
+- a step kept only by the durable tier loses its memory copies (only where
+  the index records a durable copy: never the last copy of anything);
+- aborted steps, and objects of steps never begun (orphans older than the
+  newest decided step), are collected; steps still preparing, anything newer
+  than the newest decided step and everything their objects reach are never
+  touched.
 
-Steps still preparing, and anything newer than the newest decided step, are
-never touched, nor is anything their objects reach.
+A manifest records the complete set of objects a restore of its step reads
+(its own, the older layer versions it inherits under a layer-wise policy,
+every delta base and ref target they reach:
+:func:`consistency.manifest.complete_entries`), so keeping what the kept
+manifests list is right for every policy; links the index records beyond
+them are followed too (manifests written before they listed them).
 
-Nothing reachable from a kept manifest is ever deleted, so it is safe to run
-beside training: a step committing concurrently is newer than every step
-collected.
-
-The caller passes what gc needs, not a store: the commit protocol (its
-index and durable tier), how to delete one object from every tier and the
-index, and which objects are still migrating (left for a later pass).
-:meth:`tierstore.store.TierStore.gc` wires them.
+The writer's retention after each save (:func:`tierstore.train.writing.retain`)
+and :func:`collect` (``tierstore admin gc``, :meth:`tierstore.store.TierStore.gc`)
+both act on :func:`plan_retention`. It is safe beside training: a step
+committing concurrently is newer than every step collected, and ``keep_last``
+is at least 1, so the newest committed step (whose complete set holds every
+base a running writer's next delta or layer-wise step reads) is always kept.
 """
 
 from __future__ import annotations
@@ -32,35 +49,117 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from consistency.index import Index, ObjectRecord
 from consistency.manifest import complete_entries
 from consistency.twophase import StepProtocol
+from tierstore.errors import ConfigError
 from tierstore.keys import ShardKey
 
-__all__ = ["GCReport", "Retention", "closure", "collect", "reachable", "required_steps"]
+__all__ = ["GCReport", "Retention", "RetentionPlan", "closure", "collect", "plan_retention", "reachable",
+           "required_steps", "retire"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Retention:
+    """What each tier keeps (see the module docstring).
+
+    Attributes:
+        keep_last: committed steps the memory tiers keep (at least 1).
+        keep_durable_every: also keep every M-th durable step in the durable tier (0: none).
+        keep_durable: durable steps the durable tier keeps, newest first (at least 1).
+    """
+
     keep_last: int = 2
-    keep_durable_every: int = 0  # 0: keep no extra durable steps
+    keep_durable_every: int = 0
+    keep_durable: int = 1
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ConfigError(f"keep_last must be at least 1 (the newest committed step is what a running writer's "
+                              f"next step builds on), got {self.keep_last}", field="keep_last")
+        if self.keep_durable < 1:
+            raise ConfigError(f"keep_durable must be at least 1 (the newest durable step is the last line), "
+                              f"got {self.keep_durable}", field="keep_durable")
+        if self.keep_durable_every < 0:
+            raise ConfigError(f"keep_durable_every must be >= 0, got {self.keep_durable_every}",
+                              field="keep_durable_every")
 
 
 @dataclass
 class GCReport:
+    """What :func:`collect` did (or, with ``dry_run``, would do).
+
+    Attributes:
+        kept_steps: steps some tier keeps; ``durable_only``: those only the durable tier keeps.
+        dropped_steps: retired committed steps and collected aborted ones.
+        deleted: objects deleted from every tier; ``bytes_freed`` their size.
+        released: objects whose memory copies went (their durable copy stays); ``bytes_released``.
+        deferred: objects of steps whose migration may still finish (a later pass decides).
+    """
+
     kept_steps: list[int] = field(default_factory=list)
     dropped_steps: list[int] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     bytes_freed: int = 0
     dry_run: bool = True
     deferred: list[str] = field(default_factory=list)
+    durable_only: list[int] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    bytes_released: int = 0
 
     def to_json(self) -> dict:
         return {"kept_steps": self.kept_steps, "dropped_steps": self.dropped_steps, "deleted": self.deleted,
-                "bytes_freed": self.bytes_freed, "dry_run": self.dry_run, "deferred": self.deferred}
+                "bytes_freed": self.bytes_freed, "dry_run": self.dry_run, "deferred": self.deferred,
+                "durable_only": self.durable_only, "released": self.released,
+                "bytes_released": self.bytes_released}
+
+
+@dataclass
+class RetentionPlan:
+    """Which steps each tier keeps, and the objects that follows (see :func:`plan_retention`).
+
+    Attributes:
+        memory: steps the memory tiers keep; ``durable``: steps the durable tier keeps.
+        retired: committed steps to retire (durable manifest, objects no kept step reaches, records).
+        aborted: aborted steps to collect; ``held``: committed steps left for a later pass.
+        keep_memory / keep_durable: objects the memory tiers / the durable tier keep.
+        protected: objects of steps in flight and what they reach (never touched).
+        newest_decided: objects of steps newer than this are in flight; ``recorded``: steps with a record.
+    """
+
+    memory: list[int]
+    durable: list[int]
+    retired: list[int]
+    aborted: list[int]
+    held: list[int]
+    keep_memory: set[ShardKey]
+    keep_durable: set[ShardKey]
+    protected: set[ShardKey]
+    newest_decided: int
+    recorded: set[int]
+    _gone: set[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._gone = set(self.retired) | set(self.aborted)
+
+    @property
+    def kept(self) -> list[int]:
+        """Steps some tier keeps."""
+        return sorted(set(self.memory) | set(self.durable))
+
+    def fate(self, key: ShardKey) -> str:
+        """``"keep"``, ``"release"`` (memory copies go, the durable copy stays) or ``"delete"`` for ``key``."""
+        if key in self.protected or key in self.keep_memory or key.step > self.newest_decided:
+            return "keep"
+        if key in self.keep_durable:
+            return "release"
+        if key.step in self._gone or key.step not in self.recorded:
+            return "delete"  # of a retired or aborted step, or an orphan no step ever recorded
+        return "keep"
 
 
 def closure(index: Index, roots: set[ShardKey]) -> set[ShardKey]:
@@ -123,73 +222,139 @@ def reachable(steps: StepProtocol, model: str, step_numbers: list[int], *,
     return closure(steps.index, roots)
 
 
-def collect(steps: StepProtocol, model: str, retention: Retention = Retention(), *,
-            delete: Callable[[ShardKey, str], object], dry_run: bool = True, max_staleness: int = 0,
-            still_migrating: Callable[[ObjectRecord], bool] | None = None) -> GCReport:
-    """Delete what ``retention`` does not keep; see the module docstring.
+def _ahead(recs: list) -> set[int]:
+    """Committed steps of an older incarnation ahead of the live line: newer than the newest step the newest
+    committing epoch committed (a restore fell back past them: lost, or unreadable when it looked).
 
-    Order of work: steps still preparing past their timeout are aborted
-    first. The kept set is computed from the kept manifests *and* from every
-    object of a step still preparing or newer than the newest decided step
-    (a delta being written keeps its base). Then, for each dropped durable
-    step, its durable manifest is deleted first (so an index rebuild can
-    never resurrect a step whose objects are going), then its objects from
-    every tier and the index, then its step records (an aborted step keeps
-    its ``state``, so a late vote cannot re-open it).
+    They count in no window and are never retired here: the live line supersedes or passes them when it
+    saves their numbers again. So a resumed job's own steps are what retention keeps, and a step older
+    than them is never retired on the strength of a step the resumed job could not read.
+    """
+    committed = [r for r in recs if r.state in ("committed", "durable")]
+    if not committed:
+        return set()
+    live = max(r.epoch for r in committed)
+    frontier = max(r.step for r in committed if r.epoch == live)
+    return {r.step for r in committed if r.step > frontier and r.epoch < live}
+
+
+def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, records: list | None = None,
+                   max_staleness: int = 0, floor: Callable[[int], int] | None = None,
+                   hold: Callable[[Any], bool] | None = None, cache: dict[int, dict] | None = None,
+                   objects: list[ShardKey] | None = None) -> RetentionPlan:
+    """Which steps each tier keeps, what is retired, and the objects that follows; see the module docstring.
 
     Args:
-        steps: the commit protocol (index, manifests, durable tier).
-        delete: ``delete(key, name)`` deletes the record of ``key`` if it still names the copy ``name``, then
-            that copy from every tier (a record replaced meanwhile is left alone).
-        still_migrating: whether an object is still queued for migration (left for a later pass).
+        records: the model's step records (default: read them).
+        max_staleness: a layer-wise resume at R reads layers saved as far back as R - max_staleness:
+            the memory window is widened by it.
+        floor: ``floor(oldest)`` widens the memory window to the step a restore of ``oldest`` starts from.
+        hold: ``hold(record)`` for a committed step newer than the newest durable step: its migration may
+            still finish, so it is not retired by this pass.
+        cache: parsed manifests by step (see :func:`required_steps`).
+        objects: every object of ``model`` in the index (default: list them).
     """
-    index = steps.index
-    for s, st in steps.steps(model):
-        if st == "preparing":
-            steps.abort_if_stale(model, s)
-    recorded = steps.steps(model)
-    if not dry_run:  # decide only on states the index's replicas have (a failover cannot take a kept step back)
-        index.sync(model, "collect garbage")
-    state = dict(recorded)
-    committed = [s for s, st in recorded if st in ("committed", "durable")]
-    durable = [s for s, st in recorded if st == "durable"]
-    aborted = {s for s, st in recorded if st == "aborted"}
-    preparing = {s for s, st in recorded if st not in ("committed", "durable", "aborted")}
-    newest_decided = max([s for s, st in recorded if s not in preparing], default=-1)
-    kept = set(committed[-retention.keep_last:]) if retention.keep_last > 0 else set()
+    recs = steps.records(model) if records is None else records
+    state = {r.step: r.state for r in recs}
+    ahead = _ahead(recs)
+    committed = [r.step for r in recs if r.state in ("committed", "durable") and r.step not in ahead]
+    durable = [r.step for r in recs if r.state == "durable" and r.step not in ahead]
+    aborted = [r.step for r in recs if r.state == "aborted"]
+    preparing = {r.step for r in recs if r.state not in ("committed", "durable", "aborted")}
+    newest_decided = max([r.step for r in recs if r.step not in preparing], default=-1)
+    memory: set[int] = set()
+    if committed:
+        oldest = committed[-retention.keep_last] if len(committed) >= retention.keep_last else committed[0]
+        oldest -= max_staleness
+        if floor is not None:
+            oldest = min(oldest, floor(oldest))
+        memory = {s for s in committed if s >= oldest}
+    memory = required_steps(steps, model, sorted(memory), cache=cache) & set(committed)
+    kept_durable = set(durable[-retention.keep_durable:])
     if retention.keep_durable_every > 0:
-        kept |= {s for s in durable if s % retention.keep_durable_every == 0}
-    if committed and max_staleness > 0:
-        newest = committed[-1]
-        kept |= {s for s in committed if newest - max_staleness <= s <= newest}
-    kept = required_steps(steps, model, sorted(kept)) & set(committed)
-    objects = index.list_objects(model)
-    in_flight = {k for k in objects if k.step in preparing or k.step > newest_decided}
-    keep_objs = reachable(steps, model, sorted(kept)) | closure(index, in_flight)
-    report = GCReport(kept_steps=sorted(kept), dry_run=dry_run)
-    report.dropped_steps = sorted((set(committed) - kept) | aborted)
-    dropped = set(report.dropped_steps)
-    victims = []
-    for key in objects:
-        if key in keep_objs or key.step in preparing or key.step > newest_decided:
+        kept_durable |= {s for s in durable if s % retention.keep_durable_every == 0}
+    kept_durable = required_steps(steps, model, sorted(kept_durable), cache=cache) & set(committed)
+    newest_durable = durable[-1] if durable else -1
+    held = ahead | {r.step for r in recs if r.state == "committed" and r.step > newest_durable
+                    and r.step not in memory and r.step not in ahead and hold is not None and hold(r)}
+    retired = set(committed) - memory - kept_durable - held
+    objects = steps.index.list_objects(model) if objects is None else objects
+    objects_in_flight = {k for k in objects if k.step in preparing or k.step > newest_decided}
+    return RetentionPlan(
+        memory=sorted(memory), durable=sorted(kept_durable - memory), retired=sorted(retired),
+        aborted=sorted(aborted), held=sorted(held),
+        keep_memory=reachable(steps, model, sorted(memory), cache=cache),
+        keep_durable=reachable(steps, model, sorted(kept_durable), cache=cache),
+        protected=closure(steps.index, objects_in_flight) if objects_in_flight else set(),
+        newest_decided=newest_decided, recorded=set(state),
+    )
+
+
+def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[ShardKey], *,
+           delete: Callable[[ShardKey, str], object], release: Callable[[ShardKey, ObjectRecord], bool],
+           report: GCReport | None = None, dry_run: bool = False) -> GCReport:
+    """Carry out ``plan`` on ``keys`` (the objects considered: a writer's own, or every object of ``model``).
+
+    In this order: the durable manifests of the retired steps (so an index rebuild can never resurrect a
+    step whose objects are going); the memory copies of what only the durable tier keeps (``release``,
+    only where the index records a durable copy); the objects no kept step reaches (``delete``: from
+    every tier and the index, while the record still names the copy); then the records of the retired
+    and collected steps (an aborted step keeps its ``state``, so a late vote cannot re-open it).
+    """
+    report = report or GCReport(dry_run=dry_run)
+    report.kept_steps, report.durable_only = plan.kept, plan.durable
+    report.dropped_steps = sorted(set(plan.retired) | set(plan.aborted))
+    fates = {k: plan.fate(k) for k in keys}
+    todo = [k for k, f in fates.items() if f != "keep"]
+    recs = dict(zip(todo, steps.index.get_objects(todo))) if todo else {}
+    if not dry_run:
+        steps.delete_durable_manifests(model, plan.retired)
+    for key in todo:
+        rec = recs.get(key)
+        if fates[key] == "release":
+            if rec is not None and steps.durable is not None and steps.durable.tier in rec.tiers \
+                    and set(rec.tiers) - {steps.durable.tier}:
+                report.released.append(str(key))
+                report.bytes_released += rec.size
+                if not dry_run:
+                    release(key, rec)
             continue
-        if key.step in dropped or (key.step not in state and key.step < newest_decided):
-            victims.append(key)  # of a dropped step, or an orphan no step ever recorded
-    recs = index.get_objects(victims)
-    if still_migrating is not None:
-        # an object still queued for migration is left for a later pass: deleting it under the migrator
-        # would surface as a migration failure
-        pending = [(k, r) for k, r in zip(victims, recs) if r is not None and still_migrating(r)]
-        report.deferred = [str(k) for k, _ in pending]
-        skip = {k for k, _ in pending}
-        victims, recs = [k for k in victims if k not in skip], [r for k, r in zip(victims, recs) if k not in skip]
-    if not dry_run:  # a committed step's may be being written right now: it goes too (see maybe_durable)
-        steps.delete_durable_manifests(model, [s for s in dropped if state.get(s) in ("committed", "durable")])
-    for key, rec in zip(victims, recs):
         report.deleted.append(str(key))
         report.bytes_freed += rec.size if rec else 0
         if not dry_run:
             delete(key, rec.name if rec is not None else str(key))
     if not dry_run:
-        steps.drop_steps(model, dropped, keep_aborted_state=True)
+        steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True)
+    return report
+
+
+def collect(steps: StepProtocol, model: str, retention: Retention = Retention(), *,
+            delete: Callable[[ShardKey, str], object], release: Callable[[ShardKey, ObjectRecord], bool],
+            dry_run: bool = True, max_staleness: int = 0, migrating: bool = False) -> GCReport:
+    """Apply ``retention`` to every object of ``model`` (``tierstore admin gc``); see the module docstring.
+
+    Steps still preparing past their timeout are aborted first. Decisions are taken on states the
+    index's replicas have (a failover cannot take a kept step back).
+
+    Args:
+        steps: the commit protocol (index, manifests, durable tier).
+        delete: ``delete(key, name)`` deletes the record of ``key`` if it still names the copy ``name``, then
+            that copy from every tier (a record replaced meanwhile is left alone).
+        release: ``release(key, record)`` drops the memory tiers' copies of ``key`` (its durable copy stays).
+        migrating: a migration to the durable tier runs: a committed step newer than the newest durable
+            step is held (not retired) unless it is recorded memory-only (its migration gave up or
+            was skipped), and its objects are reported ``deferred``.
+    """
+    for s, st in steps.steps(model):
+        if st == "preparing":
+            steps.abort_if_stale(model, s)
+    if not dry_run:
+        steps.index.sync(model, "collect garbage")
+    keys = steps.index.list_objects(model)
+    plan = plan_retention(steps, model, retention, max_staleness=max_staleness, objects=keys,
+                          hold=(lambda r: r.memory_only is None) if migrating else None)
+    report = retire(steps, model, plan, keys, delete=delete, release=release, dry_run=dry_run)
+    held = set(plan.held)
+    report.deferred = [str(k) for k in keys if k.step in held and plan.fate(k) == "keep"
+                       and k not in plan.keep_memory and k not in plan.protected]
     return report

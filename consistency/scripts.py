@@ -302,6 +302,7 @@ return {tonumber(redis.call('HGET', KEYS[2], 'nmigrated')), tonumber(redis.call(
 DURABLE = _NOW + """
 if redis.call('HGET', KEYS[2], 'state') == 'committed' then
   redis.call('HSET', KEYS[2], 'state', 'durable', 'durable_at', now)
+  redis.call('HDEL', KEYS[2], 'memory_only')
   redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' durable')
   return 1
 end

@@ -39,6 +39,7 @@ class StepRecord:
     rebuilt: bool = False
     attempt: int = 1
     memory_only: str | None = None
+    migrated: int = 0  # ranks whose objects reached the durable tier
 
     @property
     def commit_latency_s(self) -> float | None:
@@ -106,6 +107,7 @@ class StepRecords(StepBase):
                 votes=int(rows[2 * i + 1]), started=_f(h.get("started")), decided=_f(h.get("decided")),
                 durable_at=_f(h.get("durable_at")), reason=h.get("reason") or None, rebuilt=bool(h.get("rebuilt")),
                 attempt=int(h.get("attempt") or 1), memory_only=h.get("memory_only") or None,
+                migrated=int(h.get("nmigrated") or 0),
             ))
         return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from consistency.gc import Retention
@@ -12,6 +13,7 @@ from tests._tiers import copies
 from tests.test_twophase import M, save_step, shard
 from tierstore import ShardKey
 from tierstore.delta import xor_delta
+from tierstore.errors import MigrationError
 
 
 def everywhere(store, key: ShardKey) -> dict[str, bool]:
@@ -31,34 +33,64 @@ def step_keys(step: int, world: int = 2, layers=("a", "b")) -> list[ShardKey]:
     return [ShardKey(M, ly, step, r) for ly in layers for r in range(world)]
 
 
+def saved(store, steps, world: int = 2) -> None:
+    """Save ``steps``, each migrated before the next (the durable tier keeps up)."""
+    for s in steps:
+        save_step(store, s, world)
+        store.flush()
+
+
 def test_keep_last_k_and_every_mth_durable(store):
-    for s in range(1, 7):
-        save_step(store, s, 2)
-    store.flush()
+    saved(store, range(1, 7))
     report = store.gc(M, Retention(keep_last=2, keep_durable_every=3), dry_run=False)
     assert report.kept_steps == [3, 5, 6] and report.dropped_steps == [1, 2, 4]
+    assert report.durable_only == [3] and sorted(report.released) == sorted(map(str, step_keys(3)))
     for s in (1, 2, 4):
         assert all(gone(store, k) for k in step_keys(s))
         assert not store.durable.exists(durable_manifest_name(M, s))
         assert store.steps.state(M, s) is None and store.steps.manifest(M, s) is None
-    for s in (3, 5, 6):
+    for s in (5, 6):
         assert all(present(store, k) for k in step_keys(s))
         assert store.durable.exists(durable_manifest_name(M, s))
+    # step 3 is kept by the durable tier only: its memory copies went, its durable copies and records stay
+    assert all(everywhere(store, k) == {"index": True, "host": False, "durable": True} for k in step_keys(3))
+    assert store.durable.exists(durable_manifest_name(M, 3)) and store.steps.state(M, 3) == "durable"
+    assert all("host" not in store.info(k).tiers for k in step_keys(3))
+    got = store.resolve(M, step=3)  # still restorable, from the durable tier
+    for (layer, r), info in got.objects.items():
+        assert torch.equal(store.get(info.key).tensors["w"], shard(layer, 3, r)["w"])
     assert store.resolve(M).step == 6
     assert len(report.deleted) == 12 and report.bytes_freed > 0
 
 
+def test_the_newest_durable_step_stays_while_newer_steps_are_memory_only(store):
+    saved(store, [1, 2])
+    gate = threading.Event()
+    store.rewire(before_migrate=lambda key: gate.wait(30) if key.step >= 3 else None)
+    save_step(store, 3, 2)
+    save_step(store, 4, 2)  # committed, migration held up: the durable tier lags two steps
+    try:
+        report = store.gc(M, Retention(keep_last=1), dry_run=False)
+        assert report.kept_steps == [2, 4] and report.durable_only == [2]
+        assert 3 not in report.dropped_steps and report.dropped_steps == [1]  # 3 may still become durable
+        assert sorted(report.deferred) == sorted(map(str, step_keys(3)))
+        assert all(everywhere(store, k) == {"index": True, "host": False, "durable": True} for k in step_keys(2))
+        # a node loss now (every memory copy gone): the newest durable step restores
+        for k in step_keys(3) + step_keys(4):
+            store.host.delete(store.info(k).name)
+            store.index.remove_tier(k, "host")
+        res = store.resolve(M)
+        assert res.step == 2
+        for (layer, r), info in res.objects.items():
+            assert torch.equal(store.get(info.key).tensors["w"], shard(layer, 2, r)["w"])
+    finally:
+        gate.set()
+    with pytest.raises(MigrationError, match="vanished"):  # the held-up migrations lost their source: said so
+        store.flush()
+
+
 def test_dry_run_deletes_nothing(store):
-    for s in range(1, 4):
-        save_step(store, s, 2)
-    store.flush()
-    sizes = {str(k): store.info(k).size for s in (1, 2) for k in step_keys(s)}
-    report = store.gc(M, Retention(keep_last=1))
-    assert report.dry_run and sorted(report.deleted) == sorted(sizes) and report.bytes_freed == sum(sizes.values())
-    assert all(present(store, k) for s in (1, 2, 3) for k in step_keys(s))
-    assert [s for s, _ in store.steps.steps(M)] == [1, 2, 3]
-
-
+    saved(store, range(1, 4))
 def put_delta(store, key: ShardKey, base: ShardKey, new: dict, old: dict):
     layout = {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in old.items()}
     return store.put(key, {n: xor_delta(new[n], old[n]) for n in old}, {"_delta": layout}, kind="delta", base=base)
@@ -100,17 +132,35 @@ def test_delta_chains_and_refs_keep_what_they_reach(store):
     assert store.gc(M, Retention(keep_last=1), dry_run=False).deleted == []
 
 
-def test_objects_waiting_for_migration_are_deferred(store):
+def test_a_lagging_step_is_retired_once_its_migration_gave_up(store):
+    saved(store, [1])
+    gate = threading.Event()
+    store.rewire(before_migrate=lambda key: gate.wait(30) if key.step == 2 else None)
+    save_step(store, 2, 2)
+    save_step(store, 3, 2)
+    store.steps.mark_memory_only(M, 2, "not migrated: step 3 was migrated first")  # as the migrator says
+    report = store.gc(M, Retention(keep_last=1), dry_run=True)
+    assert 2 in report.dropped_steps and report.deferred == []
+    gate.set()
+    store.flush()
+
+
+def test_aborted_step_objects_are_collected_whatever_their_migration(store):
     save_step(store, 1, 2, ok=False)
     store.flush()
     for k in step_keys(1):
         store.index.remove_tier(k, "durable")  # as if still queued for migration
     report = store.gc(M, Retention(keep_last=1), dry_run=False)
-    assert report.deleted == [] and sorted(report.deferred) == sorted(map(str, step_keys(1)))
-    for k in step_keys(1):
-        store.index.add_tier(k, "durable")
-    assert len(store.gc(M, Retention(keep_last=1), dry_run=False).deleted) == 4
+    assert sorted(report.deleted) == sorted(map(str, step_keys(1))) and report.deferred == []
     assert all(gone(store, k) for k in step_keys(1))
+
+
+def test_keep_last_below_one_is_refused():
+    from tierstore.errors import ConfigError
+
+    for bad in ({"keep_last": 0}, {"keep_durable": 0}, {"keep_durable_every": -1}):
+        with pytest.raises(ConfigError):
+            Retention(**bad)
 
 
 def test_aborted_steps_are_removed_from_every_tier(store):

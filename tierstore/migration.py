@@ -1,10 +1,24 @@
-"""Background migration of host-tier objects to the durable tier.
+"""Background migration of host-tier objects to the durable tier, newest committed step first.
 
 The tier manager enqueues each object after it is published in the host
-tier. Worker threads read it in place from shared memory (no copy into the
-trainer's heap), verify its checksum, write it to the durable tier and record
-the new placement in the index. The queue is bounded: a full queue blocks the
-enqueuing thread (back-pressure), so memory stays bounded whatever the rate.
+tier (:meth:`Migrator.enqueue`), and, once the rank voted, says which copies
+make up its part of the step (:meth:`Migrator.when_done`). Worker threads
+read each object in place from shared memory (no copy into the trainer's
+heap), verify its checksum, write it to the durable tier and record the new
+placement in the index.
+
+Work is grouped into *jobs*, one per (model, step, rank). **Bounded lag**: a
+worker always takes the newest *committed* job first (``decided`` tells a
+step's state); when it does, older jobs of the same model that have not
+started are *skipped*: they are not migrated, except the objects the chosen
+step's manifest still reaches (its delta bases, inherited layer versions,
+ref targets: ``reach``), and their callbacks are told so (the tier manager
+records such a step as staying in memory only, and why). A started job is
+always finished, so the durable tier is never more than about one step's
+migration behind the newest committed step, however slow it is. With no
+committed job waiting, the newest job is migrated ahead of its commit (the
+migration runs beside the votes). A migrator without ``decided`` (the peer
+replicator) works oldest first and skips nothing.
 
 Each object is migrated under the physical name of its copy (unique to the
 write that made it), so a retry or a late migration can only ever write that
@@ -14,19 +28,18 @@ same copy. A transient failure (the durable tier or the index unreachable:
 host copy) are not. Errors that remain are never dropped: each is recorded
 on the object in the index (``migration_error``), kept here, and raised by
 :meth:`Migrator.flush`; the tier manager's callback records the step as
-staying in memory only. Callbacks registered with :meth:`Migrator.when_done`
-run once every object of a group has migrated or given up (the tier manager
-uses them to mark steps durable, or memory-only).
+staying in memory only. A copy deleted before its turn (retention) is not a
+failure. Memory is bounded: at most ``maxsize`` objects wait (an enqueue
+beyond blocks: back-pressure); jobs hold names, not data.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backends.base import Backend
 from consistency.index import Index
@@ -41,35 +54,72 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey
 
-__all__ = ["Migrator"]
+__all__ = ["Migrator", "Skipped"]
 
 log = logging.getLogger(__name__)
 
 _DELETE_SETTLE_S = (0.05, 0.2, 0.5)  # pauses between index checks for an object gone from the host tier
+_COMMITTED = ("committed", "durable")
+
+Failures = list[tuple[ShardKey, BaseException]]
+
+
+class Skipped(Exception):
+    """Handed to a job's callback (in ``failures``) for copies not migrated because a newer step was first."""
 
 
 @dataclass
-class _Group:
-    pending: dict[str, ShardKey]  # physical name -> key, still migrating
-    callback: Callable[[list[tuple[ShardKey, BaseException]]], None]
-    failures: list[tuple[ShardKey, BaseException]]
-    first: ShardKey | None = None
+class _Job:
+    """One rank's part of one step: the copies still to migrate, and who waits for which copies."""
+
+    model: str
+    step: int
+    rank: int
+    pending: dict[str, tuple[ShardKey, str]] = field(default_factory=dict)  # name -> (key, checksum), not started
+    running: set[str] = field(default_factory=set)
+    wanted: dict[str, ShardKey] = field(default_factory=dict)  # the copies when_done waits for
+    callbacks: list[Callable[[Failures], None]] = field(default_factory=list)
+    fired: list[Callable[[Failures], None]] = field(default_factory=list)  # called once; again if reach adds
+    started: bool = False
+    skipped: str | None = None  # why it was skipped
+    reached: bool = False  # the committed step's reach was added
+    reach: set[str] = field(default_factory=set)  # the names of that reach
+
+    @property
+    def ident(self) -> tuple[str, int, int]:
+        return self.model, self.step, self.rank
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and not self.running and not self.callbacks and (self.reached or not self.wanted)
+
+
+_Ready = tuple[list[Callable[[Failures], None]], Failures, "ShardKey | None"]
 
 
 class Migrator:
-    """Moves objects from ``source`` (host tier) to ``target`` (durable tier).
+    """Moves objects from ``source`` (host tier) to ``target`` (durable tier); see the module docstring.
 
     Workers run ``nice`` nicer than the thread that builds the Migrator
     (:mod:`tierstore.background`).
 
     Protocol: :meth:`enqueue` after an object is published and indexed;
-    :meth:`when_done` to learn when a set of objects has migrated;
-    :meth:`flush` to wait for everything queued so far; :meth:`close` at the end.
+    :meth:`when_done` after the rank's vote, to learn when its part of the step
+    has migrated; :meth:`flush` to wait for everything queued so far;
+    :meth:`close` at the end.
+
+    Args:
+        decided: ``decided(model, step)``: the step's state. With ``reach`` too, the newest committed step
+            goes first and older unstarted ones are skipped; without, oldest first, nothing skipped.
+        reach: ``reach(model, step, rank)``: ``(key, checksum, name)`` of the copies of ``rank`` that the
+            committed ``step``'s manifest reaches and the durable tier does not hold yet.
     """
 
     def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1,
                  name: str = "migrate", retries: int = 5, backoff_s: float = 0.05, backoff_max_s: float = 5.0,
-                 sleep: Callable[[float], None] = time.sleep, nice: int = 0):
+                 sleep: Callable[[float], None] = time.sleep, nice: int = 0,
+                 decided: Callable[[str, int], str | None] | None = None,
+                 reach: Callable[[str, int, int], list[tuple[ShardKey, str, str]]] | None = None):
         self.source = source
         self.target = target
         self.before_each: Callable[[ShardKey], None] | None = None  # called before each object migrates
@@ -78,13 +128,19 @@ class Migrator:
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.sleep = sleep
+        self.decided = decided
+        self.reach = reach
+        self.maxsize = maxsize
         self.retried = 0  # retries made so far (all objects)
-        self._q: queue.Queue[tuple[ShardKey, str, str] | None] = queue.Queue(maxsize=maxsize)
-        self._lock = threading.Lock()
-        self._errors: list[tuple[ShardKey, BaseException]] = []
-        self._done: set[str] = set()  # physical names migrated
-        self._failed: dict[str, BaseException] = {}  # physical names that gave up
-        self._groups: list[_Group] = []
+        self.skipped_steps = 0  # jobs skipped so far (bounded lag)
+        self._cv = threading.Condition()
+        self._jobs: dict[tuple[str, int, int], _Job] = {}
+        self._outcome: dict[str, BaseException | None] = {}  # physical name -> None (migrated) or why not
+        self._queued = 0  # copies pending in all jobs
+        self._running = 0
+        self._committed: set[tuple[str, int]] = set()  # steps known committed
+        self._errors: Failures = []
+        self._closing = False
         self.nice = nice
         self.bytes_migrated = 0
         started = threading.Barrier(workers + 1)
@@ -96,79 +152,242 @@ class Migrator:
             t.start()
         started.wait()  # every worker runs at its background priority before the first enqueue
 
+    # -- the tier manager's side ----------------------------------------------------------------
+    def _job(self, model: str, step: int, rank: int) -> _Job:
+        job = self._jobs.get((model, step, rank))
+        if job is None:
+            job = self._jobs[(model, step, rank)] = _Job(model, step, rank)
+        return job
+
+    def _busy(self, name: str) -> bool:
+        return any(name in j.pending or name in j.running for j in self._jobs.values())
+
     def enqueue(self, key: ShardKey, checksum: str, name: str | None = None) -> None:
-        """Queue the copy ``name`` of ``key`` (default: the plain key) for migration."""
-        self._q.put((key, checksum, name or str(key)))
+        """Queue the copy ``name`` of ``key`` (default: the plain key) for migration (blocks while full)."""
+        name = name or str(key)
+        with self._cv:
+            while self._queued >= self.maxsize and not self._closing:
+                self._cv.wait(0.5)
+            job = self._job(key.model, key.step, key.rank)
+            self._outcome.pop(name, None)
+            if job.skipped is not None:  # a newer step went first: this one is not migrated
+                self._outcome[name] = Skipped(job.skipped)
+            elif not self._busy(name):
+                job.pending[name] = (key, checksum)
+                self._queued += 1
+                self._cv.notify_all()
 
-    def when_done(
-        self, copies: Iterable[tuple[ShardKey, str]], callback: Callable[[list[tuple[ShardKey, BaseException]]], None]
-    ) -> None:
-        """Call ``callback(failures)`` once every copy ``(key, physical name)`` has migrated (or given up).
+    def when_done(self, copies: Iterable[tuple[ShardKey, str]], callback: Callable[[Failures], None], *,
+                  step: tuple[str, int, int] | None = None) -> None:
+        """Call ``callback(failures)`` once every copy ``(key, physical name)`` has migrated, failed or been
+        skipped (:class:`Skipped` in ``failures``).
 
-        Copies are told apart by their physical name: a key written again is another copy.
+        ``step``: the job, as ``(model, step, rank)`` (default: that of the first copy; needed when
+        ``copies`` is empty). Copies are told apart by their physical name: a key written again is another
+        copy.
         """
         copies = list(copies)
-        group = _Group({name: key for key, name in copies}, callback, [], copies[0][0] if copies else None)
-        with self._lock:
-            for name, key in list(group.pending.items()):
-                if name in self._done:
-                    del group.pending[name]
-                elif name in self._failed:
-                    del group.pending[name]
-                    group.failures.append((key, self._failed[name]))
-            if group.pending:
-                self._groups.append(group)
-                return
-        self._fire(group)
-
-    def _fire(self, group: _Group) -> None:
-        """Run a group's callback; retry it like a migration when the index is unreachable."""
-        attempt = 0
-        while True:
-            try:
-                group.callback(group.failures)
-                return
-            except FencedError as e:  # a zombie's migration counts for nothing: said, not raised by flush()
-                log.warning("the migrated mark of a fenced writer was refused (%s: %s)", type(e).__name__, e)
-                return
-            except TierUnavailableError as e:
-                if attempt < self.retries:
-                    attempt += 1
-                    self.retried += 1
-                    self.sleep(min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1))))
-                    continue
-                err: Exception = e
-            except Exception as e:  # noqa: BLE001 - a callback's failure must not kill the worker
-                err = e
-            log.error("migration callback failed: %s", err)
-            if group.first is not None:  # flush() reports it
-                with self._lock:
-                    self._errors.append((group.first, err))
+        if step is None and copies:
+            k = copies[0][0]
+            step = (k.model, k.step, k.rank)
+        if step is None:
+            callback([])
             return
+        with self._cv:
+            job = self._job(*step)
+            for k, n in copies:
+                job.wanted[n] = k
+                if n not in self._outcome and not self._busy(n):
+                    # never enqueued (or forgotten): nothing will migrate it here
+                    self._outcome[n] = Skipped(job.skipped) if job.skipped else None
+            job.callbacks.append(callback)
+            ready = self._ready(job)
+        if ready:
+            self._fire(*ready)
 
-    def _finish(self, key: ShardKey, name: str, error: BaseException | None) -> None:
-        ready = []
-        with self._lock:
-            if error is None:
-                self._done.add(name)
-            else:
+    def migrating_steps(self, model: str) -> set[int]:
+        """Steps of ``model`` this migrator has started and not finished (retention leaves them alone)."""
+        with self._cv:
+            return {j.step for j in self._jobs.values() if j.model == model and j.started
+                    and (j.pending or j.running)}
+
+    # -- scheduling ---------------------------------------------------------------------------------
+    def _is_committed(self, job: _Job) -> bool:
+        """Whether ``job``'s step is committed (remembered once it is); a step aborted or gone frees a job
+        that only waited to learn it."""
+        if (job.model, job.step) in self._committed:
+            return True
+        if self.decided is None:
+            return False
+        try:
+            st = self.decided(job.model, job.step)
+        except TierStoreError as e:  # the index unreachable: decide later
+            log.debug("state of step %s of %s unknown: %s", job.step, job.model, e)
+            return False
+        if st in _COMMITTED:
+            if len(self._committed) > 10_000:
+                self._committed.clear()
+            self._committed.add((job.model, job.step))
+            return True
+        if st != "preparing":
+            job.reached = True  # never committed: nothing will reach through it
+        return False
+
+    def _unlocked(self, fn: Callable[[], object]) -> object:
+        self._cv.release()
+        try:
+            return fn()
+        finally:
+            self._cv.acquire()
+
+    def _next(self) -> tuple[_Job, str, ShardKey, str] | None:
+        """The next copy to migrate (lock held; released while the index is asked).
+
+        Started jobs first (a job begun is finished), then the newest committed job of each model (its
+        reach added, older unstarted jobs skipped), then the newest job ahead of its commit.
+        """
+        if not any(j.pending for j in self._jobs.values()):
+            return None
+        if self.decided is None or self.reach is None:
+            job = min((j for j in self._jobs.values() if j.pending), key=lambda j: (j.step, j.model, j.rank))
+        else:
+            chosen: set[str] = set()
+            for j in sorted([j for j in self._jobs.values() if j.pending or (j.wanted and not j.reached)],
+                            key=lambda j: -j.step):
+                if j.model not in chosen and self._unlocked(lambda j=j: self._is_committed(j)):  # type: ignore[misc]
+                    chosen.add(j.model)
+                    self._skip_older(j)
+            pend = [j for j in self._jobs.values() if j.pending]
+            if not pend:
+                return None
+            started = [j for j in pend if j.started]
+            if started:  # finish what was begun, oldest first
+                job = min(started, key=lambda j: (j.step, j.rank))
+            else:  # the newest committed job, else the newest ahead of its commit
+                job = max(pend, key=lambda j: ((j.model, j.step) in self._committed, j.step, -j.rank))
+        name, (key, checksum) = next(iter(job.pending.items()))
+        del job.pending[name]
+        job.running.add(name)
+        job.started = True
+        self._queued -= 1
+        self._running += 1
+        self._cv.notify_all()
+        return job, name, key, checksum
+
+    def _skip_older(self, chosen: _Job) -> None:
+        """Add what committed ``chosen``'s step reaches to it, then skip the unstarted jobs of its model and
+        rank older than it (lock held). Copies they share with that reach migrate as part of ``chosen``."""
+        if not chosen.reached:
+            try:
+                reached = self._unlocked(lambda: self.reach(chosen.model, chosen.step, chosen.rank))  # type: ignore[misc]
+            except TierStoreError as e:  # without the manifest nothing older is skipped this time
+                log.debug("reach of step %s of %s unknown: %s", chosen.step, chosen.model, e)
+                return
+            chosen.reached = True
+            for key, checksum, name in reached:  # type: ignore[attr-defined]
+                chosen.reach.add(name)
+                if self._outcome.get(name, Skipped()) is None:
+                    continue  # migrated already
+                chosen.wanted[name] = key  # the step is durable only with it: its callback waits for it too
+                if not self._busy(name):
+                    self._outcome.pop(name, None)
+                    chosen.pending[name] = (key, checksum)
+                    self._queued += 1
+            if chosen.fired and any(n not in self._outcome for n in chosen.wanted):
+                chosen.callbacks, chosen.fired = chosen.fired + chosen.callbacks, []  # called again once they land
+        older = [j for j in self._jobs.values() if j.model == chosen.model and j.rank == chosen.rank
+                 and j.step < chosen.step and not j.started and j.skipped is None]
+        if not older:
+            return
+        why = f"step {chosen.step} was migrated first (the durable tier lagged behind the saves)"
+        for j in older:
+            j.skipped = why
+            for n, v in list(j.pending.items()):
+                del j.pending[n]
+                self._queued -= 1
+                if n in chosen.reach:  # still needed: migrated with the chosen step
+                    chosen.pending[n] = v
+                    self._queued += 1
+                else:
+                    self._outcome[n] = Skipped(why)
+            self.skipped_steps += 1
+            log.info("migration of step %s of %s (rank %s) skipped: %s", j.step, j.model, j.rank, why)
+        ready = [r for r in (self._ready(j) for j in older) if r]
+        if ready:
+            self._running += 1  # flush() waits for these callbacks too
+            try:
+                self._unlocked(lambda: self._fire_all(ready))
+            finally:
+                self._running -= 1
+        self._cv.notify_all()
+
+    def _fire_all(self, ready: list[_Ready]) -> None:
+        for r in ready:
+            self._fire(*r)
+
+    # -- completion -----------------------------------------------------------------------------
+    def _ready(self, job: _Job) -> _Ready | None:
+        """``job``'s callbacks and failures if every copy it waits for settled (lock held); an idle job is
+        forgotten."""
+        if job.callbacks and all(n in self._outcome for n in job.wanted):
+            callbacks, job.callbacks = job.callbacks, []
+            job.fired += callbacks
+            failures: Failures = [(k, e) for n, k in job.wanted.items() if (e := self._outcome[n]) is not None]
+            first = next(iter(job.wanted.values()), None)
+            if job.idle and self._jobs.get(job.ident) is job:
+                del self._jobs[job.ident]
+            return callbacks, failures, first
+        if job.idle and not job.wanted and self._jobs.get(job.ident) is job and job.skipped is None:
+            del self._jobs[job.ident]  # migrated before its vote: when_done finds the outcomes
+        return None
+
+    def _fire(self, callbacks: list[Callable[[Failures], None]], failures: Failures,
+              first: ShardKey | None) -> None:
+        """Run a job's callbacks; retry each like a migration when the index is unreachable."""
+        for callback in callbacks:
+            attempt = 0
+            while True:
+                try:
+                    callback(failures)
+                    break
+                except FencedError as e:  # a zombie's migration counts for nothing: said, not raised by flush()
+                    log.warning("the migrated mark of a fenced writer was refused (%s: %s)", type(e).__name__, e)
+                    break
+                except TierUnavailableError as e:
+                    if attempt < self.retries:
+                        attempt += 1
+                        self.retried += 1
+                        self.sleep(min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1))))
+                        continue
+                    err: Exception = e
+                except Exception as e:  # noqa: BLE001 - a callback's failure must not kill the worker
+                    err = e
+                log.error("migration callback failed: %s", err)
+                if first is not None:  # flush() reports it
+                    with self._cv:
+                        self._errors.append((first, err))
+                break
+
+    def _finish(self, job: _Job, key: ShardKey, name: str, error: BaseException | None) -> None:
+        with self._cv:
+            job.running.discard(name)
+            if error is not None:
                 self._errors.append((key, error))
-                self._failed[name] = error
-            for g in self._groups:
-                if name in g.pending:
-                    del g.pending[name]
-                    if error is not None:
-                        g.failures.append((key, error))
-                    if not g.pending:
-                        ready.append(g)
-            self._groups = [g for g in self._groups if g.pending]
-            if len(self._done) > 100_000:
-                self._done.clear()  # bounded memory (names are never reused: only old ones are forgotten)
-            if len(self._failed) > 10_000:
-                self._failed.clear()
-        for g in ready:
-            self._fire(g)
+            if len(self._outcome) > 100_000:  # bounded memory: names are never reused, old ones are forgotten
+                self._outcome = {n: e for n, e in self._outcome.items() if self._waited(n)}
+            self._outcome[name] = error
+            ready = [r for r in (self._ready(j) for j in list(self._jobs.values())) if r]
+        try:
+            self._fire_all(ready)
+        finally:
+            with self._cv:
+                self._running -= 1  # only now: flush() returns once the callbacks ran
+                self._cv.notify_all()
 
+    def _waited(self, name: str) -> bool:
+        return any(name in j.wanted for j in self._jobs.values())
+
+    # -- moving one object -----------------------------------------------------------------------
     def _migrate(self, key: ShardKey, checksum: str, name: str) -> None:
         if self.before_each is not None:
             self.before_each(key)
@@ -237,35 +456,39 @@ class Migrator:
         lower_priority(self.nice)
         started.wait()
         while True:
-            item = self._q.get()
+            with self._cv:
+                item = None
+                while item is None:
+                    if self._closing and not self._queued:
+                        return
+                    item = self._next()
+                    if item is None:
+                        self._cv.wait(0.5)
+            job, name, key, checksum = item
+            error: Exception | None = None
             try:
-                if item is None:
-                    return
-                key, checksum, name = item
-                error: Exception | None = None
+                self._migrate_with_retries(key, checksum, name)
+            except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
+                error = e
+            if isinstance(error, TierStoreError) and self._gone(key, name):
+                # deleted while it migrated (e.g. its durable directory went with it): not a failure
+                log.debug("%s was deleted while migrating (%s)", key, error)
+                self._forget_target(key, name)
+                error = None
+            if error is not None:
+                log.warning("migration of %s failed: %s", key, error)
                 try:
-                    self._migrate_with_retries(key, checksum, name)
-                except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
-                    error = e
-                if isinstance(error, TierStoreError) and self._gone(key, name):
-                    # deleted while it migrated (e.g. its durable directory went with it): not a failure
-                    log.debug("%s was deleted while migrating (%s)", key, error)
-                    self._forget_target(key, name)
-                    error = None
-                if error is not None:
-                    log.warning("migration of %s failed: %s", key, error)
-                    try:
-                        self.index.set_object_field(key, "migration_error", str(error)[:500])
-                    except TierStoreError:
-                        pass
-                self._finish(key, name, error)
-            finally:
-                self._q.task_done()
+                    self.index.set_object_field(key, "migration_error", str(error)[:500])
+                except TierStoreError:
+                    pass
+            self._finish(job, key, name, error)
 
     def flush(self) -> None:
-        """Wait until everything queued so far has migrated; raise :class:`MigrationError` on failures."""
-        self._q.join()
-        with self._lock:
+        """Wait until everything queued so far has migrated (or was skipped); raise :class:`MigrationError`
+        on failures."""
+        with self._cv:
+            while self._queued or self._running:
+                self._cv.wait(0.5)
             errors, self._errors = self._errors, []
         if errors:
             names = ", ".join(str(k) for k, _ in errors[:5])
@@ -275,7 +498,8 @@ class Migrator:
             ) from errors[0][1]
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._q.put(None)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
         for t in self._threads:
             t.join(timeout=30)

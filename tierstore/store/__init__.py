@@ -41,6 +41,7 @@ from backends.base import Backend
 from backends.host import HostBackend
 from consistency.gc import GCReport, Retention, collect
 from consistency.index import KINDS, Index, ObjectRecord
+from consistency.manifest import complete_entries
 from consistency.rebuild import RebuildReport, rebuild_index
 from consistency.twophase import StepProtocol
 from tierstore.chains import ChainDepths
@@ -48,7 +49,7 @@ from tierstore.config import StoreConfig
 from tierstore.errors import TierUnavailableError
 from tierstore.eviction import evict_host
 from tierstore.keys import ShardKey, validate_name, validate_step
-from tierstore.migration import Migrator
+from tierstore.migration import Migrator, Skipped
 from tierstore.placement import Placement
 from tierstore.readpath import Resolution, resolve
 from tierstore.store.common import check_key
@@ -87,7 +88,8 @@ class TierStore(WritePath, ReadPath):
         self._migrator = (
             Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers,
                      retries=config.migration_retries, backoff_s=config.migration_backoff_s,
-                     backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice)
+                     backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice,
+                     decided=lambda model, step: self.steps.state(model, step), reach=self._reach)
             if durable is not None and config.migrate
             else None
         )
@@ -152,6 +154,25 @@ class TierStore(WritePath, ReadPath):
         self._drop_copy(name)
         return True
 
+    def release(self, key: ShardKey, rec: ObjectRecord) -> bool:
+        """Drop the memory tiers' copies of ``key`` (the copy ``rec`` names), keeping its durable copy.
+
+        Only while the index records a durable copy of that same copy: never the last copy of anything.
+        The index stops naming each tier before its copy goes. Returns whether a copy went.
+        """
+        if self.durable is None or self.durable.tier not in rec.tiers:
+            return False
+        dropped = False
+        for tier in self.tiers:
+            if tier is self.durable or tier.tier not in rec.tiers:
+                continue
+            if self.index.remove_tier(key, tier.tier, name=rec.name):
+                try:
+                    dropped = tier.delete(rec.name) or dropped
+                except TierUnavailableError as e:  # unindexed now: an orphan copy, never a lost one
+                    log.warning("could not drop %s from the %s tier: %s", rec.name, tier.tier, e)
+        return dropped
+
     def list(self, model: str, layer: str | None = None, step: int | None = None) -> list[ShardKey]:
         """Keys of ``model`` recorded in the index, optionally of one layer and/or step."""
         validate_name(model, "model")
@@ -188,13 +209,47 @@ class TierStore(WritePath, ReadPath):
 
     def vote(self, model: str, step: int, rank: int, objects: builtins.list[ObjectRecord], *, extra: dict | None = None,
              ok: bool = True, epoch: int | None = None) -> str:
-        """Vote for ``step`` with this rank's objects; the last vote of the world commits it."""
+        """Vote for ``step`` with this rank's objects; the last vote of the world commits it.
+
+        Then, where the step goes to the durable tier, this rank's part of it is handed to the migrator
+        (newest committed step first: :mod:`tierstore.migration`); a step whose objects the placement keeps
+        in memory is recorded memory-only, with why.
+        """
         state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
-        if (ok and self._migrator is not None and self.steps.durable is not None
-                and all(self.placement.to_durable(o.kind, o.key.step) for o in objects)):
-            self._migrator.when_done([(o.key, o.name) for o in objects],
-                                     lambda failures: self.steps.mark_migrated(model, step, rank, failures, epoch=epoch))
+        if not ok or self._migrator is None or self.steps.durable is None:
+            return state
+        if all(self.placement.to_durable(o.kind, o.key.step) for o in objects):
+            def migrated(failures: builtins.list) -> None:
+                skipped = [f for f in failures if isinstance(f[1], Skipped)]
+                if skipped and len(skipped) == len(failures):
+                    self.steps.mark_memory_only(model, step, f"not migrated: {skipped[0][1]}")
+                    return
+                self.steps.mark_migrated(model, step, rank, [f for f in failures if f not in skipped],
+                                         epoch=epoch)
+
+            self._migrator.when_done([(o.key, o.name) for o in objects], migrated, step=(model, step, rank))
+        else:
+            self.steps.mark_memory_only(model, step, f"placement: durable_every={self.placement.durable_every} "
+                                        "keeps its deltas in memory")
         return state
+
+    def _reach(self, model: str, step: int, rank: int) -> builtins.list[tuple[ShardKey, str, str]]:
+        """The copies of ``rank`` that committed ``step``'s manifest reaches, held in this store's host tier
+        and not yet by the durable tier (what the migrator adds to the step's migration)."""
+        m = self.steps.manifest(model, step)
+        if m is None or self.durable is None:
+            return []
+        keys = [ShardKey.parse(o["key"]) for o in complete_entries(m)]
+        keys = [k for k in keys if k.rank == rank]
+        out = []
+        for key, rec in zip(keys, self.index.get_objects(keys)):
+            if rec is not None and self.durable.tier not in rec.tiers and self.host.exists(rec.name):
+                out.append((key, rec.checksum, rec.name))
+        return out
+
+    def migrating_steps(self, model: str) -> set[int]:
+        """Steps of ``model`` whose migration this store has started and not finished."""
+        return self._migrator.migrating_steps(model) if self._migrator is not None else set()
 
     def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:
         return self.steps.wait(model, step, timeout=timeout)
@@ -214,18 +269,14 @@ class TierStore(WritePath, ReadPath):
 
     def gc(self, model: str, retention: Retention | None = None, *, dry_run: bool = True,
            max_staleness: int = 0) -> GCReport:
-        """Collect what ``retention`` does not keep of ``model``; see :mod:`consistency.gc`.
+        """Apply ``retention`` (per tier) to ``model``; see :mod:`consistency.gc`.
 
-        Objects still queued for migration are left for a later pass (reported as deferred).
+        Committed steps newer than the newest durable step whose migration may still finish are left for
+        a later pass (their objects reported as deferred).
         """
-        durable_tier = self.durable.tier if self._migrator is not None and self.durable is not None else None
-
-        def still_migrating(rec: ObjectRecord) -> bool:
-            return durable_tier not in rec.tiers
-
-        return collect(self.steps, model, retention or Retention(), delete=self._collect, dry_run=dry_run,
-                       max_staleness=max_staleness,
-                       still_migrating=still_migrating if durable_tier is not None else None)
+        return collect(self.steps, model, retention or Retention(), delete=self._collect, release=self.release,
+                       dry_run=dry_run, max_staleness=max_staleness,
+                       migrating=self.durable is not None and self.config.migrate)
 
     # -- host-tier eviction ----------------------------------------------------------
     def evict_host(self, nbytes: int) -> int:

@@ -119,10 +119,12 @@ class Checkpointer:
         layer_fn: ``name -> layer name`` (default: the block, :func:`~tierstore.train.layers.default_layer_fn`).
         group: the gloo group for the Checkpointer's collectives.
         timeout: seconds :meth:`wait` waits for a commit decision.
-        keep_last: retention: after each save, this rank's objects that no
-            manifest of the last ``keep_last`` committed steps reaches (through
-            delta bases and refs) are deleted from every tier, so shared-memory
-            segments are recycled; ``None`` keeps everything.
+        keep_last: retention, after each save (per tier, :mod:`consistency.gc`):
+            the memory tiers keep the last ``keep_last`` committed steps and
+            what their manifests reach (delta bases, refs, inherited layers),
+            so shared-memory segments are recycled; the durable tier always
+            keeps the newest durable step and what it reaches; steps in
+            neither are retired. ``None`` keeps everything.
         preallocate: reserve and pre-fault the host tier's shared memory for
             two generations of this rank's full shards up front.
         missing_rank_grace: seconds after its own ``save(step)`` before a rank
@@ -202,7 +204,7 @@ class Checkpointer:
         self._last_t = 0.0
         self._pending_step: int | None = None  # the last save's step while its vote said "preparing"
         self.keep_last = keep_last
-        self._retained_below = 0
+        self._retained: Any = None  # the windows the last retention pass acted on
         if preallocate and self._diff is None and self._dedup is None and hasattr(store, "host"):
             self._preallocate(first)
 
@@ -390,10 +392,9 @@ class Checkpointer:
         try:
             if snap.before_vote is not None:
                 snap.before_vote(snap.vote_extra)
-            self._retained_below = retain(self.store, self.model, self.rank, self.keep_last,
-                                          self.policy.max_staleness or 0, self._retained_below,
-                                          self._replay.base_of if self._replay is not None else None,
-                                          self._manifests)
+            self._retained = retain(self.store, self.model, self.rank, self.keep_last,
+                                    self.policy.max_staleness or 0, self._retained,
+                                    self._replay.base_of if self._replay is not None else None, self._manifests)
             while snap.pendings:
                 infos.append(snap.pendings.pop(0)[1].finish())
             if snap.staged:

@@ -4,8 +4,8 @@ A :class:`Snapshot` is what :meth:`Checkpointer.save` hands to its background
 thread: host-tier objects already copied (``pendings``, sealed and published
 there) and staged copies for the objects whose kind depends on the other
 ranks (dedup) or on the previous version (deltas), written by
-:func:`write_layer`. :func:`retain` deletes what the last ``keep_last``
-committed steps no longer reach.
+:func:`write_layer`. :func:`retain` applies the per-tier retention of
+:mod:`consistency.gc` to the rank's objects after each save.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from consistency.gc import reachable
+from consistency.gc import Retention, plan_retention, retire
 from tierstore.delta import xor_delta
 from tierstore.keys import ShardKey
 from tierstore.train.dedup import part_of
@@ -141,46 +141,35 @@ def write_layer(store: Any, model: str, rank: int, ln: str, step: int, tensors: 
     return info
 
 
-def retain(store: Any, model: str, rank: int, keep_last: int | None, max_staleness: int, below: int,
-           floor: Callable[[int], int] | None = None, manifests: dict[int, dict] | None = None) -> int:
-    """Delete this rank's objects that the last ``keep_last`` committed steps no longer reach.
+def retain(store: Any, model: str, rank: int, keep_last: int | None, max_staleness: int, last: Any,
+           floor: Callable[[int], int] | None = None, manifests: dict[int, dict] | None = None) -> Any:
+    """Apply the per-tier retention of :mod:`consistency.gc` to this rank's objects of ``model``.
 
-    ``below`` is the horizon of the previous pass (nothing to do if it did not move
-    and no aborted step waits); returns the new horizon. ``floor(oldest)`` widens
-    what is kept to the step a restore of ``oldest`` starts from (replay: its base).
-    ``manifests``: the caller's cache of parsed manifests (see :func:`consistency.gc.reachable`);
-    entries below the kept window are dropped from it.
+    Memory tiers keep the last ``keep_last`` committed steps; the durable tier the newest durable step
+    and what it reaches; steps in neither are retired. A committed step newer than the newest durable
+    one is held while this store's migrator works on it, or another rank's migration of it is under way.
+
+    ``last`` is what the previous pass returned (the windows it acted on): an unchanged plan is not
+    carried out again. ``floor(oldest)`` widens the memory window to the step a restore of ``oldest``
+    starts from (replay: its base). ``manifests``: the caller's cache of parsed manifests (see
+    :func:`consistency.gc.reachable`); entries below every kept step are dropped from it.
     """
     if keep_last is None:
-        return below
-    steps = store.steps.steps(model)
-    committed = [s for s, st in steps if st in ("committed", "durable")]
-    if len(committed) < keep_last:
-        return below
-    # a layer-wise resume at step R reads layers saved as far back as R - max_staleness
-    oldest = committed[-keep_last] - max_staleness
-    if floor is not None:
-        oldest = min(oldest, floor(oldest))
-    kept = [s for s in committed if s >= oldest]
-    aborted = {s for s, st in steps if st == "aborted" and s < kept[-1]}
-    horizon = kept[0]
-    if horizon <= below and not aborted:
-        return below
-    if manifests is not None:
-        for s in [s for s in manifests if s < horizon]:
+        return last
+    busy = store.migrating_steps(model)
+
+    def hold(rec: Any) -> bool:  # a migration may still make it durable
+        return rec.step in busy or (0 < rec.migrated < rec.world and rec.memory_only is None)
+
+    objects = store.list(model)
+    plan = plan_retention(store.steps, model, Retention(keep_last=max(1, keep_last)), max_staleness=max_staleness,
+                          floor=floor, hold=hold, cache=manifests, objects=objects)
+    signature = (tuple(plan.memory), tuple(plan.durable), tuple(plan.retired), tuple(plan.aborted))
+    if signature == last:
+        return last
+    if manifests is not None and plan.kept:
+        for s in [s for s in manifests if s < plan.kept[0]]:
             del manifests[s]
-    keep = reachable(store.steps, model, kept, cache=manifests)
-    victims = [k for k in store.list(model)
-               if k.rank == rank and k not in keep and (k.step < horizon or k.step in aborted)]
-    deferred = False
-    durable = getattr(store, "durable", None)
-    if victims and durable is not None and store.config.migrate:
-        # an object still queued for migration is left for a later pass (the migrator would report it lost)
-        recs = store.index.get_objects(victims)
-        ready = [k for k, r in zip(victims, recs)
-                 if r is None or durable.tier in r.tiers or not store.placement.to_durable(r.kind, k.step)]
-        deferred = len(ready) < len(victims)
-        victims = ready
-    for key in victims:
-        store.delete(key)
-    return below if deferred else horizon
+    retire(store.steps, model, plan, [k for k in objects if k.rank == rank], delete=store._collect,
+           release=store.release)
+    return signature

@@ -53,6 +53,7 @@ from typing import Any
 
 from consistency.index import Index, ObjectRecord
 from consistency.manifest import complete_entries
+from consistency.retired import RetiredCopy
 from consistency.twophase import StepProtocol
 from tierstore.errors import ConfigError
 from tierstore.keys import ShardKey
@@ -99,6 +100,7 @@ class GCReport:
         deleted: objects deleted from every tier; ``bytes_freed`` their size.
         released: objects whose memory copies went (their durable copy stays); ``bytes_released``.
         deferred: objects of steps whose migration may still finish (a later pass decides).
+        retired: copies of superseded steps deleted (a newer durable step exists).
     """
 
     kept_steps: list[int] = field(default_factory=list)
@@ -110,12 +112,13 @@ class GCReport:
     durable_only: list[int] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     bytes_released: int = 0
+    retired: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"kept_steps": self.kept_steps, "dropped_steps": self.dropped_steps, "deleted": self.deleted,
                 "bytes_freed": self.bytes_freed, "dry_run": self.dry_run, "deferred": self.deferred,
                 "durable_only": self.durable_only, "released": self.released,
-                "bytes_released": self.bytes_released}
+                "bytes_released": self.bytes_released, "retired": self.retired}
 
 
 @dataclass
@@ -141,6 +144,7 @@ class RetentionPlan:
     protected: set[ShardKey]
     newest_decided: int
     recorded: set[int]
+    newest_durable: int = -1
     _gone: set[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -286,12 +290,13 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
         keep_memory=reachable(steps, model, sorted(memory), cache=cache),
         keep_durable=reachable(steps, model, sorted(kept_durable), cache=cache),
         protected=closure(steps.index, objects_in_flight) if objects_in_flight else set(),
-        newest_decided=newest_decided, recorded=set(state),
+        newest_decided=newest_decided, recorded=set(state), newest_durable=newest_durable,
     )
 
 
 def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[ShardKey], *,
            delete: Callable[[ShardKey, str], object], release: Callable[[ShardKey, ObjectRecord], bool],
+           drop: Callable[[str], object], retired_ok: Callable[[RetiredCopy], bool] | None = None,
            report: GCReport | None = None, dry_run: bool = False) -> GCReport:
     """Carry out ``plan`` on ``keys`` (the objects considered: a writer's own, or every object of ``model``).
 
@@ -300,8 +305,18 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     only where the index records a durable copy); the objects no kept step reaches (``delete``: from
     every tier and the index, while the record still names the copy); then the records of the retired
     and collected steps (an aborted step keeps its ``state``, so a late vote cannot re-open it).
+    Before all that, the copies of superseded steps older than the newest durable step of the live
+    line (:mod:`consistency.retired`; those ``retired_ok`` accepts) go: ``drop(name)`` from every tier.
     """
     report = report or GCReport(dry_run=dry_run)
+    # copies of superseded steps, kept until the live line has a newer durable step
+    gone = [c for c in steps.index.retired(model)
+            if c.step < plan.newest_durable and (retired_ok is None or retired_ok(c))]
+    report.retired = [c.name for c in gone]
+    if gone and not dry_run:
+        for c in gone:
+            drop(c.name)
+        steps.index.forget_retired(model, [c.name for c in gone])
     report.kept_steps, report.durable_only = plan.kept, plan.durable
     report.dropped_steps = sorted(set(plan.retired) | set(plan.aborted))
     fates = {k: plan.fate(k) for k in keys}
@@ -330,7 +345,8 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
 
 def collect(steps: StepProtocol, model: str, retention: Retention = Retention(), *,
             delete: Callable[[ShardKey, str], object], release: Callable[[ShardKey, ObjectRecord], bool],
-            dry_run: bool = True, max_staleness: int = 0, migrating: bool = False) -> GCReport:
+            drop: Callable[[str], object], dry_run: bool = True, max_staleness: int = 0,
+            migrating: bool = False) -> GCReport:
     """Apply ``retention`` to every object of ``model`` (``tierstore admin gc``); see the module docstring.
 
     Steps still preparing past their timeout are aborted first. Decisions are taken on states the
@@ -341,6 +357,7 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
         delete: ``delete(key, name)`` deletes the record of ``key`` if it still names the copy ``name``, then
             that copy from every tier (a record replaced meanwhile is left alone).
         release: ``release(key, record)`` drops the memory tiers' copies of ``key`` (its durable copy stays).
+        drop: ``drop(name)`` deletes the copy ``name`` from every tier (a superseded step's).
         migrating: a migration to the durable tier runs: a committed step newer than the newest durable
             step is held (not retired) unless it is recorded memory-only (its migration gave up or
             was skipped), and its objects are reported ``deferred``.
@@ -353,7 +370,7 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
     keys = steps.index.list_objects(model)
     plan = plan_retention(steps, model, retention, max_staleness=max_staleness, objects=keys,
                           hold=(lambda r: r.memory_only is None) if migrating else None)
-    report = retire(steps, model, plan, keys, delete=delete, release=release, dry_run=dry_run)
+    report = retire(steps, model, plan, keys, delete=delete, release=release, drop=drop, dry_run=dry_run)
     held = set(plan.held)
     report.deferred = [str(k) for k in keys if k.step in held and plan.fate(k) == "keep"
                        and k not in plan.keep_memory and k not in plan.protected]

@@ -23,6 +23,8 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:{m}:sync                    STRING a counter written before each WAIT (see :mod:`consistency.cluster`)
     ts:{m}:incarnations            HASH   job incarnation token -> its epoch (StepProtocol.join_epoch)
     ts:{m}:progress                HASH   rank -> "<epoch> <step>": the newest step it began saving
+    ts:{m}:retired                 HASH   physical name -> a superseded step's copy, kept until a newer
+                                          durable step (see :mod:`consistency.retired`)
     ts:node:<id>                   HASH   a node agent's registration (TTL), see :mod:`consistency.nodes`
     ts:nodes                       SET    registered node ids
 
@@ -39,7 +41,8 @@ package-private): every other module calls a named operation of
 The modules: :mod:`consistency.client` (the connection, key names, replica
 acknowledgements, the translation of redis-py errors into
 :class:`TierUnavailableError`, :class:`AccessDeniedError`, :class:`FencedError`),
-:mod:`consistency.objects` (object records and placement), and this one (models
+:mod:`consistency.objects` (object records and placement), :mod:`consistency.retired`
+(copies of superseded steps), and this one (models
 and epochs; :class:`Index` is the one class callers use).
 """
 
@@ -51,7 +54,8 @@ from typing import Any
 
 from consistency.client import MODELS, _s, redact_url, translate_redis_errors
 from consistency.cluster import acked
-from consistency.objects import KINDS, ObjectIndex, ObjectRecord
+from consistency.objects import KINDS, ObjectRecord
+from consistency.retired import RetiredIndex
 from tierstore.keys import validate_name
 
 __all__ = ["KINDS", "Index", "ObjectRecord", "redact_url", "translate_redis_errors"]
@@ -65,7 +69,7 @@ return cur
 """
 
 
-class Index(ObjectIndex):
+class Index(RetiredIndex):
     """A connection to the index server: models, epochs, object records and placement.
 
     Thread-safe (redis-py pools connections). The raw client is

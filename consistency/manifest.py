@@ -54,6 +54,7 @@ __all__ = [
     "manifest_objects",
     "parse_durable_epoch_name",
     "parse_manifest",
+    "superseded_manifest_name",
 ]
 
 MANIFEST_VERSION = 1
@@ -64,6 +65,11 @@ _KINDS = ("full", "delta", "ref")
 def durable_manifest_name(model: str, step: int) -> str:
     """The durable tier's object name of a step's manifest (written last, create-once)."""
     return f"{model}/_manifest/{step:012d}.json"
+
+
+def superseded_manifest_name(model: str, step: int, attempt: int) -> str:
+    """Where a superseded step's durable manifest is kept (never read by a restore nor an index rebuild)."""
+    return f"{model}/_superseded/{step:012d}.{attempt}.json"
 
 
 def durable_epoch_prefix(model: str) -> str:

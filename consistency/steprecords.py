@@ -16,8 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from consistency.index import translate_redis_errors
-from consistency.manifest import complete_entries, durable_manifest_name, manifest_objects
+from consistency.manifest import (
+    complete_entries,
+    durable_manifest_name,
+    manifest_objects,
+    superseded_manifest_name,
+)
+from consistency.retired import RetiredCopy
 from consistency.stepbase import StepBase, _f, _s
+from tierstore.errors import KeyExistsError
 from tierstore.keys import ShardKey, validate_name
 
 __all__ = ["EventSubscription", "StepRecord", "StepRecords"]
@@ -139,29 +146,47 @@ class StepRecords(StepBase):
     def supersede(self, model: str, step: int, *, epoch: int, reason: str) -> str:
         """Record committed ``step`` aborted, with ``reason``, so incarnation ``epoch`` can save it again.
 
-        For a step an older incarnation committed that this one could not
-        read when it restored (:meth:`tierstore.train.checkpointer.Checkpointer.restore`
-        fell back past it): without this, resuming from the older step could
-        never save that step number again. A durable step's durable manifest
-        is deleted first (an index rebuild must not resurrect it, and the new
-        attempt writes its own). A step of ``epoch`` itself, or one no longer
-        committed, is left alone. Returns the state before the call.
+        For a step an older incarnation committed that this one judged lost when it restored (every tier
+        that should hold one of its copies answered a miss or a bad checksum): without this, resuming
+        from the older step could never save that step number again. Nothing of it is deleted: its copies'
+        records move to the model's retired set and its durable manifest to its superseded name
+        (:mod:`consistency.retired`), first, while the step still reads committed (so no new attempt can
+        begin meanwhile), and garbage collection deletes them once the live line has a newer durable step.
+        A step of ``epoch`` itself, or one no longer committed, is left alone. Returns the state before
+        the call.
 
         Raises:
             FencedError: ``epoch`` is older than the job's.
         """
         self._check(model, step)
         ks = self._keys(model, step)
-        if self.durable is not None:
-            (rec,) = self.records(model, [step])
-            if rec.state == "durable" and rec.epoch < epoch and epoch >= self.index.epoch(model):
-                # the script below could still be fenced by an incarnation that began since this check:
-                # the step then stays durable without its manifest (an index rebuild loses it), never
-                # the other way round (a superseded step resurrected by a rebuild)
-                self.durable.delete(durable_manifest_name(model, step))
+        (rec,) = self.records(model, [step])
+        if rec.state in ("committed", "durable") and rec.epoch < epoch and epoch >= self.index.epoch(model):
+            self._set_aside(model, step, rec)
         out = self._run(f"supersede step {step} of {model}", self._supersede, [ks["epoch"], ks["step"]],
                         [epoch, reason[:1000], ks["events"], step])
         return _s(out)
+
+    def _set_aside(self, model: str, step: int, rec: StepRecord) -> None:
+        """Keep a step being superseded: its durable manifest under its superseded name, its copies' records
+        in the retired set. The script after this could still be fenced by an incarnation that began since:
+        the step then stays committed without them (unreadable, kept), never the other way round."""
+        m = self.manifest(model, step)
+        if self.durable is not None:
+            name = durable_manifest_name(model, step)
+            raw = self.durable.get(name)
+            if raw is not None:
+                aside = superseded_manifest_name(model, step, rec.attempt)
+                try:
+                    self.durable.put(aside, bytes(raw), if_absent=True)
+                except KeyExistsError:
+                    pass  # another rank set it aside first
+                self.index.add_retired(model, RetiredCopy(aside, step, "manifest", tiers=(self.durable.tier,),
+                                                          size=len(raw)))
+                self.durable.delete(name)  # an index rebuild must not resurrect it
+        if m is not None:
+            own = [(ShardKey.parse(o["key"]), o.get("name") or o["key"]) for o in manifest_objects(m)]
+            self.index.retire_copies(model, step, [(k, n) for k, n in own if k.step == step])
 
     def delete_durable_manifests(self, model: str, steps: Iterable[int]) -> None:
         """Delete the durable manifests of ``steps`` (first, before their objects: an index rebuild

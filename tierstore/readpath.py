@@ -22,7 +22,15 @@
 - a candidate that does not verify is skipped, with a logged warning and an
   entry in :attr:`Resolution.skipped` saying why, and the next older one is
   tried. If none verifies, :class:`NoValidCopyError` names why the newest did
-  not. With no committed step at all, an index that lost the model raises
+  not;
+- **destroy only on proof**: a tier that fails to answer (unreachable,
+  throttled: :class:`~tierstore.errors.TierUnavailableError`) is asked again
+  with backoff (``retries``, as migration does); a step is judged *lost*
+  (:attr:`Resolution.lost`) only on positive evidence: the index no longer
+  records what its manifest names, or every live tier answered a miss or a
+  bad checksum for one of its copies. A step skipped because some tier could
+  not answer is *unknown* (in ``skipped``, not in ``lost``): a caller may fall
+  back past it, but must not act on it as lost (supersede it, delete it). With no committed step at all, an index that lost the model raises
   :class:`~tierstore.errors.IndexLostError` (see
   :meth:`~consistency.twophase.StepProtocol.check_index`), never "fresh".
 
@@ -38,6 +46,7 @@ only is the Checkpointer's to agree on).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +56,7 @@ from consistency.index import Index, ObjectRecord
 from consistency.manifest import complete_entries, layer_entries, manifest_layers
 from consistency.twophase import StepProtocol
 from tierstore import codec
-from tierstore.errors import CorruptObjectError, NoValidCopyError, TierStoreError
+from tierstore.errors import CorruptObjectError, ManifestError, NoValidCopyError, TierStoreError
 from tierstore.keys import ShardKey, validate_step
 
 __all__ = ["Resolution", "resolve"]
@@ -65,6 +74,7 @@ class Resolution:
         step: the resume step R; ``layers`` the version each layer comes from.
         objects: ``(layer, rank) -> record`` of every object to read.
         skipped: newer committed steps that did not verify, and why (newest first).
+        lost: those of ``skipped`` judged lost on positive evidence (the others: a tier did not answer).
         requires: older steps whose manifests a restore of R also reads (a replay's base and logs).
     """
 
@@ -77,20 +87,32 @@ class Resolution:
     state: str = "committed"
     skipped: dict[int, str] = field(default_factory=dict)
     requires: list[int] = field(default_factory=list)
+    lost: set[int] = field(default_factory=set)
 
     def keys_for_rank(self, rank: int) -> dict[str, ShardKey]:
         return {layer: info.key for (layer, r), info in self.objects.items() if r == rank}
 
 
-class _Verifier:
-    """Verifies objects against the index and the tiers; caches verdicts per copy (key, name, checksum)."""
+class _Unknown(str):
+    """A reason a copy or step could not be checked (a tier did not answer): no evidence of loss."""
 
-    def __init__(self, index: Index, tiers: Sequence[Backend], verify: str):
+
+class _Verifier:
+    """Verifies objects against the index and the tiers; caches verdicts per copy (key, name, checksum).
+
+    A verdict is ``None`` (verifies), a reason (``str``: positive evidence that the copy is gone or bad),
+    or an :class:`_Unknown` reason (a tier did not answer after ``retries`` tries with backoff).
+    """
+
+    def __init__(self, index: Index, tiers: Sequence[Backend], verify: str, *, retries: int = 5,
+                 backoff_s: float = 0.05, backoff_max_s: float = 5.0, sleep: Callable[[float], None] = time.sleep):
         self.index = index
         self.tiers = tiers
         self.verify = verify
+        self.retries, self.backoff_s, self.backoff_max_s, self.sleep = retries, backoff_s, backoff_max_s, sleep
         self.records: dict[ShardKey, ObjectRecord | None] = {}
         self.verdicts: dict[tuple[str, str, str], str | None] = {}
+        self.silent: set[str] = set()  # tiers that did not answer after every retry: asked once from then on
 
     def load(self, keys: list[ShardKey]) -> None:
         todo = [k for k in dict.fromkeys(keys) if k not in self.records]
@@ -116,16 +138,28 @@ class _Verifier:
             return f"{key} is not in the index"
         if rec.name != name or rec.checksum != checksum:
             return f"{key}: the index records another copy ({rec.name}) than the manifest ({name})"
-        failures = []
         # the tiers the index names first; then the others, as the read path does: the index's tier names
         # say nothing of which node (the peer tier serves other nodes' host tiers)
-        for tier in sorted(self.tiers, key=lambda t: t.tier not in rec.tiers):
-            problem = self._check_copy(tier, name, checksum)
-            if problem is None:
-                return None
-            failures.append(f"{tier.tier}: {problem}")
+        todo = sorted(self.tiers, key=lambda t: t.tier not in rec.tiers)
+        answers: dict[str, str] = {}
+        for attempt in range(self.retries + 1):
+            unanswered = []
+            for tier in todo:
+                problem = self._check_copy(tier, name, checksum)
+                if problem is None:
+                    return None
+                answers[tier.tier] = problem
+                if isinstance(problem, _Unknown):
+                    unanswered.append(tier)
+            if not unanswered or attempt == self.retries or all(t.tier in self.silent for t in unanswered):
+                self.silent.update(t.tier for t in unanswered)
+                break
+            self.sleep(min(self.backoff_max_s, self.backoff_s * (2 ** attempt)))
+            todo = unanswered  # the tiers that answered a miss or a bad copy said so: no need to ask again
         held = ", ".join(sorted(rec.tiers)) or "none"
-        return f"{key}: no live tier holds a copy that verifies (index says {held}; {'; '.join(failures) or '-'})"
+        why = (f"{key}: no live tier holds a copy that verifies (index says {held}; "
+               f"{'; '.join(f'{t}: {p}' for t, p in answers.items()) or '-'})")
+        return _Unknown(why) if any(isinstance(p, _Unknown) for p in answers.values()) else why
 
     def _check_copy(self, tier: Backend, name: str, checksum: str) -> str | None:
         full = self.verify == "full" or (self.verify == "auto" and (tier.zero_copy_get or tier.local_reads))
@@ -148,8 +182,8 @@ class _Verifier:
             return None if got == checksum else f"checksum {got} is not the index's {checksum}"
         except CorruptObjectError as e:
             return f"corrupt ({e})"
-        except TierStoreError as e:  # an unreachable tier does not hold it for this restore
-            return f"unreadable ({e})"
+        except TierStoreError as e:  # the tier did not answer: nothing is known of the copy
+            return _Unknown(f"unreadable ({e})")
 
 
 def _chain_problem(entries: dict[str, dict], verifier: _Verifier, max_chain: int) -> str | None:
@@ -210,7 +244,9 @@ def _legacy_inherited(m: dict, committed: list[int], manifest: Callable[[int], d
 
 
 def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_staleness: int = 0, *,
-            max_chain: int = 64, step: int | None = None, verify: str = "auto") -> Resolution:
+            max_chain: int = 64, step: int | None = None, verify: str = "auto", retries: int = 5,
+            backoff_s: float = 0.05, backoff_max_s: float = 5.0,
+            sleep: Callable[[float], None] = time.sleep) -> Resolution:
     """Resolve ``model``'s resume step and the version of each layer; see the module docstring.
 
     Args:
@@ -219,10 +255,14 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
         max_chain: the longest delta/ref chain a read follows.
         step: resolve this committed step only (no fallback).
         verify: ``"auto"``, ``"full"`` or ``"trailer"`` (see the module docstring).
+        retries, backoff_s, backoff_max_s, sleep: how often, and after which pauses, a tier that did not
+            answer is asked again before a copy is called unknown.
 
     Raises:
         NoValidCopyError: no candidate verifies (``reason`` says why the newest did not;
-            ``skipped`` maps each candidate to why), or ``step`` is not committed.
+            ``skipped`` maps each candidate to why, ``lost`` lists those judged lost on
+            positive evidence, ``evidence`` is ``"lost"`` when every candidate was), or ``step``
+            is not committed.
         IndexLostError: nothing is committed in the index, but the durable tier holds steps of ``model``.
     """
     records = protocol.steps(model)
@@ -246,24 +286,33 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
             manifests[s] = protocol.manifest(model, s)
         return manifests[s]
 
-    verifier = _Verifier(protocol.index, tiers, verify)
+    verifier = _Verifier(protocol.index, tiers, verify, retries=retries, backoff_s=backoff_s,
+                         backoff_max_s=backoff_max_s, sleep=sleep)
     skipped: dict[int, str] = {}
+    lost: set[int] = set()
     for r_step in candidates:
         try:
             found = _try_step(r_step, manifest, committed, verifier, max_staleness, max_chain)
-        except TierStoreError as e:  # a manifest that does not parse, an unreachable index mid-way
+        except ManifestError as e:  # a manifest that does not parse: positive evidence
             found = f"{type(e).__name__}: {e}"
+        except TierStoreError as e:  # an unreachable index mid-way: nothing is known
+            found = _Unknown(f"{type(e).__name__}: {e}")
         if isinstance(found, Resolution):
             found.model, found.state, found.skipped = model, states.get(r_step, "committed"), skipped
+            found.lost = lost
             return found
-        skipped[r_step] = found
-        log.warning("restore of %s: committed step %d skipped: %s", model, r_step, found)
+        skipped[r_step] = str(found)
+        if not isinstance(found, _Unknown):
+            lost.add(r_step)
+        log.warning("restore of %s: committed step %d skipped (%s): %s", model, r_step,
+                    "lost" if r_step in lost else "unknown: a tier did not answer", found)
     first = skipped[candidates[0]]
+    evidence = "lost" if len(lost) == len(candidates) else "unknown"
     if step is not None:
         raise NoValidCopyError(f"step {step} of {model!r} cannot be restored: {first}", model=model, step=step,
-                               reason=first, skipped=skipped)
+                               reason=first, skipped=skipped, lost=lost, evidence=evidence)
     raise NoValidCopyError(f"no committed step of {model!r} can be rebuilt: {first}", model=model, reason=first,
-                           skipped=skipped)
+                           skipped=skipped, lost=lost, evidence=evidence)
 
 
 def _try_step(r_step: int, manifest: Callable[[int], dict | None], committed: list[int], verifier: _Verifier,

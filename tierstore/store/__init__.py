@@ -260,8 +260,10 @@ class TierStore(WritePath, ReadPath):
         Args:
             step: resolve this committed step (no fallback to another).
         """
-        return resolve(self.steps, self.tiers, model, max_staleness=max_staleness,
-                       max_chain=self.config.max_delta_chain, step=step, verify=self.config.restore_verify)
+        c = self.config
+        return resolve(self.steps, self.tiers, model, max_staleness=max_staleness, max_chain=c.max_delta_chain,
+                       step=step, verify=c.restore_verify, retries=c.migration_retries,
+                       backoff_s=c.migration_backoff_s, backoff_max_s=c.migration_backoff_max_s)
 
     def rebuild_index(self, model: str | None = None) -> RebuildReport:
         """Rebuild a lost index from the durable manifests; see :mod:`consistency.rebuild`."""
@@ -275,6 +277,7 @@ class TierStore(WritePath, ReadPath):
         a later pass (their objects reported as deferred).
         """
         return collect(self.steps, model, retention or Retention(), delete=self._collect, release=self.release,
+                       drop=self._drop_copy,
                        dry_run=dry_run, max_staleness=max_staleness,
                        migrating=self.durable is not None and self.config.migrate)
 

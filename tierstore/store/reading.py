@@ -17,6 +17,7 @@ that owns the tiers and index it uses).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -140,35 +141,58 @@ class ReadPath:
         :class:`CorruptObjectError` for a bad copy, possibly after writing part
         of it into the caller's ``out`` tensors: the next tier's copy then
         overwrites them). A miss, an unreachable tier or a bad copy falls back
-        to the next tier.
+        to the next tier; tiers that did not answer (:class:`TierUnavailableError`)
+        are asked again with the migration's backoff before the read gives up. The
+        :class:`NoValidCopyError` then says ``evidence="lost"`` only when every tier
+        answered a miss or a bad copy (``"unknown"``, naming ``unreachable``, otherwise).
         """
-        failures: list[str] = []
         name = rec.name if rec is not None else str(key)
-        for tier in self.tiers:
-            try:
-                blob = tier.get(name)
-            except TierStoreError as e:
-                failures.append(f"{tier.tier}: {e}")
-                continue
-            if blob is None:
-                continue
-            try:
-                if rec is not None and rec.checksum:
-                    stored = codec.checksum(blob)
-                    if stored != rec.checksum:
-                        raise CorruptObjectError(f"checksum {stored} differs from the index's {rec.checksum}")
-                return consume(blob), tier.tier
-            except CorruptObjectError as e:
-                log.warning("%s: bad copy in the %s tier (%s); trying the next tier", key, tier.tier, e)
-                failures.append(f"{tier.tier}: {e}")
-                continue
-            finally:
-                del blob  # a host-tier view pins its segment until released
+        c = self.config
+        answers: dict[str, str] = {}
+        todo = list(self.tiers)
+        for attempt in range(c.migration_retries + 1):
+            unanswered = []
+            for tier in todo:
+                try:
+                    blob = tier.get(name)
+                except TierUnavailableError as e:  # asked again below: a blip is not a lost copy
+                    answers[tier.tier] = f"unreachable: {e}"
+                    unanswered.append(tier)
+                    continue
+                except TierStoreError as e:
+                    answers[tier.tier] = f"unreadable: {e}"
+                    continue
+                if blob is None:
+                    answers.pop(tier.tier, None)
+                    continue
+                try:
+                    if rec is not None and rec.checksum:
+                        stored = codec.checksum(blob)
+                        if stored != rec.checksum:
+                            raise CorruptObjectError(f"checksum {stored} differs from the index's {rec.checksum}")
+                    return consume(blob), tier.tier
+                except CorruptObjectError as e:
+                    log.warning("%s: bad copy in the %s tier (%s); trying the next tier", key, tier.tier, e)
+                    answers[tier.tier] = str(e)
+                    continue
+                finally:
+                    del blob  # a host-tier view pins its segment until released
+            if not unanswered or attempt == c.migration_retries:
+                break
+            delay = min(c.migration_backoff_max_s, c.migration_backoff_s * (2 ** attempt))
+            log.info("%s: %s did not answer; asking again in %.2f s", key, ", ".join(t.tier for t in unanswered), delay)
+            time.sleep(delay)
+            todo = unanswered
+        failures = [f"{t}: {why}" for t, why in answers.items()]
         if failures or rec is not None:
+            unknown = sorted(t for t, why in answers.items() if why.startswith(("unreachable", "unreadable")))
             raise NoValidCopyError(
-                f"no valid copy of {key} in any tier ({'; '.join(failures) or 'no tier holds it'})",
+                f"no valid copy of {key} in any tier ({'; '.join(failures) or 'no tier holds it'})"
+                + (f"; {', '.join(unknown)} did not answer: the copy there may be intact" if unknown else ""),
                 key=str(key),
                 failures=failures,
+                evidence="unknown" if unknown else "lost",
+                unreachable=unknown,
             )
         return None
 

@@ -178,7 +178,8 @@ class Checkpointer:
         self.ranks = Ranks(store, self.model, rank, world_size, group, timeout=timeout, grace=missing_rank_grace)
         self.rank, self.world_size, self.group = self.ranks.rank, self.ranks.world_size, self.ranks.group
         self.epoch: int | None = None
-        self._lost: set[int] = set()  # committed steps this incarnation's restore could not read
+        self._passed: set[int] = set()  # committed steps newer than the one this incarnation restored
+        self._unproven: dict[int, str] = {}  # of those, why one could not be judged (a tier did not answer)
         self._manifests: dict[int, dict] = {}  # retention's parsed manifests, for this epoch
         self.stats = SaveStats()
         self.report = RestoreReport()
@@ -264,7 +265,9 @@ class Checkpointer:
         t0 = time.monotonic()
         if self.epoch is None:
             self.epoch = self.ranks.join()
-        self._begin(step, layout)
+        if not self._begin(step, layout):
+            self._last_step, self._last_t = step, t0  # wait() answers for the earlier incarnation's step
+            return
         try:
             self.ranks.note(step, self.epoch)
             if self._gate is not None:
@@ -544,30 +547,62 @@ class Checkpointer:
                 self._replay.continue_from(got.step, self.report.base_step)
         self.report.step, self.report.epoch = got.step, self.epoch
         self._manifests.clear()  # a step of an older incarnation may have been superseded
-        self._lost = ({s for s in committed if s > got.step}
-                      if not read_only and step is None and got.step is not None else set())
+        self._passed = ({s for s in committed if s > got.step}
+                        if not read_only and step is None and got.step is not None else set())
         self.report.fell_back = got.step != self.report.newest if got.step is not None else False
         return got
 
-    def _begin(self, step: int, layout: dict[str, Any]) -> None:
-        """Begin ``step``; a committed step that this incarnation's restore fell back past (it could not
-        be read: its copies were lost with a node, or corrupt in every tier) is superseded first, so
-        training resumed from an older step can save that step number again."""
+    def _begin(self, step: int, layout: dict[str, Any]) -> bool:
+        """Begin ``step``; ``False``: the save is skipped (nothing is written).
+
+        A committed step newer than the one this incarnation restored (its restore fell back past it) is
+        judged again now, by every rank together: if a rank has positive evidence that it is lost (a copy
+        it needs is missing or bad in every tier that should hold it), it is superseded (kept aside, see
+        :meth:`consistency.steprecords.StepRecords.supersede`) and saved again as a new attempt; if it
+        verifies, or some tier did not answer, it stays as it is and this save is skipped, with a warning:
+        a step is never replaced on a guess.
+        """
         try:
             self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
+            return True
         except StepCommittedError:
-            if step not in self._lost or self.epoch is None:
+            if step not in self._passed or self.epoch is None:
                 raise
-            why = (f"lost: incarnation {self.epoch} could not read it and resumed from step {self.report.step}; "
-                   "saved again")
-            was = self.store.steps.supersede(self.model, step, epoch=self.epoch, reason=why)
+            why = self._judge(step)
+            if int(self.ranks.all_max_(torch.tensor([1 if why is not None else 0]))[0]) == 0:
+                log.warning("step %d of %s is committed by an earlier incarnation and was not proven lost (%s): "
+                            "it is kept, and this save of step %d is skipped", step, self.model,
+                            self._unproven.pop(step, "it verifies now"), step)
+                return False
+            why = why or "another rank found it lost"
+            was = self.store.steps.supersede(
+                self.model, step, epoch=self.epoch,
+                reason=f"lost ({why[:300]}): incarnation {self.epoch} resumed from step {self.report.step}; "
+                       "saved again (its copies are kept until a newer durable step)")
             self._manifests.pop(step, None)  # retention must read the new attempt's manifest
             if was in ("committed", "durable"):
-                log.warning("step %d of %s was %s but unreadable at the restore: saved again (%s)",
-                            step, self.model, was, why)
+                log.warning("step %d of %s was %s but is lost: saved again (%s)", step, self.model, was, why)
             self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
+            return True
         finally:
-            self._lost.discard(step)
+            self._passed.discard(step)
+
+    def _judge(self, step: int) -> str | None:
+        """Why committed ``step`` is lost, with positive evidence; ``None`` if it verifies or nothing is known
+        (a tier did not answer: said in ``_unproven``)."""
+        if self._replay is not None and step in self._replay.proven:  # its replay diverged or lost an entry
+            return self._replay.proven[step]
+        try:
+            self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
+            return None
+        except NoValidCopyError as e:
+            if step in (e.fields.get("lost") or ()):
+                return str(e.fields.get("reason") or e)
+            self._unproven[step] = str(e.fields.get("reason") or e)
+            return None
+        except TierStoreError as e:
+            self._unproven[step] = f"{type(e).__name__}: {e}"
+            return None
 
     def _restore(self, step: int | None, only: Iterable[str] | None) -> Restored:
         t0 = time.perf_counter()

@@ -23,9 +23,12 @@ the group scalars, ``optimizer.step()``) and each verified against its
 recorded digest. A missing, unreadable or diverging entry stops the replay:
 all ranks agree on the newest step every rank verified (``all_reduce(MIN)``),
 reload the base and replay up to it; ``ckpt.report`` and a
-:class:`ReplayFallbackWarning` say so. Wrong weights are never returned. A
-writer's restore retires the committed steps newer than the one restored, so
-the resumed run can write them again. The other entries of the state
+:class:`ReplayFallbackWarning` say so. Wrong weights are never returned. The
+committed steps newer than the one restored are not deleted: those the replay
+proved unrestorable (a digest that differs, an entry gone from every tier) are
+in :attr:`ReplayLog.proven`, and the Checkpointer supersedes them (keeping
+their copies) when the resumed run saves their numbers again; the others are
+judged again then. The other entries of the state
 (scheduler, data, RNG) and the param groups' hyper-parameters come from the
 restored step itself.
 
@@ -142,6 +145,7 @@ class ReplayLog:
         self._scalars: list[dict[str, Any]] | None = None
         self._steps_since_save = 0
         self._replaying = False
+        self.proven: dict[int, str] = {}  # steps the last restore proved unrestorable, and why
         self._last_saved: int | None = None
         self._last_base: int | None = None
         self._bases: list[int] = []  # base steps of this run, oldest first (retention keeps a chain's base)
@@ -328,17 +332,27 @@ class ReplayLog:
             raise _Mismatch(f"replay of step {s} gives parameters {got}, the run recorded {want}")
 
     def _replay(self, mans: dict[int, dict], chain: list[int]) -> tuple[int | None, bool, str | None]:
-        """Replay ``chain``; (last good step or None, state is dirty, reason of the stop)."""
+        """Replay ``chain``; (last good step or None, state is dirty, reason of the stop).
+
+        A stop on positive evidence (a digest that differs, an entry gone from every tier or that does not
+        fit) proves the steps from there on unrestorable: they go to :attr:`proven`."""
         reached = None
         for s in chain:
             try:
                 self._replay_one(mans[s])
             except _Mismatch as e:
+                self._prove([c for c in chain if c >= s], str(e))
                 return reached, True, str(e)
             except TierStoreError as e:
+                if _definitive(e):
+                    self._prove([c for c in chain if c >= s], f"log step {s}: {e}")
                 return reached, False, f"log step {s}: {e}"
             reached = s
         return reached, False, None
+
+    def _prove(self, steps: list[int], why: str) -> None:
+        for s in steps:
+            self.proven.setdefault(s, why[:500])
 
     def restore(self, step: int | None, *, read_only: bool, only: Iterable[str] | None) -> tuple[int | None, Any]:
         """Load the newest verifiable state (or ``step``) in place; ``(step, user extra)``. Collective."""
@@ -348,6 +362,7 @@ class ReplayLog:
             raise ConfigError(f"a replay restore replays the optimizer: include {self.opt_key!r} in only=",
                               field="only")
         self.forget()
+        self.proven = {}
         plans, mans = self._plan(step)
         rep = ck.report
         if step is not None and step not in mans:
@@ -369,6 +384,8 @@ class ReplayLog:
             except TierStoreError as e:
                 ok, failed = 0, f"base {b}: {e}"
                 first_error = first_error or e
+                if _definitive(e):
+                    self._prove([b, *chain], failed)
             if ck.ranks.all_min(ok) == 0:
                 reasons.append(failed)
                 continue
@@ -402,10 +419,6 @@ class ReplayLog:
             msg = f"{ck.model}: restored step {agreed}, not the newest committed {newest}: {rep.reason}"
             log.warning(msg)
             warnings.warn(msg, ReplayFallbackWarning, stacklevel=3)
-            if not read_only:
-                if ck.rank == 0:
-                    _retire_after(ck.store, ck.model, agreed)
-                ck.ranks.all_min(0)  # every rank waits for the retirement
         res = ck.store.resolve(ck.model, 0, step=agreed)
         doc = ck.doc(res)
         plan = ck.view.prepare(ck.read(res, [ln for ln in res.layers if ln == STATE_LAYER]), doc, keys,
@@ -414,11 +427,9 @@ class ReplayLog:
         return agreed, plan.get("user")
 
 
-def _retire_after(store: Any, model: str, step: int) -> None:
-    """Delete every recorded step of ``model`` newer than ``step``: objects, durable manifests, records."""
-    later = [s for s, _ in store.steps.steps(model) if s > step]
-    store.steps.delete_durable_manifests(model, later)
-    for key in store.list(model):
-        if key.step > step:
-            store.delete(key)
-    store.steps.drop_steps(model, later, keep_aborted_state=False)
+def _definitive(e: TierStoreError) -> bool:
+    """Whether a read's failure is positive evidence (a copy gone or bad in every tier, a misfit), not a tier
+    that did not answer."""
+    if isinstance(e, RestoreMismatchError):
+        return True
+    return isinstance(e, NoValidCopyError) and e.fields.get("evidence", "lost") == "lost"

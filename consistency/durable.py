@@ -28,15 +28,17 @@ __all__ = ["DurableLevel", "conflict", "durable_entries"]
 log = logging.getLogger(__name__)
 
 
-def durable_entries(index: Index, tier: str, m: dict) -> list[dict] | None:
+def durable_entries(index: Index, tier: str, m: dict, required: list[dict] = ()) -> list[dict] | None:  # type: ignore[assignment]
     """The entries a durable manifest adds to ``m``'s complete set, or ``None`` if the step is not durable yet.
 
-    Every entry of :func:`complete_entries` must be recorded as held by the
-    durable ``tier`` in the copy the manifest names; any delta base or ref
-    target they reach that the manifest does not list (manifests written
-    before they listed their deps) is returned, with the durable tier.
+    Every entry of :func:`complete_entries` (and of ``required``: the complete
+    sets of the steps ``m`` requires, a replay's base and logs) must be recorded
+    as held by the durable ``tier`` in the copy the manifest names; any delta
+    base or ref target they reach that the manifest does not list (manifests
+    written before they listed their deps) is returned, with the durable tier.
     """
-    listed = {o["key"]: o for o in complete_entries(m)}
+    listed = {o["key"]: o for o in [*required, *complete_entries(m)]}
+    own = {o["key"] for o in complete_entries(m)}
     seen: set[str] = set()
     todo = sorted(listed)
     extra: list[dict] = []
@@ -52,6 +54,8 @@ def durable_entries(index: Index, tier: str, m: dict) -> list[dict] | None:
                 return None  # the index now names another copy than the manifest: never durable
             if want is None:
                 extra.append({**rec.to_json(), "tiers": [tier]})
+            elif name not in own:
+                pass  # a required step's entry: its own manifest lists it
             for ref in (rec.base, rec.target):
                 if ref is not None and str(ref) not in seen and str(ref) not in nxt:
                     nxt.append(str(ref))
@@ -98,6 +102,24 @@ class DurableLevel(StepBase):
             self.index.run_script(self._migrated, [ks["epoch"], ks["step"]], [-1 if epoch is None else epoch, rank])
         self.maybe_durable(model, step, epoch=epoch)
 
+    def required_entries(self, model: str, manifest: dict) -> list[dict] | None:
+        """The complete sets of the steps ``manifest`` requires, transitively (a replay log step's base and
+        logs: a restore of it reads them); ``None`` if one of their manifests is gone."""
+        out: list[dict] = []
+        seen: set[int] = set()
+        todo = list(manifest.get("requires", []))
+        while todo:
+            s = todo.pop()
+            if s in seen:
+                continue
+            seen.add(s)
+            m = self.manifest(model, s)
+            if m is None:
+                return None
+            out += complete_entries(m)
+            todo += m.get("requires", [])
+        return out
+
     def mark_memory_only(self, model: str, step: int, reason: str) -> bool:
         """Record that ``step`` stays in memory only, and why (if it is recorded and not durable)."""
         with translate_redis_errors(f"mark step {step} of {model} memory-only", self.index.url):
@@ -134,7 +156,10 @@ class DurableLevel(StepBase):
         manifest = self.manifest(model, step)
         if manifest is None:
             return False
-        extra = durable_entries(self.index, self.durable.tier, manifest)
+        required = self.required_entries(model, manifest)
+        if required is None:
+            return False
+        extra = durable_entries(self.index, self.durable.tier, manifest, required)
         if extra is None:
             return False
         tier = self.durable.tier

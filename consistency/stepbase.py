@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backends.base import Backend
+from backends.retry import RetryPolicy
 from consistency.epochs import EpochLog
 from consistency.index import Index, translate_redis_errors
 from consistency.manifest import parse_manifest
@@ -46,11 +47,14 @@ class StepBase:
         clock: seconds since the epoch to use instead of the server's ``TIME`` (tests inject one).
         on_lost: called with a model the index lost (its durable manifests exist): it must restore
             the index (the store rebuilds it); ``None`` raises :class:`IndexLostError` instead.
+        retry: how the durable tier is asked again when it does not answer.
     """
 
     def __init__(self, index: Index, durable: Backend | None = None, *, step_timeout_s: float = 600.0,
-                 clock: Callable[[], float] | None = None, on_lost: Callable[[str], object] | None = None):
+                 clock: Callable[[], float] | None = None, on_lost: Callable[[str], object] | None = None,
+                 retry: RetryPolicy | None = None):
         self.index = index
+        self.retry = retry or RetryPolicy()
         self.durable = durable
         self.step_timeout_s = step_timeout_s
         self.clock = clock

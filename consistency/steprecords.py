@@ -27,7 +27,7 @@ from consistency.stepbase import StepBase, _f, _s
 from tierstore.errors import KeyExistsError
 from tierstore.keys import ShardKey, validate_name
 
-__all__ = ["EventSubscription", "StepRecord", "StepRecords"]
+__all__ = ["DurableLag", "EventSubscription", "StepRecord", "StepRecords", "durable_lag"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,39 @@ class StepRecord:
         if self.started is None or self.decided is None:
             return None
         return self.decided - self.started
+
+
+@dataclass(frozen=True)
+class DurableLag:
+    """How far the durable tier is behind the memory tiers (see :func:`durable_lag`).
+
+    Attributes:
+        newest_committed / newest_durable: step numbers (``None``: there is none).
+        steps: committed steps newer than the newest durable one (what a node loss now would cost, in saves).
+        seconds: commit time of the newest committed step minus that of the newest durable one (with none
+            durable: since the oldest committed step); 0 when the newest committed step is durable.
+    """
+
+    newest_committed: int | None
+    newest_durable: int | None
+    steps: int
+    seconds: float
+
+
+def durable_lag(records: list[StepRecord], now: float) -> DurableLag:
+    """The durable lag of one model's ``records`` (every recorded step), at server time ``now``."""
+    committed = [r for r in records if r.state in ("committed", "durable")]
+    if not committed:
+        return DurableLag(None, None, 0, 0.0)
+    durable = [r for r in committed if r.state == "durable"]
+    newest = committed[-1]
+    if not durable:
+        first = committed[0].decided or now
+        return DurableLag(newest.step, None, len(committed), max(0.0, now - first))
+    last = durable[-1]
+    behind = [r for r in committed if r.step > last.step]
+    seconds = (newest.decided or now) - (last.decided or now) if behind else 0.0
+    return DurableLag(newest.step, last.step, len(behind), max(0.0, seconds))
 
 
 class EventSubscription:
@@ -172,18 +205,24 @@ class StepRecords(StepBase):
         in the retired set. The script after this could still be fenced by an incarnation that began since:
         the step then stays committed without them (unreadable, kept), never the other way round."""
         m = self.manifest(model, step)
-        if self.durable is not None:
+        durable = self.durable
+        if durable is not None:
             name = durable_manifest_name(model, step)
-            raw = self.durable.get(name)
+            raw = self.retry.call(lambda: durable.get(name))
             if raw is not None:
                 aside = superseded_manifest_name(model, step, rec.attempt)
-                try:
-                    self.durable.put(aside, bytes(raw), if_absent=True)
-                except KeyExistsError:
-                    pass  # another rank set it aside first
-                self.index.add_retired(model, RetiredCopy(aside, step, "manifest", tiers=(self.durable.tier,),
-                                                          size=len(raw)))
-                self.durable.delete(name)  # an index rebuild must not resurrect it
+                data = bytes(raw)
+
+                def put_aside() -> None:
+                    try:
+                        durable.put(aside, data, if_absent=True)
+                    except KeyExistsError:
+                        pass  # another rank set it aside first
+
+                self.retry.call(put_aside)
+                self.index.add_retired(model, RetiredCopy(aside, step, "manifest", tiers=(durable.tier,),
+                                                          size=len(data)))
+                self.retry.call(lambda: durable.delete(name))  # an index rebuild must not resurrect it
         if m is not None:
             own = [(ShardKey.parse(o["key"]), o.get("name") or o["key"]) for o in manifest_objects(m)]
             self.index.retire_copies(model, step, [(k, n) for k, n in own if k.step == step])

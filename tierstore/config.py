@@ -36,6 +36,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from backends.retry import RetryPolicy
 from tierstore.errors import ConfigError
 
 __all__ = ["StoreConfig"]
@@ -108,10 +109,12 @@ class StoreConfig:
         peer_secret_file: the agents' shared secret (needed with peer_replicas).
         durable_every: objects of every K-th step go to the durable tier (full
             objects always do); 0 sends only full objects.
-        migration_retries: attempts of one object's migration after a transient
-            failure (the durable tier or the index unreachable), with exponential
-            backoff from ``migration_backoff_s`` up to ``migration_backoff_max_s``;
-            then its step is recorded as staying in memory only.
+        migration_retries: retries after a transient failure (a tier or the index
+            unreachable), with exponential backoff from ``migration_backoff_s`` up to
+            ``migration_backoff_max_s`` (:attr:`retry`): of one object's migration
+            (then its step is recorded as staying in memory only), of a read or a
+            restore's verification (then the copy is unknown, never lost), of the
+            commit protocol's calls to the durable tier.
         rebuild_index_on_loss: when the index has no record of a model whose
             durable tier holds its manifests (a lost index), rebuild it from the
             durable tier instead of raising :class:`~tierstore.errors.IndexLostError`.
@@ -169,6 +172,11 @@ class StoreConfig:
     background_nice: int = 10
     device_tier: str = "auto"
     device_capacity_bytes: int | None = None
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How a tier that did not answer is asked again (migration, reads, restore, the commit protocol)."""
+        return RetryPolicy(self.migration_retries, self.migration_backoff_s, self.migration_backoff_max_s)
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes is not None and self.host_capacity_bytes <= 0:

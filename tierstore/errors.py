@@ -96,7 +96,15 @@ class AuthenticationError(TierStoreError, PermissionError):
 
 
 class NoValidCopyError(TierStoreError):
-    """No tier holds a copy of an object that passes its checksum."""
+    """No tier holds a copy of an object (or a step) that passes its checksum.
+
+    ``evidence`` is ``"lost"`` when every tier that should hold a copy answered a miss or a bad checksum
+    (positive evidence that it is gone), ``"unknown"`` when some tier did not answer (``unreachable``
+    names them): the copy there may be intact. A resolve also gives ``lost``, the steps judged lost.
+    """
+
+    evidence: str = "unknown"
+    lost: frozenset[int] | set[int] = frozenset()
 
 
 class FencedError(TierStoreError):

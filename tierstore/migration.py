@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from backends.base import Backend
+from backends.retry import RetryPolicy
 from consistency.index import Index
 from tierstore import codec
 from tierstore.background import lower_priority
@@ -124,10 +125,7 @@ class Migrator:
         self.target = target
         self.before_each: Callable[[ShardKey], None] | None = None  # called before each object migrates
         self.index = index
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
-        self.sleep = sleep
+        self.policy = RetryPolicy(retries, backoff_s, backoff_max_s, sleep)
         self.decided = decided
         self.reach = reach
         self.maxsize = maxsize
@@ -345,28 +343,18 @@ class Migrator:
               first: ShardKey | None) -> None:
         """Run a job's callbacks; retry each like a migration when the index is unreachable."""
         for callback in callbacks:
-            attempt = 0
-            while True:
-                try:
-                    callback(failures)
-                    break
-                except FencedError as e:  # a zombie's migration counts for nothing: said, not raised by flush()
-                    log.warning("the migrated mark of a fenced writer was refused (%s: %s)", type(e).__name__, e)
-                    break
-                except TierUnavailableError as e:
-                    if attempt < self.retries:
-                        attempt += 1
-                        self.retried += 1
-                        self.sleep(min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1))))
-                        continue
-                    err: Exception = e
-                except Exception as e:  # noqa: BLE001 - a callback's failure must not kill the worker
-                    err = e
-                log.error("migration callback failed: %s", err)
+            try:
+                self.policy.call(lambda cb=callback: cb(failures), on_retry=self._count)  # type: ignore[misc]
+            except FencedError as e:  # a zombie's migration counts for nothing: said, not raised by flush()
+                log.warning("the migrated mark of a fenced writer was refused (%s: %s)", type(e).__name__, e)
+            except Exception as e:  # noqa: BLE001 - a callback's failure must not kill the worker
+                log.error("migration callback failed: %s", e)
                 if first is not None:  # flush() reports it
                     with self._cv:
-                        self._errors.append((first, err))
-                break
+                        self._errors.append((first, e))
+
+    def _count(self, attempt: int, delay: float, error: Exception) -> None:
+        self.retried += 1
 
     def _finish(self, job: _Job, key: ShardKey, name: str, error: BaseException | None) -> None:
         with self._cv:
@@ -416,20 +404,13 @@ class Migrator:
         self.bytes_migrated += size
 
     def _migrate_with_retries(self, key: ShardKey, checksum: str, name: str) -> None:
-        """Migrate one object; retry transient failures with exponential backoff (``retries`` times)."""
-        attempt = 0
-        while True:
-            try:
-                self._migrate(key, checksum, name)
-                return
-            except TierUnavailableError as e:  # the target or the index unreachable: transient
-                if attempt >= self.retries:
-                    raise
-                delay = min(self.backoff_max_s, self.backoff_s * (2 ** attempt))
-                attempt += 1
-                self.retried += 1
-                log.info("migration of %s failed (%s); retry %d of %d in %.2f s", key, e, attempt, self.retries, delay)
-                self.sleep(delay)
+        """Migrate one object; retry transient failures with exponential backoff (the store's policy)."""
+        def said(attempt: int, delay: float, e: Exception) -> None:
+            self.retried += 1
+            log.info("migration of %s failed (%s); retry %d of %d in %.2f s", key, e, attempt,
+                     self.policy.retries, delay)
+
+        self.policy.call(lambda: self._migrate(key, checksum, name), on_retry=said)
 
     def _gone(self, key: ShardKey, name: str) -> bool:
         """Whether the copy ``name`` of ``key`` is gone: deleted, or replaced by a newer write. A delete

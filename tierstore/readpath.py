@@ -25,7 +25,7 @@
   not;
 - **destroy only on proof**: a tier that fails to answer (unreachable,
   throttled: :class:`~tierstore.errors.TierUnavailableError`) is asked again
-  with backoff (``retries``, as migration does); a step is judged *lost*
+  with backoff (the store's :class:`~backends.retry.RetryPolicy`, as migration does); a step is judged *lost*
   (:attr:`Resolution.lost`) only on positive evidence: the index no longer
   records what its manifest names, or every live tier answered a miss or a
   bad checksum for one of its copies. A step skipped because some tier could
@@ -46,12 +46,12 @@ only is the Checkpointer's to agree on).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import Backend
+from backends.retry import RetryPolicy
 from consistency.index import Index, ObjectRecord
 from consistency.manifest import complete_entries, layer_entries, manifest_layers
 from consistency.twophase import StepProtocol
@@ -104,12 +104,11 @@ class _Verifier:
     or an :class:`_Unknown` reason (a tier did not answer after ``retries`` tries with backoff).
     """
 
-    def __init__(self, index: Index, tiers: Sequence[Backend], verify: str, *, retries: int = 5,
-                 backoff_s: float = 0.05, backoff_max_s: float = 5.0, sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, index: Index, tiers: Sequence[Backend], verify: str, retry: RetryPolicy):
         self.index = index
         self.tiers = tiers
         self.verify = verify
-        self.retries, self.backoff_s, self.backoff_max_s, self.sleep = retries, backoff_s, backoff_max_s, sleep
+        self.retry = retry
         self.records: dict[ShardKey, ObjectRecord | None] = {}
         self.verdicts: dict[tuple[str, str, str], str | None] = {}
         self.silent: set[str] = set()  # tiers that did not answer after every retry: asked once from then on
@@ -142,7 +141,8 @@ class _Verifier:
         # say nothing of which node (the peer tier serves other nodes' host tiers)
         todo = sorted(self.tiers, key=lambda t: t.tier not in rec.tiers)
         answers: dict[str, str] = {}
-        for attempt in range(self.retries + 1):
+        delays = self.retry.delays()
+        while True:
             unanswered = []
             for tier in todo:
                 problem = self._check_copy(tier, name, checksum)
@@ -151,10 +151,11 @@ class _Verifier:
                 answers[tier.tier] = problem
                 if isinstance(problem, _Unknown):
                     unanswered.append(tier)
-            if not unanswered or attempt == self.retries or all(t.tier in self.silent for t in unanswered):
+            delay = next(delays, None) if unanswered else None
+            if delay is None or all(t.tier in self.silent for t in unanswered):
                 self.silent.update(t.tier for t in unanswered)
                 break
-            self.sleep(min(self.backoff_max_s, self.backoff_s * (2 ** attempt)))
+            self.retry.sleep(delay)
             todo = unanswered  # the tiers that answered a miss or a bad copy said so: no need to ask again
         held = ", ".join(sorted(rec.tiers)) or "none"
         why = (f"{key}: no live tier holds a copy that verifies (index says {held}; "
@@ -244,9 +245,8 @@ def _legacy_inherited(m: dict, committed: list[int], manifest: Callable[[int], d
 
 
 def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_staleness: int = 0, *,
-            max_chain: int = 64, step: int | None = None, verify: str = "auto", retries: int = 5,
-            backoff_s: float = 0.05, backoff_max_s: float = 5.0,
-            sleep: Callable[[float], None] = time.sleep) -> Resolution:
+            max_chain: int = 64, step: int | None = None, verify: str = "auto",
+            retry: RetryPolicy | None = None) -> Resolution:
     """Resolve ``model``'s resume step and the version of each layer; see the module docstring.
 
     Args:
@@ -255,8 +255,8 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
         max_chain: the longest delta/ref chain a read follows.
         step: resolve this committed step only (no fallback).
         verify: ``"auto"``, ``"full"`` or ``"trailer"`` (see the module docstring).
-        retries, backoff_s, backoff_max_s, sleep: how often, and after which pauses, a tier that did not
-            answer is asked again before a copy is called unknown.
+        retry: how a tier that did not answer is asked again before a copy is called unknown
+            (default :class:`~backends.retry.RetryPolicy`).
 
     Raises:
         NoValidCopyError: no candidate verifies (``reason`` says why the newest did not;
@@ -286,8 +286,7 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
             manifests[s] = protocol.manifest(model, s)
         return manifests[s]
 
-    verifier = _Verifier(protocol.index, tiers, verify, retries=retries, backoff_s=backoff_s,
-                         backoff_max_s=backoff_max_s, sleep=sleep)
+    verifier = _Verifier(protocol.index, tiers, verify, retry or RetryPolicy())
     skipped: dict[int, str] = {}
     lost: set[int] = set()
     for r_step in candidates:

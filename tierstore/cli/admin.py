@@ -205,24 +205,37 @@ def _emit(a: argparse.Namespace, data: Any, render) -> None:
 def _cmd_models(store, a) -> int:
     def render(c, rows):
         c.print(_table("models", ["model", "epoch", "steps", "states", "newest committed", "newest durable",
-                                  "objects", "bytes"],
+                                  "durable lag", "objects", "bytes"],
                        [[r["model"], r["epoch"], r["steps"], ", ".join(f"{k} {v}" for k, v in sorted(r["states"].items())),
-                         r["newest_committed"], r["newest_durable"], r["objects"], human_bytes(r["bytes"])]
-                        for r in rows]))
+                         r["newest_committed"], r["newest_durable"], _lag_text(r), r["objects"],
+                         human_bytes(r["bytes"])] for r in rows]))
         if not rows:
             c.print("the index holds no model")
     _emit(a, V.models_view(store), render)
     return EXIT_OK
 
 
+def _lag_text(r: dict[str, Any]) -> str:
+    if r["newest_committed"] is None:
+        return "-"
+    if not r["durable_lag_steps"]:
+        return "0"
+    return f"{r['durable_lag_steps']} step(s), {r['durable_lag_s']:.1f} s"
+
+
 def _cmd_steps(store, a) -> int:
     def render(c, rows):
-        c.print(_table(f"steps of {a.model}", ["step", "state", "age", "commit", "votes", "epoch", "objects",
-                                               "bytes", "bytes per tier", "reason"],
+        c.print(_table(f"steps of {a.model}", ["step", "state", "age", "commit", "to durable", "votes", "epoch",
+                                               "objects", "bytes", "bytes per tier", "reason"],
                        [[r["step"], _state(r["state"]), human_age(r["age_s"]),
                          f"{r['commit_latency_s'] * 1e3:.1f} ms" if r["commit_latency_s"] is not None else None,
+                         f"{r['to_durable_s']:.2f} s" if r["to_durable_s"] is not None else None,
                          f"{r['votes']}/{r['world']}", r["epoch"], r["objects"], human_bytes(r["bytes"]),
                          _tiers_text(r["bytes_per_tier"]), _reason(r)] for r in rows]))
+        lag = V.lag_view(store, a.model)
+        if lag["newest_committed"] is not None:
+            c.print(f"durable lag: {_lag_text(lag)} (newest committed {lag['newest_committed']}, newest durable "
+                    f"{lag['newest_durable'] if lag['newest_durable'] is not None else 'none'})")
     _emit(a, V.steps_view(store, a.model), render)
     return EXIT_OK
 

@@ -2,18 +2,17 @@
 
 The figures (names as exported; see ``BENCHMARKS.md`` for their definitions):
 
-==========================================  =========  ====================  ==================================
+==========================================  =========  ====================  ===========================================================
 metric                                      type       labels                what
-==========================================  =========  ====================  ==================================
+==========================================  =========  ====================  ===========================================================
 ``tierstore_save_stall_seconds``            histogram  model                 time a save blocked training
 ``tierstore_bytes_written_total``           counter    model, tier, kind     bytes written per tier and kind
 ``tierstore_commit_latency_seconds``        histogram  model                 ``save()`` to the step committed
-``tierstore_migration_lag_steps``           gauge      model                 newest committed - newest durable
-``tierstore_migration_lag_seconds``         gauge      model                 age of the oldest committed step
-                                                                             not yet durable (0 if none)
+``tierstore_migration_lag_steps``           gauge      model                 committed steps newer than the newest durable
+``tierstore_migration_lag_seconds``         gauge      model                 commit time of the newest committed minus the newest durable
 ``tierstore_restore_seconds``               histogram  model, tier           restore time, by the tier read
 ``tierstore_last_step``                     gauge      model                 newest step recorded here
-==========================================  =========  ====================  ==================================
+==========================================  =========  ====================  ===========================================================
 
 ``prometheus_client`` is optional: it is imported lazily, and without it
 every method is a no-op except the log line (``pip install
@@ -43,6 +42,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from consistency.steprecords import durable_lag
 
 __all__ = ["Metrics", "StepFigures", "available", "default", "migration_lag", "serve"]
 
@@ -114,10 +115,10 @@ class Metrics:
                                   ["model", "tier", "kind"], **kw)
         self.commit = prom.Histogram("tierstore_commit_latency_seconds", "From save() to the step committed",
                                      ["model"], buckets=_BUCKETS, **kw)
-        self.lag_steps = prom.Gauge("tierstore_migration_lag_steps", "Newest committed step minus newest durable",
+        self.lag_steps = prom.Gauge("tierstore_migration_lag_steps", "Committed steps newer than the newest durable one",
                                     ["model"], **kw)
         self.lag_seconds = prom.Gauge("tierstore_migration_lag_seconds",
-                                      "Age of the oldest committed step not yet durable", ["model"], **kw)
+                                      "Commit time of the newest committed step minus that of the newest durable one", ["model"], **kw)
         self.restore = prom.Histogram("tierstore_restore_seconds", "Restore time by the tier it read from",
                                       ["model", "tier"], buckets=_BUCKETS, **kw)
         self.last_step = prom.Gauge("tierstore_last_step", "Newest step recorded by this process", ["model"], **kw)
@@ -160,23 +161,10 @@ class Metrics:
 
 
 def migration_lag(steps: Any, model: str) -> tuple[int, float]:
-    """``(steps, seconds)`` the durable tier lags the memory tiers for ``model``.
-
-    ``steps`` is the store's :class:`~consistency.twophase.StepProtocol`.
-    Lag in steps: newest committed-or-durable step minus newest durable step
-    (all of them if none is durable); in seconds: server time now minus the
-    commit time of the oldest step that is committed but not durable (0 if none).
-    """
-    records = steps.records(model)
-    now = steps.index.server_time()
-    committed = [r for r in records if r.state in ("committed", "durable")]
-    if not committed:
-        return 0, 0.0
-    durable = [r.step for r in committed if r.state == "durable"]
-    newest = committed[-1].step
-    lag_steps = newest - durable[-1] if durable else len(committed)
-    pending = [r.decided if r.decided is not None else now for r in committed if r.state == "committed"]
-    return max(0, lag_steps), max(0.0, now - min(pending)) if pending else 0.0
+    """``(steps, seconds)`` the durable tier lags the memory tiers for ``model``
+    (:func:`consistency.steprecords.durable_lag`; ``steps`` is the store's ``StepProtocol``)."""
+    lag = durable_lag(steps.records(model), steps.index.server_time())
+    return lag.steps, lag.seconds
 
 
 _DEFAULT: Metrics | None = None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from consistency.index import Index, ObjectRecord
 from consistency.manifest import manifest_layers, manifest_objects
 from consistency.nodes import NodeRegistry
+from consistency.steprecords import durable_lag
 from tierstore import codec
 from tierstore.errors import CorruptObjectError, TierStoreError, UnknownError
 from tierstore.keys import ShardKey
@@ -50,12 +51,16 @@ def _records(store: TierStore, keys: list[ShardKey]) -> list[ObjectRecord]:
 
 
 def models_view(store: TierStore) -> list[dict[str, Any]]:
-    """One row per model: epoch, steps by state, newest committed/durable step, objects, bytes."""
+    """One row per model: epoch, steps by state, newest committed/durable step, the durable lag (committed
+    steps newer than the newest durable one, and seconds: :func:`consistency.steprecords.durable_lag`),
+    objects, bytes."""
     rows = []
     for model in store.models():
-        steps = store.steps.steps(model)
+        records = store.steps.records(model)
+        steps = [(r.step, r.state) for r in records]
         committed = [s for s, st in steps if st in ("committed", "durable")]
         durable = [s for s, st in steps if st == "durable"]
+        lag = lag_view(store, model, records)
         recs = _records(store, store.index.list_objects(model))
         by_state: dict[str, int] = defaultdict(int)
         for _s_, st in steps:
@@ -67,10 +72,20 @@ def models_view(store: TierStore) -> list[dict[str, Any]]:
             "states": dict(by_state),
             "newest_committed": committed[-1] if committed else None,
             "newest_durable": durable[-1] if durable else None,
+            "durable_lag_steps": lag["durable_lag_steps"],
+            "durable_lag_s": lag["durable_lag_s"],
             "objects": len(recs),
             "bytes": sum(r.size for r in recs),
         })
     return rows
+
+
+def lag_view(store: TierStore, model: str, records: list | None = None) -> dict[str, Any]:
+    """The durable lag of ``model``: newest committed and durable steps, committed steps newer than the
+    newest durable one, and seconds (:func:`consistency.steprecords.durable_lag`)."""
+    lag = durable_lag(store.steps.records(model) if records is None else records, store.index.server_time())
+    return {"newest_committed": lag.newest_committed, "newest_durable": lag.newest_durable,
+            "durable_lag_steps": lag.steps, "durable_lag_s": round(lag.seconds, 3)}
 
 
 def _bytes_per_tier(recs: list[ObjectRecord]) -> dict[str, int]:
@@ -82,7 +97,8 @@ def _bytes_per_tier(recs: list[ObjectRecord]) -> dict[str, int]:
 
 
 def steps_view(store: TierStore, model: str) -> list[dict[str, Any]]:
-    """One row per step: state, age, votes of world, epoch, bytes per tier (index placement)."""
+    """One row per step: state, age, votes of world, epoch, seconds from commit to durable, bytes per tier
+    (index placement)."""
     require_model(store, model)
     now = store.index.server_time()
     rows = []
@@ -102,6 +118,7 @@ def steps_view(store: TierStore, model: str) -> list[dict[str, Any]]:
             "attempt": rec.attempt,
             "reason": rec.reason,
             "memory_only": rec.memory_only,
+            "to_durable_s": round(rec.durable_at - rec.decided, 3) if rec.durable_at and rec.decided else None,
             "objects": len(recs),
             "bytes": sum(r.size for r in recs),
             "bytes_per_tier": _bytes_per_tier(recs),

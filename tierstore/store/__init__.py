@@ -105,7 +105,8 @@ class TierStore(WritePath, ReadPath):
         self._closed = False
         self._sealer: ThreadPoolExecutor | None = None  # finish_async's thread, started on first use
         self.chains = ChainDepths(index, config.max_delta_chain)
-        self.steps = StepProtocol(index, durable, on_lost=self._on_lost if config.rebuild_index_on_loss else None)
+        self.steps = StepProtocol(index, durable, on_lost=self._on_lost if config.rebuild_index_on_loss else None,
+                                  retry=config.retry)
         self.device_tier = DeviceTier.from_mode(config.device_tier, config.device_capacity_bytes)
 
     def _on_lost(self, model: str) -> None:
@@ -234,12 +235,13 @@ class TierStore(WritePath, ReadPath):
         return state
 
     def _reach(self, model: str, step: int, rank: int) -> builtins.list[tuple[ShardKey, str, str]]:
-        """The copies of ``rank`` that committed ``step``'s manifest reaches, held in this store's host tier
-        and not yet by the durable tier (what the migrator adds to the step's migration)."""
+        """The copies of ``rank`` that committed ``step``'s manifest reaches (with the steps it requires),
+        held in this store's host tier and not yet by the durable tier (what the migrator adds to the step's
+        migration)."""
         m = self.steps.manifest(model, step)
         if m is None or self.durable is None:
             return []
-        keys = [ShardKey.parse(o["key"]) for o in complete_entries(m)]
+        keys = [ShardKey.parse(o["key"]) for o in [*complete_entries(m), *(self.steps.required_entries(model, m) or [])]]
         keys = [k for k in keys if k.rank == rank]
         out = []
         for key, rec in zip(keys, self.index.get_objects(keys)):
@@ -262,8 +264,7 @@ class TierStore(WritePath, ReadPath):
         """
         c = self.config
         return resolve(self.steps, self.tiers, model, max_staleness=max_staleness, max_chain=c.max_delta_chain,
-                       step=step, verify=c.restore_verify, retries=c.migration_retries,
-                       backoff_s=c.migration_backoff_s, backoff_max_s=c.migration_backoff_max_s)
+                       step=step, verify=c.restore_verify, retry=c.retry)
 
     def rebuild_index(self, model: str | None = None) -> RebuildReport:
         """Rebuild a lost index from the durable manifests; see :mod:`consistency.rebuild`."""
@@ -315,7 +316,7 @@ class TierStore(WritePath, ReadPath):
             self.index = index(self.index)
             self.chains.index = self.index
         self.steps = StepProtocol(self.index, self.durable, step_timeout_s=self.steps.step_timeout_s,
-                                  on_lost=self.steps.on_lost)
+                                  on_lost=self.steps.on_lost, retry=self.config.retry)
         for mover, target in ((self._migrator, self.durable), (self._replicator, self.peer)):
             if mover is not None and target is not None:
                 mover.source, mover.target, mover.index = self.host, target, self.index

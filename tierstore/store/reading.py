@@ -17,7 +17,6 @@ that owns the tiers and index it uses).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -147,10 +146,11 @@ class ReadPath:
         answered a miss or a bad copy (``"unknown"``, naming ``unreachable``, otherwise).
         """
         name = rec.name if rec is not None else str(key)
-        c = self.config
         answers: dict[str, str] = {}
         todo = list(self.tiers)
-        for attempt in range(c.migration_retries + 1):
+        retry = self.config.retry
+        delays = retry.delays()
+        while True:
             unanswered = []
             for tier in todo:
                 try:
@@ -177,11 +177,11 @@ class ReadPath:
                     continue
                 finally:
                     del blob  # a host-tier view pins its segment until released
-            if not unanswered or attempt == c.migration_retries:
+            delay = next(delays, None) if unanswered else None
+            if delay is None:
                 break
-            delay = min(c.migration_backoff_max_s, c.migration_backoff_s * (2 ** attempt))
             log.info("%s: %s did not answer; asking again in %.2f s", key, ", ".join(t.tier for t in unanswered), delay)
-            time.sleep(delay)
+            retry.sleep(delay)
             todo = unanswered
         failures = [f"{t}: {why}" for t, why in answers.items()]
         if failures or rec is not None:
@@ -225,7 +225,8 @@ class ReadPath:
         elif kind == "ref":
             shard = self._get(ShardKey.parse(internal["target"]), out, False, depth + 1)
             if shard is None:
-                raise NoValidCopyError(f"{key} refers to {internal['target']}, which is gone", key=str(key))
+                raise NoValidCopyError(f"{key} refers to {internal['target']}, which is gone", key=str(key),
+                                       evidence="lost")
         elif kind == "delta":
             shard = self._apply_delta(key, stored, ShardKey.parse(internal["base"]), out, depth)
         else:
@@ -238,7 +239,7 @@ class ReadPath:
 
         base = self._get(base_key, None, False, depth + 1)
         if base is None:
-            raise NoValidCopyError(f"{key} is a delta on {base_key}, which is gone", key=str(key))
+            raise NoValidCopyError(f"{key} is a delta on {base_key}, which is gone", key=str(key), evidence="lost")
         layout = stored.metadata.get("_delta") or {}
         result: dict[str, torch.Tensor] = {}
         for name, delta in stored.tensors.items():

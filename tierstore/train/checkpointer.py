@@ -596,7 +596,7 @@ class Checkpointer:
             self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
             return None
         except NoValidCopyError as e:
-            if step in (e.fields.get("lost") or ()):
+            if step in e.lost:
                 return str(e.fields.get("reason") or e)
             self._unproven[step] = str(e.fields.get("reason") or e)
             return None

@@ -303,7 +303,7 @@ class ReplayLog:
         key = ShardKey(ck.model, LOG_LAYER, s, src)
         shard = ck.store.get(key)
         if shard is None:
-            raise NoValidCopyError(f"log entry {key} is gone", key=str(key))
+            raise NoValidCopyError(f"log entry {key} is gone", key=str(key), evidence="lost")
         want = (m["ranks"][str(src)].get("extra") or {}).get("replay", {}).get("post")
         params = self._params()
         smap = next(iter(ck.view.maps([k for k, v in ck.state.items() if isinstance(v, torch.nn.Module)]).values()))
@@ -408,8 +408,9 @@ class ReplayLog:
         if agreed is None:
             if isinstance(first_error, RestoreMismatchError):
                 raise first_error
+            evidence = "lost" if all(b in self.proven for b, _ in plans) else "unknown"
             raise NoValidCopyError(f"no replay base of {ck.model!r} can be loaded: {reasons[0]}",
-                                   model=ck.model, reason=reasons[0])
+                                   model=ck.model, reason=reasons[0], evidence=evidence)
         newest = step if step is not None else rep.newest
         rep.reason = "; ".join(reasons) or None
         if agreed != newest:
@@ -432,4 +433,4 @@ def _definitive(e: TierStoreError) -> bool:
     that did not answer."""
     if isinstance(e, RestoreMismatchError):
         return True
-    return isinstance(e, NoValidCopyError) and e.fields.get("evidence", "lost") == "lost"
+    return isinstance(e, NoValidCopyError) and e.evidence == "lost"

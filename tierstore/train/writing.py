@@ -10,6 +10,7 @@ ranks (dedup) or on the previous version (deltas), written by
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,11 +20,14 @@ import torch
 
 from consistency.gc import Retention, plan_retention, retire
 from tierstore.delta import xor_delta
+from tierstore.errors import TierStoreError
 from tierstore.keys import ShardKey
 from tierstore.train.dedup import part_of
 from tierstore.train.policies import DiffTracker
 
 __all__ = ["SaveStats", "Snapshot", "bits_equal", "nbytes", "retain", "write_layer"]
+
+log = logging.getLogger(__name__)
 
 
 class SaveStats:
@@ -156,6 +160,16 @@ def retain(store: Any, model: str, rank: int, keep_last: int | None, max_stalene
     """
     if keep_last is None:
         return last
+    try:
+        return _retain(store, model, rank, keep_last, max_staleness, last, floor, manifests)
+    except TierStoreError as e:  # best effort: what stays now goes at a later pass; the save goes on
+        log.warning("retention of %s after a save was cut short (%s: %s); a later save retries it",
+                    model, type(e).__name__, e)
+        return None
+
+
+def _retain(store: Any, model: str, rank: int, keep_last: int, max_staleness: int, last: Any,
+            floor: Callable[[int], int] | None, manifests: dict[int, dict] | None) -> Any:
     busy = store.migrating_steps(model)
 
     def hold(rec: Any) -> bool:  # a migration may still make it durable

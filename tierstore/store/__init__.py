@@ -187,9 +187,13 @@ class TierStore(WritePath, ReadPath):
         self.steps.begin(model, step, world_size, layout=layout, epoch=epoch)
 
     def vote(self, model: str, step: int, rank: int, objects: builtins.list[ObjectRecord], *, extra: dict | None = None,
-             ok: bool = True, epoch: int | None = None) -> str:
-        """Vote for ``step`` with this rank's objects; the last vote of the world commits it."""
-        state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
+             ok: bool = True, epoch: int | None = None, attempt: str | None = None) -> str:
+        """Vote for ``step`` with this rank's objects; the last vote of the world commits it.
+
+        ``attempt``: the writer's token of its claim of the step (``store.steps.claim``, see
+        :mod:`consistency.attempts`).
+        """
+        state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch, attempt=attempt)
         if (ok and self._migrator is not None and self.steps.durable is not None
                 and all(self.placement.to_durable(o.kind, o.key.step) for o in objects)):
             self._migrator.when_done([(o.key, o.name) for o in objects],

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.redis_server import free_port
+from tierstore import ShardKey
 from tierstore.errors import KeyExistsError, StepBusyError
 from tierstore.interop import dcp as tsdcp
 from tierstore.interop.dcp import TierStoreReader, TierStoreWriter
@@ -209,18 +210,24 @@ def test_second_writer_of_a_step_is_refused_before_it_writes(store, tmp_path):
 
 
 def test_a_save_after_an_attempt_that_timed_out_is_a_new_attempt_naming_the_timeout(store, caplog):
-    """The fast case of the restarted job below: a dead writer's attempt (begun, never voted) times out."""
+    """The fast case of the restarted job below: a dead writer's attempt (begun, never voted) times out.
+
+    The dead attempt had two ranks and wrote rank 1's object and its metadata (keys the new, one-rank attempt
+    never writes): the load reads the objects the new attempt's manifest names, never those."""
     m = "late"
-    store.steps.begin(m, 3, 2, layout={"layers": ["dcp", "dcp-metadata"]}, timeout_s=0.2)
+    store.steps.begin(m, 3, 3, layout={"layers": ["dcp", "dcp-metadata"]}, timeout_s=0.2)
+    for layer, rank in (("dcp", 1), ("dcp-metadata", 2)):
+        store.put(ShardKey(m, layer, 3, rank), {"metadata.json": torch.zeros(3, dtype=torch.uint8)})
     time.sleep(0.3)  # the index's clock decides; any wait past the timeout will do
     w = TierStoreWriter(store, m, 3)
     with caplog.at_level("WARNING", logger="tierstore.interop.dcp_storage"):
         tsdcp.save(_state(0, 1), w, no_dist=True)
     assert w.attempt == 2 and w.previous_attempt.startswith("timed out: it began")
     assert "attempt 1 did not commit (timed out: it began" in caplog.text and "its timeout is 0.2 s" in caplog.text
-    back = _like(_state(0, 1))
-    tsdcp.load(back, TierStoreReader(store, m, 3), no_dist=True)
-    assert _same(back, _state(0, 1))
+    for step in (3, None):  # by number, and as the newest committed step
+        back = _like(_state(0, 1))
+        tsdcp.load(back, TierStoreReader(store, m, step), no_dist=True)
+        assert _same(back, _state(0, 1))
 
 
 def test_two_processes_racing_for_each_step_commit_exactly_one_with_its_own_data(store, tmp_path):

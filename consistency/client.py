@@ -9,7 +9,7 @@ scripts, acknowledged by the replicas when the index is replicated (see
 
 Errors from redis-py are translated here (:func:`translate_redis_errors`) into
 :class:`TierUnavailableError` (server gone), :class:`AccessDeniedError` (AUTH),
-:class:`FencedError` and :class:`StepCommittedError` (script refusals).
+:class:`FencedError`, :class:`StepCommittedError` and :class:`StepBusyError` (script refusals).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tierstore.errors import (
     AccessDeniedError,
     ConfigError,
     FencedError,
+    StepBusyError,
     StepCommittedError,
     TierStoreError,
     TierUnavailableError,
@@ -38,6 +39,7 @@ __all__ = ["MODELS", "IndexClient", "redact_url", "translate_redis_errors"]
 
 _FENCED = "TSFENCED"
 _COMMITTED = "TSCOMMITTED"
+_BUSY = "TSBUSY"
 MODELS = "ts:models"
 
 
@@ -68,6 +70,8 @@ def translate_redis_errors(what: str, url: str = "") -> Iterator[None]:
             raise FencedError(f"{what}: rejected, the job's epoch is now {current}", epoch=current) from e
         if msg.startswith(_COMMITTED):
             raise StepCommittedError(f"{what}: {msg.split(' ', 1)[1]} (a committed step is immutable)") from e
+        if msg.startswith(_BUSY):
+            raise StepBusyError(f"{what}: {msg.split(' ', 1)[1]} (a step has one writer at a time)") from e
         if "NOAUTH" in msg or "WRONGPASS" in msg:
             raise AccessDeniedError(f"{what}: the index server needs valid credentials", url=redact_url(url)) from e
         raise TierUnavailableError(f"{what}: the index server answered an error: {e}", url=redact_url(url)) from e

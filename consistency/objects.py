@@ -17,18 +17,20 @@ from functools import cached_property
 from typing import Any
 
 from consistency.client import MODELS, IndexClient, _s, translate_redis_errors
+from consistency.scripts import OWNER_CHECK
 from tierstore.keys import ShardKey, object_name, validate_name
 
 __all__ = ["KINDS", "ObjectIndex", "ObjectRecord"]
 
 KINDS = ("full", "delta", "ref")
 
-# Record an object and its placement: refuse a stale epoch, and refuse to replace the record of a key of a
-# committed step or of one a committed manifest reads (pinned): committed keys are create-once. KEYS: epoch,
-# objs, obj, step (the key's step record). ARGV: epoch, objname, step, kind, size, checksum, base, target,
-# created, name, restore ("1": re-recording what a durable manifest proves), tier... Returns the physical name
-# of the copy the old record named ('' if none, '=' if that is the same copy).
-_RECORD = """
+# Record an object and its placement: refuse a stale epoch, refuse to replace the record of a key of a
+# committed step or of one a committed manifest reads (pinned): committed keys are create-once; and refuse a
+# write for a step another writer's attempt holds (see CLAIM in consistency.scripts). KEYS: epoch, objs, obj,
+# step (the key's step record). ARGV: epoch, objname, step, kind, size, checksum, base, target, created, name,
+# restore ("1": re-recording what a durable manifest proves), attempt token ('' for none), tier... Returns the
+# physical name of the copy the old record named ('' if none, '=' if that is the same copy).
+_RECORD = OWNER_CHECK + """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ep = tonumber(ARGV[1])
 if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
@@ -46,6 +48,8 @@ if ARGV[11] ~= '1' then
   if pin then
     return redis.error_reply('TSCOMMITTED ' .. ARGV[2] .. ' is read by committed step ' .. pin)
   end
+  local refused = check_owner(KEYS[4], ARGV[12], ARGV[2] .. ' cannot be written')
+  if refused then return refused end
 end
 local pinned = redis.call('HGET', KEYS[3], 'pinned')
 if old == ARGV[10] then old = '=' end
@@ -54,7 +58,7 @@ redis.call('ZADD', KEYS[2], tonumber(ARGV[3]), ARGV[2])
 redis.call('HSET', KEYS[3], 'kind', ARGV[4], 'size', ARGV[5], 'checksum', ARGV[6], 'base', ARGV[7],
            'target', ARGV[8], 'epoch', ARGV[1], 'created', ARGV[9], 'name', ARGV[10])
 if pinned and old == '=' then redis.call('HSET', KEYS[3], 'pinned', pinned) end
-for i = 12, #ARGV do redis.call('HSET', KEYS[3], 't:' .. ARGV[i], '1') end
+for i = 13, #ARGV do redis.call('HSET', KEYS[3], 't:' .. ARGV[i], '1') end
 return old
 """
 
@@ -191,13 +195,18 @@ class ObjectIndex(IndexClient):
         epoch: int | None = None,
         name: str | None = None,
         restore: bool = False,
+        attempt: str | None = None,
     ) -> str | None:
         """Record an object, the physical ``name`` of its copy and the tiers holding it.
 
-        Refused with :class:`FencedError` if ``epoch`` is stale, and with
+        Refused with :class:`FencedError` if ``epoch`` is stale, with
         :class:`StepCommittedError` if the key's step is committed or a committed
         manifest reads the key (committed keys are create-once; ``restore``,
-        for an index rebuild, re-records what a durable manifest proves).
+        for an index rebuild, re-records what a durable manifest proves), and
+        with :class:`StepBusyError` if the key's step is held by another
+        writer's attempt than ``attempt`` (the token of
+        :meth:`~consistency.attempts.Attempts.claim`; ``None``: the step must
+        not be held by any).
 
         Returns:
             the physical name of the copy the replaced record named, when it is
@@ -224,6 +233,7 @@ class ObjectIndex(IndexClient):
                     repr(time.time()),
                     name,
                     "1" if restore else "0",
+                    attempt or "",
                     *tiers,
                 ],
             ))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from consistency.manifest import MANIFEST_VERSION
 
-__all__ = ["BEGIN", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED", "SUPERSEDE", "VOTE"]
+__all__ = ["BEGIN", "CLAIM", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED", "OWNER_CHECK",
+           "SUPERSEDE", "VOTE"]
 
 # Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
 # last ARGV, a negative value meaning "ask the server".
@@ -213,16 +214,84 @@ if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then 
 return open_step(true)
 """
 
+# Begin a step for one writer only (see consistency.attempts): the attempt is owned by the writer's token,
+# and only writes and votes carrying it count (see OWNER_CHECK). A step preparing under another token is refused
+# ({'busy', ...}, nothing changed) unless it is past its own timeout, or of an older epoch than the caller's
+# (then it is recorded aborted, with why, and its decision published); an aborted step is begun again. Either
+# way the new attempt is the old one's number + 1. A committed step is immutable (TSCOMMITTED).
+# KEYS: epoch, step, steps, votes, objs, vinfo; ARGV: epoch, step, world, layout_json, timeout_s, check, token,
+# events channel, decided channel, now. With check = '1', a model the index holds no record of is answered
+# {'unknown'}, as BEGIN does. Returns {'preparing', attempt, previous reason, previous state} (reason and state
+# '' for a first attempt or a repeated claim of the same token) or {'busy', attempt, world, age_s, timeout_s}.
+CLAIM = _FENCE + _NOW + """
+if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then return {'unknown'} end
+local h = redis.call('HMGET', KEYS[2], 'state', 'owner', 'attempt', 'started', 'timeout', 'epoch', 'reason', 'world')
+local st, owner, attempt = h[1], h[2] or '', tonumber(h[3] or '1') or 1
+if st == 'committed' or st == 'durable' then
+  return redis.error_reply('TSCOMMITTED step ' .. ARGV[2] .. ' is ' .. st .. ': it cannot be saved again')
+end
+local why, was = '', ''
+if st == 'preparing' then
+  if owner == ARGV[7] then return {'preparing', tostring(attempt), '', ''} end
+  local started = tonumber(h[4] or '0') or 0
+  local timeout = tonumber(h[5] or '0') or 0
+  local sep = tonumber(h[6] or '-1') or -1
+  local age = now - started
+  if timeout > 0 and age > timeout then
+    why = 'timed out'
+    was = string.format('timed out: it began %.1f s before, its timeout is %g s', age, timeout)
+  elseif ep >= 0 and sep >= 0 and ep > sep then
+    why = 'fenced by epoch ' .. ARGV[1]
+    was = 'fenced: it is of epoch ' .. sep .. ', the new writer of epoch ' .. ARGV[1]
+  else
+    return {'busy', tostring(attempt), h[8] or '0', string.format('%.3f', age), string.format('%g', timeout)}
+  end
+  redis.call('HSET', KEYS[2], 'state', 'aborted', 'decided', now, 'reason', why)
+  redis.call('PUBLISH', ARGV[8], ARGV[2] .. ' aborted')
+  redis.call('PUBLISH', ARGV[9], ARGV[2] .. ' aborted ' .. (h[4] or ''))
+  st = 'aborted'
+elseif st == 'aborted' then
+  was = h[7] or 'aborted'
+end
+local n = 1
+if st then n = attempt + 1 end
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[6])
+redis.call('HSET', KEYS[2], 'state', 'preparing', 'world', ARGV[3], 'epoch', ARGV[1], 'started', now,
+           'layout', ARGV[4], 'timeout', ARGV[5], 'nmigrated', 0, 'attempt', n, 'owner', ARGV[7])
+redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), ARGV[2])
+return {'preparing', tostring(n), was, st or ''}
+"""
+
+# A write or vote counts only for the attempt that holds its step: one carrying a token (see CLAIM) only while
+# the step's attempt is that token's, and one without only while the step is not preparing under a token.
+# STEPKEY: the step's record; TOKEN: the caller's token ('' for none); WHAT: what is refused.
+OWNER_CHECK = """
+local function check_owner(stepkey, token, what)
+  local h = redis.call('HMGET', stepkey, 'state', 'owner', 'attempt')
+  local owner = h[2] or ''
+  if owner == token or (token == '' and h[1] ~= 'preparing') then return nil end
+  if not h[1] then
+    return redis.error_reply('TSBUSY ' .. what .. ': the step has no attempt of this writer (none is recorded)')
+  end
+  return redis.error_reply('TSBUSY ' .. what .. ': the step is held by attempt ' .. (h[3] or '1') ..
+    ' of another writer')
+end
+"""
+
 # One vote, or the votes of several ranks at once (a node's aggregator): all recorded atomically.
 # KEYS: epoch, step, steps, votes, manifest, vinfo; ARGV: epoch, step, world (0: unknown), layout_json, timeout_s,
-# model, channel, prefix, n, then n times (rank, vote_json, ok, summary, reason), then now.
+# model, channel, prefix, n, then n times (rank, vote_json, ok, summary, reason), then the writer's attempt
+# token ('' for none; see CLAIM), then now.
 # The votes hash keeps each vote as its manifest part ('"<rank>":<vote_json>'), vinfo its summary (see
 # complete_set), so the deciding vote decodes no vote. A decision is published on the model's events channel
 # ("<step> <state>") and on its decided channel ("<step> <state> <started>": the attempt it decides, for
 # StepProtocol.wait). The first negative vote aborts the step, its reason recorded. Returns {state, started}.
-VOTE = _FENCE + _NOW + _OPEN + """
+VOTE = _FENCE + _NOW + _OPEN + OWNER_CHECK + """
 local PREFIX = ARGV[8]
 """ + _COMPLETE + """
+local ntok = 10 + 5 * tonumber(ARGV[9])
+local refused = check_owner(KEYS[2], #ARGV > ntok and ARGV[ntok] or '', 'a vote for step ' .. ARGV[2])
+if refused then return refused end
 local st = open_step(false)
 if type(st) == 'table' then return st end
 local started = redis.call('HGET', KEYS[2], 'started') or ''

@@ -19,7 +19,7 @@ from backends.retry import RetryPolicy
 from consistency.epochs import EpochLog
 from consistency.index import Index, translate_redis_errors
 from consistency.manifest import parse_manifest
-from consistency.scripts import BEGIN, DURABLE, EXPIRE, JOIN_EPOCH, MEMORY_ONLY, MIGRATED, SUPERSEDE, VOTE
+from consistency.scripts import BEGIN, CLAIM, DURABLE, EXPIRE, JOIN_EPOCH, MEMORY_ONLY, MIGRATED, SUPERSEDE, VOTE
 from tierstore.errors import CommitError, InvalidKeyError, TierUnavailableError
 from tierstore.keys import validate_name, validate_step
 
@@ -65,6 +65,7 @@ class StepBase:
         self._listeners_lock = threading.Lock()
         r = index._r  # consistency/ owns the client
         self._begin = r.register_script(BEGIN)
+        self._claim = r.register_script(CLAIM)
         self._vote = r.register_script(VOTE)
         self._expire = r.register_script(EXPIRE)
         self._migrated = r.register_script(MIGRATED)

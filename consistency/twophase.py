@@ -22,6 +22,10 @@ collective):
 5. *Immutability*: a committed step cannot be begun again
    (:class:`StepCommittedError`, before anything is written); an aborted (or
    abandoned) step is begun again by a newer epoch as a new *attempt*.
+   A writer that must not share a step (two DCP saves of one step number)
+   begins it with :meth:`~consistency.attempts.Attempts.claim` instead: one
+   writer's attempt, whose token every write and vote of it carries; see
+   :mod:`consistency.attempts`.
 6. *Index loss*: an index with no record of a model whose durable tier holds
    its manifests refuses to start fresh (:class:`IndexLostError`, from
    ``begin``, ``open_epoch`` and the read path), unless an ``on_lost``
@@ -39,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from consistency.attempts import Attempts, Claim
 from consistency.decisions import DecisionListener
 from consistency.durable import DurableLevel
 from consistency.manifest import MANIFEST_VERSION
@@ -47,8 +52,8 @@ from consistency.stepbase import DECIDED, STATES, _s
 from consistency.steprecords import EventSubscription, StepRecord, StepRecords
 from tierstore.errors import CommitError, StepAbortedError, StepCommittedError, TierUnavailableError
 
-__all__ = ["DECIDED", "MANIFEST_VERSION", "STATES", "EventSubscription", "StepProtocol", "StepRecord", "Vote",
-           "negative_reason", "vote_summary"]
+__all__ = ["DECIDED", "MANIFEST_VERSION", "STATES", "Claim", "EventSubscription", "StepProtocol", "StepRecord",
+           "Vote", "negative_reason", "vote_summary"]
 
 REASON_CHARS = 500  # a negative vote's recorded reason is cut to this many characters
 
@@ -99,13 +104,13 @@ def vote_summary(objects: Sequence[dict], step: int) -> str:
     return "\n".join(sorted(out))
 
 
-class StepProtocol(StepRecords, Incarnations, DurableLevel):
+class StepProtocol(StepRecords, Incarnations, DurableLevel, Attempts):
     """The commit protocol over an :class:`~consistency.index.Index`, with an optional durable tier.
 
     Assembled from :class:`~consistency.stepbase.StepBase` (the constructor, its
     arguments and the scripts), :class:`~consistency.steprecords.StepRecords`,
-    :class:`~consistency.progress.Incarnations` and
-    :class:`~consistency.durable.DurableLevel`; this module holds the vote/commit path.
+    :class:`~consistency.progress.Incarnations`, :class:`~consistency.durable.DurableLevel` and
+    :class:`~consistency.attempts.Attempts` (one writer per step); this module holds the vote/commit path.
     The constructor's arguments are :class:`~consistency.stepbase.StepBase`'s.
     """
 
@@ -147,13 +152,15 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
 
     def vote_call(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
                   ok: bool = True, epoch: int | None = None, world_size: int | None = None,
-                  layout: dict | None = None, reason: str | None = None) -> tuple[Any, list[str], list]:
+                  layout: dict | None = None, reason: str | None = None,
+                  attempt: str | None = None) -> tuple[Any, list[str], list]:
         """The vote as ``(script, keys, args)``, ``now`` not included: one ``EVALSHA`` (benchmarks, fault tests)."""
         return self.votes_call(model, step, [Vote(rank, objects, extra=extra, ok=ok, reason=reason)], epoch=epoch,
-                               world_size=world_size, layout=layout)
+                               world_size=world_size, layout=layout, attempt=attempt)
 
     def votes_call(self, model: str, step: int, votes: Sequence[Vote], *, epoch: int | None = None,
-                   world_size: int | None = None, layout: dict | None = None) -> tuple[Any, list[str], list]:
+                   world_size: int | None = None, layout: dict | None = None,
+                   attempt: str | None = None) -> tuple[Any, list[str], list]:
         """Several ranks' votes as one ``(script, keys, args)`` (see :meth:`vote_many`; ``now`` not included)."""
         self._check(model, step, world_size)
         if not votes:
@@ -173,11 +180,12 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
             body = json.dumps({"objects": objs, "extra": v.extra}, separators=(",", ":"))
             args += [v.rank, body, "1" if v.ok else "0", vote_summary(objs, step),
                      "" if v.ok else negative_reason(v)]
+        args.append(attempt or "")
         return self._vote, keys, args
 
     def vote(self, model: str, step: int, rank: int, objects: list, *, extra: dict | None = None,
              ok: bool = True, epoch: int | None = None, world_size: int | None = None,
-             layout: dict | None = None, reason: str | None = None) -> str:
+             layout: dict | None = None, reason: str | None = None, attempt: str | None = None) -> str:
         """Vote; return the step's state after this vote (``committed`` if it was the last).
 
         ``objects`` are this rank's objects of the step (``ObjectInfo`` or their
@@ -185,16 +193,18 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
         a step never begun needs ``world_size``. A negative vote (``ok=False``)
         aborts the step; ``reason`` (else ``extra["error"]``) says why, recorded
         in the step's record (``tierstore admin steps``, :meth:`require_committed`).
+        ``attempt`` is the writer's token of a :meth:`claim` of the step.
 
         Raises:
             FencedError: ``epoch`` is older than the job's.
+            StepBusyError: the step is held by another attempt than ``attempt`` (see :meth:`claim`).
             CommitError: bad arguments, a rank outside the world, or a step never begun.
         """
         return self.vote_many(model, step, [Vote(rank, objects, extra=extra, ok=ok, reason=reason)], epoch=epoch,
-                              world_size=world_size, layout=layout)
+                              world_size=world_size, layout=layout, attempt=attempt)
 
     def vote_many(self, model: str, step: int, votes: Sequence[Vote], *, epoch: int | None = None,
-                  world_size: int | None = None, layout: dict | None = None) -> str:
+                  world_size: int | None = None, layout: dict | None = None, attempt: str | None = None) -> str:
         """Record several ranks' votes in one atomic script (one round trip): a node's aggregator votes for
         its local ranks this way. Returns the step's state after them, as :meth:`vote`.
 
@@ -204,7 +214,8 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel):
             FencedError: ``epoch`` is older than the job's.
             CommitError: bad arguments, a rank outside the world, or a step never begun.
         """
-        script, keys, args = self.votes_call(model, step, votes, epoch=epoch, world_size=world_size, layout=layout)
+        script, keys, args = self.votes_call(model, step, votes, epoch=epoch, world_size=world_size, layout=layout,
+                                             attempt=attempt)
         self._register(model)
         listener = self._listener(model)  # subscribed before the vote: its decision cannot be missed
         who = f"rank {votes[0].rank}" if len(votes) == 1 else f"{len(votes)} ranks"

@@ -25,6 +25,8 @@ SLOW = (
     "tests/test_replay.py::test_two_ranks_kill_restart_replay_is_bitwise",
     "tests/test_bench_quick.py",
     "tests/test_faults_matrix.py::test_kill_at_point",
+    # two 2-rank jobs in turn; the fast cases are test_attempts.py and test_dcp_writers.py's own
+    "tests/test_dcp_writers.py::test_restarted_job_saves_a_step_whose_attempt_timed_out",
 )
 
 

@@ -31,6 +31,7 @@ from tierstore.errors import (
     KeyExistsError,
     ManifestError,
     StepAbortedError,
+    StepBusyError,
     UnknownError,
 )
 from tierstore.interop import dcp as tsdcp
@@ -328,7 +329,7 @@ def test_saving_a_committed_step_again_is_refused_and_leaves_it_intact(store):
     assert torch.equal(target["w"], torch.ones(3))
 
 
-def test_aborted_step_refused_for_save_and_load(store, tmp_path):
+def test_aborted_step_refused_for_load_and_saved_again_as_a_new_attempt(store, tmp_path, caplog):
     evil = _Evil()
     evil.marker = str(tmp_path / "pwned")
     with pytest.raises(InvalidValueError):
@@ -337,11 +338,20 @@ def test_aborted_step_refused_for_save_and_load(store, tmp_path):
     dcp_save_quiet({"w": torch.ones(1), "x": evil}, TierStoreWriter(store, "ab", 3))
     assert store.steps.state("ab", 3) == "aborted"
     with pytest.raises(StepAbortedError):
-        tsdcp.save({"w": torch.ones(1)}, TierStoreWriter(store, "ab", 3), no_dist=True)
-    with pytest.raises(StepAbortedError):
         tsdcp.load({"w": torch.zeros(1)}, TierStoreReader(store, "ab", 3), no_dist=True)
     with pytest.raises(UnknownError):
         tsdcp.load({"w": torch.zeros(1)}, TierStoreReader(store, "ab", 4), no_dist=True)
+    # as FileSystemWriter would: the step number is saved again, as attempt 2, naming why attempt 1 ended
+    w = TierStoreWriter(store, "ab", 3)
+    with caplog.at_level("WARNING", logger="tierstore.interop.dcp_storage"):
+        tsdcp.save({"w": torch.full((1,), 2.0)}, w, no_dist=True)
+    assert w.attempt == 2 and "negative vote of rank 0" in (w.previous_attempt or "")
+    assert "attempt 1 did not commit (negative vote of rank 0" in caplog.text
+    (rec,) = store.steps.records("ab", [3])
+    assert rec.state == "committed" and rec.attempt == 2
+    target = {"w": torch.zeros(1)}
+    tsdcp.load(target, TierStoreReader(store, "ab", 3), no_dist=True)
+    assert torch.equal(target["w"], torch.full((1,), 2.0))
 
 
 def dcp_save_quiet(sd: dict, writer: TierStoreWriter) -> None:
@@ -351,11 +361,12 @@ def dcp_save_quiet(sd: dict, writer: TierStoreWriter) -> None:
         dcp.save(sd, storage_writer=writer, no_dist=True)
 
 
-def test_preparing_step_of_another_world_is_refused(store):
-    store.begin_step("busy", 7, 4)  # a save of 3 ranks (+ the metadata voter) is in flight
-    with pytest.raises(CommitError, match="world of 3"):
+def test_step_another_writer_is_saving_is_refused_before_anything_is_written(store):
+    store.begin_step("busy", 7, 4)  # another writer's save of 3 ranks (+ the metadata voter) is in flight
+    with pytest.raises(StepBusyError, match=r"another writer \(attempt 1, 4 voters, .*times out in") as ei:
         tsdcp.save({"w": torch.ones(1)}, TierStoreWriter(store, "busy", 7), no_dist=True)
-    assert store.steps.state("busy", 7) == "preparing"
+    assert isinstance(ei.value, CommitError) and ei.value.attempt == 1 and ei.value.expires_in_s > 500
+    assert store.steps.state("busy", 7) == "preparing" and store.list("busy") == []
 
 
 def test_typed_front_door_never_raises_a_base_exception(store):
@@ -416,7 +427,8 @@ def test_named_step_load_refuses_a_step_whose_coordinator_died_before_its_vote(s
             return rec
         TierStore.put = dying_put
         store = tierstore.open(config=StoreConfig(**json.loads({cfg!r})))
-        dcp.save({{"w": torch.full((3,), 2.0)}}, storage_writer=TierStoreWriter(store, "crash", 2), no_dist=True)
+        w = TierStoreWriter(store, "crash", 2, epoch=store.open_epoch("crash"))  # the job's incarnation
+        dcp.save({{"w": torch.full((3,), 2.0)}}, storage_writer=w, no_dist=True)
     """)
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                        capture_output=True, text=True, timeout=120)
@@ -427,10 +439,17 @@ def test_named_step_load_refuses_a_step_whose_coordinator_died_before_its_vote(s
     target = {"w": torch.zeros(3)}
     tsdcp.load(target, TierStoreReader(store, "crash"), no_dist=True)  # newest committed: step 1
     assert torch.equal(target["w"], torch.ones(3))
-    # the same job restarting saves step 2 again (same world): it commits and then loads
-    tsdcp.save({"w": torch.full((3,), 3.0)}, TierStoreWriter(store, "crash", 2), no_dist=True)
+    # another writer cannot tell a dead attempt from a live one before its timeout: refused, nothing written
+    with pytest.raises(StepBusyError):
+        tsdcp.save({"w": torch.full((3,), 3.0)}, TierStoreWriter(store, "crash", 2), no_dist=True)
+    # the job restarting takes a new epoch: the attempt of the old incarnation is taken over at once
+    w = TierStoreWriter(store, "crash", 2, epoch=store.open_epoch("crash"))
+    tsdcp.save({"w": torch.full((3,), 3.0)}, w, no_dist=True)
+    assert w.attempt == 2 and w.previous_attempt.startswith("fenced: it is of epoch 1")
     tsdcp.load(target, TierStoreReader(store, "crash", 2), no_dist=True)
     assert torch.equal(target["w"], torch.full((3,), 3.0))
+    tsdcp.load(target, TierStoreReader(store, "crash", 1), no_dist=True)
+    assert torch.equal(target["w"], torch.ones(3))  # the committed step is untouched
 
 
 def test_tampered_value_never_reaches_a_general_unpickler(store, tmp_path, monkeypatch):

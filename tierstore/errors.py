@@ -33,6 +33,7 @@ __all__ = [
     "ReplicaAckError",
     "RestoreMismatchError",
     "StepAbortedError",
+    "StepBusyError",
     "StepCommittedError",
     "TierFullError",
     "TierStoreError",
@@ -117,6 +118,19 @@ class CommitError(TierStoreError):
 
 class StepAbortedError(CommitError):
     """The step was aborted (a negative vote, a timeout or a fenced rank)."""
+
+
+class StepBusyError(CommitError):
+    """Another writer's attempt holds the step: a step has one writer at a time.
+
+    Raised to a second writer of a step that an attempt of another writer is
+    still saving (before it writes anything), and to the writes and votes of an
+    attempt that no longer holds its step (it timed out or was aborted, and a
+    new attempt took the step over). Fields where known: ``model``, ``step``,
+    ``attempt`` (the attempt holding the step), ``world`` (its voters),
+    ``age_s`` (seconds since it began) and ``expires_in_s`` (seconds until its
+    timeout lets a new attempt take the step; ``None``: it never times out).
+    """
 
 
 class StepCommittedError(CommitError):

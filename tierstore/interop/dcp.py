@@ -17,7 +17,8 @@ works: the checkpoint process opens the same store (same index, same host
 tier) once and keeps it for its next saves.
 
 The protocol DCP runs against the writer and reader, call by call, and which
-rank does what, is in :mod:`tierstore.interop.dcp_storage`; what is stored, in
+rank does what, is in :mod:`tierstore.interop.dcp_storage` (the reader in
+:mod:`tierstore.interop.dcp_reader`); what is stored, in
 :mod:`tierstore.interop.dcp_format`.
 
 Where unpickling happens, and that it is restricted: a non-tensor value is
@@ -54,13 +55,8 @@ from torch.distributed.tensor import DTensor
 
 from tierstore.errors import CheckpointFailedError, InvalidValueError, TierStoreError
 from tierstore.interop.dcp_format import check_restricted, metadata_from_json, metadata_to_json
-from tierstore.interop.dcp_storage import (
-    DATA_LAYER,
-    META_LAYER,
-    TierStoreReader,
-    TierStoreWriter,
-    check_tensor_props,
-)
+from tierstore.interop.dcp_reader import TierStoreReader
+from tierstore.interop.dcp_storage import DATA_LAYER, META_LAYER, TierStoreWriter, check_tensor_props
 
 __all__ = [
     "DATA_LAYER",

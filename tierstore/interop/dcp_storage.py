@@ -1,4 +1,4 @@
-"""The DCP ``StorageWriter``/``StorageReader`` on tierstore; the protocol, call by call.
+"""The DCP ``StorageWriter`` on tierstore, and the protocol of writer and reader, call by call.
 
 Users import these from :mod:`tierstore.interop.dcp` (usage there).
 
@@ -13,17 +13,25 @@ Write protocol (DCP's calls in order, who makes them, what tierstore does):
    (dtypes, layouts) as a typed :class:`~tierstore.errors.TierStoreError`,
    before anything is written.
 3. the coordinator, ``prepare_global_plan(plans)``: the world is
-   ``len(plans)``; refuse a step already committed, durable or aborted
-   (:class:`KeyExistsError` / :class:`StepAbortedError`) or being saved by a
-   different world (:class:`CommitError`); tell each rank its slot and the
-   world through ``plan.storage_data``.
+   ``len(plans)``; the coordinator *claims* the step for this save alone
+   (``store.steps.claim`` with a fresh attempt token, see
+   :mod:`consistency.attempts`), before any rank writes: a step already
+   committed or durable is refused (:class:`KeyExistsError`), and so is one
+   another writer's attempt is still saving (:class:`StepBusyError`, the
+   second of two concurrent saves); a step whose earlier attempt was aborted,
+   or is past its timeout (``step_timeout``), is saved again as a new attempt
+   (logged, naming why the earlier one ended). Each rank learns its slot, the
+   world and the attempt token through ``plan.storage_data``.
 4. all ranks, ``write_data``: every item goes into ONE object per rank,
    ``ShardKey(model, "dcp", step, rank)``: tensors (their projection, on
    CPU) as themselves, non-tensor values (``BYTE_IO``) as the bytes DCP's
    planner made with ``torch.save``, each first checked to load back with
    ``torch.load(weights_only=True)`` (refused otherwise). Then the rank
-   votes for the step (``world + 1`` voters). Any failure here is a negative
-   vote: the step is aborted at once, never left ``preparing``.
+   votes for the step (``world + 1`` voters). The write and the vote carry
+   the attempt token: the index refuses them (:class:`StepBusyError`) once
+   another attempt holds the step (a rank of an attempt that was taken
+   over). Any failure here is a negative vote: the step is aborted at once,
+   never left ``preparing``.
 5. the coordinator, ``finish``: DCP's :class:`Metadata` as JSON (never
    pickled; :mod:`tierstore.interop.dcp_format`) in
    ``ShardKey(model, "dcp-metadata", step, world)``, voted by voter
@@ -37,9 +45,11 @@ back to ``read_metadata(rank=r)``, which reads it.
 Read protocol: ``read_metadata`` takes the given step only if it is
 ``committed`` or ``durable`` (else :class:`UnknownError`,
 :class:`CommitError` or :class:`StepAbortedError`), or the newest committed
-one (``store.resolve``); ``read_data`` reads each rank object once, narrows
-each chunk to the request (any world size may read: DCP reshards by offsets)
-and hands non-tensor values to the planner.
+one (``store.resolve``), and reads the copies that step's manifest names
+(``store.get_copy``), never whatever the index records for a key now;
+``read_data`` reads each rank object once, narrows each chunk to the request
+(any world size may read: DCP reshards by offsets) and hands non-tensor
+values to the planner.
 
 Unpickling: only through :func:`tierstore.interop.dcp_format.restricted_load`
 (``weights_only=True``): in ``write_data`` (the check before a value is
@@ -58,18 +68,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierstore.codec import DTYPES
@@ -78,12 +84,9 @@ from tierstore.errors import (
     CommitError,
     InvalidValueError,
     KeyExistsError,
-    ManifestError,
-    NoValidCopyError,
-    RestoreMismatchError,
     StepAbortedError,
+    StepCommittedError,
     TierStoreError,
-    UnknownError,
 )
 from tierstore.interop.dcp_format import (
     BYTES,
@@ -91,40 +94,39 @@ from tierstore.interop.dcp_format import (
     TENSOR,
     check_restricted,
     item_name,
-    metadata_from_json,
     metadata_to_json,
-    resave,
-    restricted_load,
 )
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import ShardKey, validate_name
 from tierstore.store import TierStore
 
-__all__ = ["DATA_LAYER", "META_LAYER", "TierStoreReader", "TierStoreWriter", "check_tensor_props"]
+__all__ = ["DATA_LAYER", "META_ENTRY", "META_LAYER", "TierStoreWriter", "check_step", "check_tensor_props", "parse_id",
+           "rank_model"]
 
 log = logging.getLogger(__name__)
 
 DATA_LAYER = "dcp"
 META_LAYER = "dcp-metadata"
-_META_ENTRY = "metadata.json"
+META_ENTRY = "metadata.json"
 _LAYOUT = {"layers": [DATA_LAYER, META_LAYER]}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    """What the coordinator tells each rank in ``plan.storage_data``: where its object goes."""
+    """What the coordinator tells each rank in ``plan.storage_data``: where its object goes, under which attempt."""
 
     model: str
     rank: int
     world: int
+    attempt: str  # the token of the coordinator's claim of the step: every write and vote of this save carries it
 
 
-def _rank_model(model: str, rank: int) -> str:
+def rank_model(model: str, rank: int) -> str:
     """The model a rank saves alone into (``use_collectives=False``)."""
     return validate_name(f"{model}.rank{rank}", "model")
 
 
-def _parse_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
+def parse_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
     s = str(checkpoint_id)
     if not s.startswith("tierstore://"):
         raise InvalidValueError(f"not a tierstore checkpoint id: {s!r} (want tierstore://model[/step])")
@@ -136,7 +138,7 @@ def _parse_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
     return validate_name(parts[0], "model"), step
 
 
-def _check_step(step: Any) -> int:
+def check_step(step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidValueError(f"step must be a non-negative int, got {step!r}")
     return step
@@ -163,16 +165,36 @@ class TierStoreWriter(StorageWriter):
         timeout: seconds the coordinator waits for the commit after its vote.
         safe_globals: classes/functions a non-tensor value may need besides PyTorch's
             ``weights_only`` set and ``io.BytesIO`` (the reader needs the same).
+        step_timeout: seconds this save's attempt may stay uncommitted; past it, another save of
+            the step takes it over as a new attempt (default: the store's step timeout, 600 s;
+            0: never).
+        epoch: the job incarnation's epoch (e.g. ``store.open_epoch(model)`` taken once when the
+            job starts, the same on every rank): writes and votes of older epochs are fenced, and
+            an attempt of an older epoch is taken over at once, without waiting for its timeout.
+
+    After a save, the coordinator's writer holds ``attempt`` (the attempt's
+    number) and ``previous_attempt`` (why the attempt before it ended, or
+    ``None``).
     """
 
     def __init__(self, store: TierStore | StoreConfig | Mapping[str, Any] | None, model: str, step: int, *,
-                 timeout: float = 120.0, safe_globals: Iterable[Any] = ()) -> None:
+                 timeout: float = 120.0, safe_globals: Iterable[Any] = (), step_timeout: float | None = None,
+                 epoch: int | None = None) -> None:
         super().__init__()
         self._store = StoreRef(store)
         self.model = validate_name(model, "model")
-        self.step = _check_step(step)
+        self.step = check_step(step)
         self.timeout = timeout
         self.safe_globals = tuple(safe_globals)
+        if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
+                                         or not step_timeout >= 0):
+            raise InvalidValueError(f"step_timeout must be a non-negative number of seconds, got {step_timeout!r}")
+        self.step_timeout = step_timeout
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+            raise InvalidValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self.epoch = epoch
+        self.attempt: int | None = None
+        self.previous_attempt: str | None = None
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
@@ -190,7 +212,7 @@ class TierStoreWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            model, step = _parse_id(checkpoint_id)
+            model, step = parse_id(checkpoint_id)
             self.model = model
             if step is not None:
                 self.step = step
@@ -209,6 +231,7 @@ class TierStoreWriter(StorageWriter):
         self.rank = int(kwargs.get("rank") or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
         self._slot = None
+        self.attempt = self.previous_attempt = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         for item in plan.items:
@@ -221,25 +244,32 @@ class TierStoreWriter(StorageWriter):
         if self.use_collectives:
             model, slots = self.model, [(i, len(plans)) for i in range(len(plans))]
         else:  # every rank plans alone: its own commit, in its own model
-            model, slots = _rank_model(self.model, self.rank), [(0, 1)]
-        self._refuse_taken_step(model, slots[0][1] + 1)
-        return [dataclasses.replace(p, storage_data=_Slot(model, r, w)) for p, (r, w) in zip(plans, slots)]
+            model, slots = rank_model(self.model, self.rank), [(0, 1)]
+        token = uuid.uuid4().hex  # this save's attempt: fresh per save, handed to every rank in its plan
+        self._claim(model, slots[0][1] + 1, token)
+        return [dataclasses.replace(p, storage_data=_Slot(model, r, w, token)) for p, (r, w) in zip(plans, slots)]
 
-    def _refuse_taken_step(self, model: str, voters: int) -> None:
-        (rec,) = self.store.steps.records(model, [self.step])
-        if rec.state in ("committed", "durable"):
-            raise KeyExistsError(f"step {self.step} of {model} is already saved ({rec.state}); a committed step "
-                                 "is never overwritten: save under a new step number", model=model, step=self.step)
-        if rec.state == "aborted":
-            raise StepAbortedError(f"step {self.step} of {model} was aborted ({rec.reason}); save under a new "
-                                   "step number", model=model, step=self.step)
-        if rec.state == "preparing" and rec.world != voters:
-            raise CommitError(f"step {self.step} of {model} is being saved by a world of {rec.world - 1} ranks, "
-                              f"this save has {voters - 1}", model=model, step=self.step)
+    def _claim(self, model: str, voters: int, token: str) -> None:
+        """Take the step for this save alone, before any rank writes (see the module docstring)."""
+        try:
+            claim = self.store.steps.claim(model, self.step, voters, token, layout=_LAYOUT, epoch=self.epoch,
+                                           timeout_s=self.step_timeout)
+        except StepCommittedError as e:
+            raise KeyExistsError(f"step {self.step} of {model} is already saved; a committed step is never "
+                                 "overwritten: save under a new step number", model=model, step=self.step) from e
+        self.attempt, self.previous_attempt = claim.attempt, claim.previous
+        if claim.retried:
+            log.warning("step %d of %s: attempt %d did not commit (%s); saving the step again as attempt %d",
+                        self.step, model, claim.attempt - 1, claim.previous, claim.attempt)
 
     def _vote(self, slot: _Slot, voter: int, records: list, ok: bool = True) -> str:
-        self.store.begin_step(slot.model, self.step, slot.world + 1, layout=_LAYOUT)
-        return self.store.vote(slot.model, self.step, voter, records, ok=ok)
+        return self.store.vote(slot.model, self.step, voter, records, ok=ok, epoch=self.epoch, attempt=slot.attempt)
+
+    def _aborted(self, slot: _Slot, what: str, **fields: Any) -> StepAbortedError:
+        (rec,) = self.store.steps.records(slot.model, [self.step])
+        why = f": {rec.reason}" if rec.reason else ""
+        return StepAbortedError(f"{what} of step {self.step} of {slot.model} was aborted{why}", model=slot.model,
+                                step=self.step, reason=rec.reason, **fields)
 
     def _abort(self, slot: _Slot, voter: int, why: BaseException) -> None:
         """Vote no, so the step is aborted now instead of waiting out its timeout."""
@@ -276,14 +306,14 @@ class TierStoreWriter(StorageWriter):
                 tensors[name] = t
                 results.append(WriteResult(item.index, t.numel() * t.element_size(),
                                            {"key": str(key), "name": name, "type": kind}))
-            record = self.store.put(key, tensors, {"dcp": {"rank": slot.rank, "world": slot.world}})
+            record = self.store.put(key, tensors, {"dcp": {"rank": slot.rank, "world": slot.world}}, epoch=self.epoch,
+                                    attempt=slot.attempt)
         except BaseException as e:
             self._abort(slot, slot.rank, e)
             raise
         state = self._vote(slot, slot.rank, [record])
         if state == "aborted":
-            raise StepAbortedError(f"step {self.step} of {slot.model} was aborted (another rank failed)",
-                                   model=slot.model, step=self.step, rank=slot.rank)
+            raise self._aborted(slot, f"the vote of rank {slot.rank}", rank=slot.rank)
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -302,8 +332,9 @@ class TierStoreWriter(StorageWriter):
             )
             doc = json.dumps(metadata_to_json(md), separators=(",", ":")).encode()
             key = ShardKey(slot.model, META_LAYER, self.step, slot.world)
-            record = self.store.put(key, {_META_ENTRY: torch.frombuffer(bytearray(doc), dtype=torch.uint8)},
-                                    {"dcp": {"schema": SCHEMA, "entry": _META_ENTRY}})
+            record = self.store.put(key, {META_ENTRY: torch.frombuffer(bytearray(doc), dtype=torch.uint8)},
+                                    {"dcp": {"schema": SCHEMA, "entry": META_ENTRY}}, epoch=self.epoch,
+                                    attempt=slot.attempt)
         except BaseException as e:
             self._abort(slot, slot.world, e)
             raise
@@ -311,8 +342,7 @@ class TierStoreWriter(StorageWriter):
         if state == "preparing":
             state = self.store.wait_step(slot.model, self.step, timeout=self.timeout)
         if state == "aborted":
-            raise StepAbortedError(f"DCP save of step {self.step} of {slot.model} was aborted",
-                                   model=slot.model, step=self.step)
+            raise self._aborted(slot, "the DCP save")
         if state not in ("committed", "durable"):
             raise CommitError(f"DCP save of step {self.step} of {slot.model} is {state}", step=self.step)
 
@@ -320,148 +350,3 @@ class TierStoreWriter(StorageWriter):
         state = self.__dict__.copy()
         state["_slot"] = None
         return state
-
-
-# ------------------------------------------------------------------------------ reader
-
-
-class TierStoreReader(StorageReader):
-    """A DCP ``StorageReader`` for step ``step`` of ``model`` (default: the newest committed).
-
-    Args:
-        store: a live TierStore, a StoreConfig, or a dict of :func:`tierstore.open` arguments.
-        model: the model name.
-        step: a step to load; only a ``committed`` or ``durable`` one is read.
-        safe_globals: what non-tensor values may need besides PyTorch's ``weights_only`` set and ``io.BytesIO``.
-    """
-
-    def __init__(self, store: TierStore | StoreConfig | Mapping[str, Any] | None, model: str,
-                 step: int | None = None, *, safe_globals: Iterable[Any] = ()) -> None:
-        super().__init__()
-        self._store = StoreRef(store)
-        self.model = validate_name(model, "model")
-        self.step = None if step is None else _check_step(step)
-        self.safe_globals = tuple(safe_globals)
-        self.storage_data: dict[MetadataIndex, dict] = {}
-        self.load_id = uuid.uuid4().hex
-        self._loaded: tuple[str, int] | None = None
-        self.metadata_error: TierStoreError | None = None
-
-    @property
-    def store(self) -> TierStore:
-        return self._store.get()
-
-    @property
-    def checkpoint_id(self) -> str:
-        return f"tierstore://{self.model}" + ("" if self.step is None else f"/{self.step}")
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.model, self.step = _parse_id(checkpoint_id)
-        self.storage_data = {}
-        self.load_id = uuid.uuid4().hex
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return str(checkpoint_id).startswith("tierstore://")
-
-    def _metadata_key(self, model: str) -> ShardKey:
-        if self.step is None:
-            res = self.store.resolve(model)
-            keys = [info.key for (layer, _r), info in res.objects.items() if layer == META_LAYER]
-        else:
-            state = self.store.steps.state(model, self.step)
-            if not state:
-                raise UnknownError(f"no step {self.step} of {model} in the index", what=f"{model}/{self.step}")
-            if state == "aborted":
-                raise StepAbortedError(f"step {self.step} of {model} was aborted", model=model, step=self.step)
-            if state not in ("committed", "durable"):
-                raise CommitError(f"step {self.step} of {model} is {state}, not committed: nothing to load",
-                                  model=model, step=self.step, state=state)
-            keys = self.store.list(model, META_LAYER, self.step)
-        if len(keys) != 1:
-            raise NoValidCopyError(f"{model}: {len(keys)} DCP metadata objects for the step, want 1", model=model)
-        return keys[0]
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The step's DCP metadata; with ``rank=`` (DCP's fallback) that rank's own ``use_collectives=False`` save.
-
-        DCP swallows the error of the first call (it then tries ``rank=``); it
-        is kept in ``metadata_error`` so that :func:`load` can raise it typed.
-        """
-        rank = kwargs.get("rank")
-        model = self.model if rank is None else _rank_model(self.model, int(rank))
-        try:
-            key = self._metadata_key(model)
-        except TierStoreError as e:
-            if rank is None:
-                self.metadata_error = e
-            raise
-        shard = self.store.get(key)
-        if shard is None:
-            raise NoValidCopyError(f"{key}: the DCP metadata is gone", key=str(key))
-        entry = shard.get(_META_ENTRY)
-        try:
-            doc = json.loads(entry.numpy().tobytes()) if entry is not None else shard.metadata.get("dcp") or {}
-        except ValueError as e:
-            raise ManifestError(f"{key}: DCP metadata is not JSON: {e}") from e
-        md = metadata_from_json(doc)
-        self._loaded = (key.model, key.step)
-        md.storage_meta = md.storage_meta or StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if metadata.storage_data is None:
-            raise ManifestError("DCP metadata without storage data")
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def _locate(self, index: MetadataIndex) -> tuple[ShardKey, dict]:
-        loc = self.storage_data.get(index)
-        if loc is None:
-            raise ManifestError(f"{index.fqn}: not in the checkpoint's storage data")
-        key = ShardKey.parse(loc["key"])
-        if self._loaded is not None and (key.model, key.step) != self._loaded:
-            raise ManifestError(f"{index.fqn}: metadata points outside the step it was read from ({key})")
-        return key, loc
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_key: dict[ShardKey, list] = {}
-        for req in plan.items:
-            by_key.setdefault(self._locate(req.storage_index)[0], []).append(req)
-        for key, reqs in by_key.items():  # one rank object at a time: memory is the largest object, not the sum
-            shard = self.store.get(key)
-            if shard is None:
-                raise NoValidCopyError(f"{key}: DCP data is gone", key=str(key))
-            for req in reqs:
-                fqn = req.storage_index.fqn
-                loc = self._locate(req.storage_index)[1]
-                stored = shard.get(loc["name"])
-                if stored is None:
-                    raise ManifestError(f"{key}: no entry {loc['name']!r} for {fqn}", key=str(key))
-                if req.type == LoadItemType.BYTE_IO:
-                    if loc.get("type") != BYTES:
-                        raise ManifestError(f"{fqn}: the planner asks for a value, the checkpoint holds a tensor")
-                    value = restricted_load(stored.numpy().tobytes(), fqn=fqn, safe_globals=self.safe_globals)
-                    planner.load_bytes(req, resave(value))
-                    continue
-                if loc.get("type", TENSOR) != TENSOR:
-                    raise RestoreMismatchError(f"{fqn}: the target is a tensor, the checkpoint holds a non-tensor "
-                                               "value", tensor=fqn)
-                t = narrow(stored, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != t.size():
-                    raise RestoreMismatchError(f"{fqn}: size {tuple(t.size())} != target {tuple(target.size())}",
-                                               tensor=fqn)
-                target.copy_(t)
-                planner.commit_tensor(req, target)
-            del shard
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut

@@ -209,14 +209,15 @@ class TierStore(WritePath, ReadPath):
         self.steps.begin(model, step, world_size, layout=layout, epoch=epoch)
 
     def vote(self, model: str, step: int, rank: int, objects: builtins.list[ObjectRecord], *, extra: dict | None = None,
-             ok: bool = True, epoch: int | None = None) -> str:
+             ok: bool = True, epoch: int | None = None, attempt: str | None = None) -> str:
         """Vote for ``step`` with this rank's objects; the last vote of the world commits it.
 
-        Then, where the step goes to the durable tier, this rank's part of it is handed to the migrator
-        (newest committed step first: :mod:`tierstore.migration`); a step whose objects the placement keeps
-        in memory is recorded memory-only, with why.
+        ``attempt``: the writer's token of its claim of the step (``store.steps.claim``, see
+        :mod:`consistency.attempts`). Then, where the step goes to the durable tier, this rank's part of it
+        is handed to the migrator (newest committed step first: :mod:`tierstore.migration`); a step whose
+        objects the placement keeps in memory is recorded memory-only, with why.
         """
-        state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch)
+        state = self.steps.vote(model, step, rank, objects, extra=extra, ok=ok, epoch=epoch, attempt=attempt)
         if not ok or self._migrator is None or self.steps.durable is None:
             return state
         if all(self.placement.to_durable(o.kind, o.key.step) for o in objects):

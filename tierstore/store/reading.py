@@ -1,7 +1,8 @@
 """The store's read path: the index's record, then the fastest tier holding a valid copy.
 
 Protocol: :meth:`ReadPath.get` (and :meth:`ReadPath.get_many`, one index round
-trip for many keys) asks the index for the live copy's physical name and
+trip for many keys; :meth:`ReadPath.get_copy` reads the copy a manifest entry
+names instead) asks the index for the live copy's physical name and
 checksum, then reads the tiers fastest first (:meth:`ReadPath._read_blob`):
 the copy's trailer is compared with the index, the copy is verified in the
 same pass that decodes it, and a miss, an unreachable tier or a bad copy falls
@@ -130,6 +131,26 @@ class ReadPath:
             raise InvalidValueError(f"outs has {len(targets)} entries for {len(parsed)} keys")
         records = self.index.get_objects(parsed)
         return [self._get(k, o, raw, depth=0, rec=r) for k, o, r in zip(parsed, targets, records)]
+
+    def get_copy(self, record: ObjectRecord, *, out: Mapping[str, torch.Tensor] | None = None) -> codec.Shard:
+        """Read the copy ``record`` names (its physical name and checksum), whatever the index records now.
+
+        For a reader that holds a committed manifest's entry (a DCP load):
+        it reads what the step committed, from the fastest tier holding that
+        copy, verified against the entry's checksum. Deltas and refs are
+        resolved as :meth:`get` does (their bases through the index).
+
+        Raises:
+            NoValidCopyError: no tier holds that copy with that checksum.
+            RestoreMismatchError: ``out`` does not fit the stored tensors.
+        """
+        if not isinstance(record, ObjectRecord):
+            raise InvalidValueError(f"get_copy takes an ObjectRecord, not a {type(record).__name__}")
+        self._check_open()
+        shard = self._get(record.key, out, False, depth=0, rec=record)
+        if shard is None:  # not reached: a known record either reads or raises
+            raise NoValidCopyError(f"no tier holds {record.name}", key=str(record.key))
+        return shard
 
     def _read_blob(self, key: ShardKey, rec: ObjectRecord | None, consume):
         """``consume(copy)`` of the first valid copy of ``key``, as (result, tier); ``None`` if no tier has any.

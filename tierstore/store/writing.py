@@ -74,6 +74,7 @@ class PendingObject:
     epoch: int | None
     name: str = ""
     staged: StagedCopy | None = None  # in the device tier; drained into a host reservation by finish()
+    attempt: str | None = None  # the writer's attempt token (see consistency.attempts)
     _done: bool = field(default=False, repr=False)
 
     def finish(self) -> ObjectRecord:
@@ -140,6 +141,7 @@ class WritePath:
         target: ShardKey | None = None,
         epoch: int | None = None,
         compress: str = "auto",
+        attempt: str | None = None,
     ) -> PendingObject:
         """Copy ``tensors`` into the host tier (the only part a trainer waits for).
 
@@ -150,6 +152,11 @@ class WritePath:
         compress; the copy is the whole stall) and compresses other kinds with
         lz4 or zstd where a sample shows it pays (:mod:`tierstore.codec.compression`);
         ``"always"`` / ``"never"`` force it.
+
+        ``attempt``: the writer's token of its claim of the key's step
+        (:meth:`consistency.twophase.StepProtocol.claim`): the index refuses the
+        write (``finish()`` raises :class:`StepBusyError`) unless that attempt
+        holds the step; without it, unless no claimed attempt holds it.
 
         Raises:
             InvalidKeyError, InvalidValueError: bad key, kind or values.
@@ -188,14 +195,14 @@ class WritePath:
             staged = self.device_tier.stage(key, tensors) if self.device_tier is not None else None
             if staged is not None:  # in device buffers: the host reservation and its copy are finish()'s
                 return PendingObject(self, key, codec.plan(staged.tensors, meta), None, kind, base, target, epoch,
-                                     name, staged)
+                                     name, staged, attempt=attempt)
             res = self._reserve(key, name, plan.nbytes)
             try:
                 plan.write(res.buffer)
             except BaseException:
                 res.abort()
                 raise
-            return PendingObject(self, key, plan, res, kind, base, target, epoch, name)
+            return PendingObject(self, key, plan, res, kind, base, target, epoch, name, attempt=attempt)
         # deltas (byte-shuffled XOR) compress; dense full objects rarely do, so they skip the sampling
         blob = codec.encode(tensors, meta, compress="always" if compress == "always" else "auto")
         res = self._reserve(key, name, len(blob))
@@ -204,7 +211,7 @@ class WritePath:
         except BaseException:
             res.abort()
             raise
-        return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch, name)
+        return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch, name, attempt=attempt)
 
     def _rebased(self, key: ShardKey, base: ShardKey, deltas: Mapping[str, torch.Tensor],
                  meta: dict, *, ref: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
@@ -275,10 +282,10 @@ class WritePath:
         try:
             old = self.index.record_object(
                 p.key, kind=p.kind, size=size, checksum=checksum, tiers=[self.host.tier],
-                base=p.base, target=p.target, epoch=p.epoch, name=p.name,
+                base=p.base, target=p.target, epoch=p.epoch, name=p.name, attempt=p.attempt,
             )
         except TierStoreError:
-            self._drop_copy(p.name)  # fenced, committed or index gone: our own copy must not linger unindexed
+            self._drop_copy(p.name)  # fenced, committed, busy or index gone: our own copy must not linger unindexed
             raise
         if old is not None:
             self._drop_copy(old)  # the copy of the record this one replaced (of an uncommitted step)
@@ -336,8 +343,12 @@ class WritePath:
         target: ShardKey | None = None,
         epoch: int | None = None,
         compress: str = "auto",
+        attempt: str | None = None,
     ) -> ObjectRecord:
-        """Store one shard; it is in the host tier when this returns, durable later (see :meth:`flush`)."""
+        """Store one shard; it is in the host tier when this returns, durable later (see :meth:`flush`).
+
+        ``attempt``: as for :meth:`snapshot`.
+        """
         return self.snapshot(key, tensors, metadata, kind=kind, base=base, target=target, epoch=epoch,
-                             compress=compress).finish()
+                             compress=compress, attempt=attempt).finish()
 

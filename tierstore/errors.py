@@ -27,6 +27,7 @@ __all__ = [
     "ManifestError",
     "MigrationError",
     "MissingDependencyError",
+    "ModelInUseError",
     "NoValidCopyError",
     "ObjectNotFoundError",
     "ProtocolError",
@@ -164,6 +165,13 @@ class ObjectNotFoundError(UnknownError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message quoted, as a repr
         return str(self.args[0]) if self.args else ""
+
+
+class ModelInUseError(TierStoreError):
+    """A model cannot be deleted: a writer of it looks live (``reason`` says why); ``model`` names it.
+
+    Stop the job first, or force the delete (``tierstore admin delete MODEL --yes --force``).
+    """
 
 
 class CheckpointFailedError(TierStoreError):

@@ -133,7 +133,7 @@ def delete_model(steps: StepProtocol, model: str, tiers: Sequence[Backend], *, d
                               "the delete (tierstore admin delete MODEL --yes --force)", model=model,
                               reason=report.live)
     if report.live is not None:
-        log.warning("deleting model %s although a writer looks live (%s)", model, report.live)
+        log.info("deleting model %s although a writer looks live (%s): forced", model, report.live)
     steps.delete_durable_manifests(model, report.durable_manifests)  # 1. no rebuild can resurrect a step now
     if known:
         index.drop_model(model)  # 2.

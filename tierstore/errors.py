@@ -16,6 +16,7 @@ __all__ = [
     "AccessDeniedError",
     "AuthenticationError",
     "CheckpointFailedError",
+    "CheckpointNotFoundError",
     "CommitError",
     "ConfigError",
     "CorruptObjectError",
@@ -158,6 +159,11 @@ class MigrationError(TierUnavailableError):
 
 class UnknownError(TierStoreError, LookupError):
     """The model, step or key asked about is not in the index (``what`` names it)."""
+
+
+class CheckpointNotFoundError(UnknownError, FileNotFoundError):
+    """A framework's checkpoint path (a Lightning ``.ckpt``, a Trainer ``checkpoint-N`` directory) holds no
+    checkpoint tierstore saved: never saved, removed, or its step is gone from the store. ``path`` names it."""
 
 
 class ObjectNotFoundError(UnknownError, KeyError):

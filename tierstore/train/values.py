@@ -257,6 +257,17 @@ def _sub(like: Any, key: Any) -> Any:
     return _NONE
 
 
+def _peer(like: Any, enc: Any) -> Any:
+    """For a dict key or a set element: a member of the template (its keys, its elements) of the class an
+    encoded enum or dataclass names, so such keys and elements decode to their class too."""
+    if not isinstance(like, (Mapping, set, frozenset)) or not isinstance(enc, dict) or len(enc) != 1:
+        return _NONE
+    (tag, arg), = enc.items()
+    if tag not in ("__enum__", "__dataclass__") or not isinstance(arg, dict):
+        return _NONE
+    return next((k for k in like if type_name(type(k)) == arg.get("type")), _NONE)
+
+
 def _item(like: Any, i: int) -> Any:
     return like[i] if isinstance(like, (list, tuple)) and i < len(like) else _NONE
 
@@ -290,11 +301,11 @@ def _dec_tag(tag: str, arg: Any, tensors: Mapping[str, torch.Tensor], where: str
         if tag == "__kv__":
             out = {}
             for k, x in arg:
-                key = _hashable(_dec(k, tensors, where, _NONE))
+                key = _hashable(_dec(k, tensors, where, _peer(like, k)))
                 out[key] = _dec(x, tensors, f"{where}[{key!r}]", _sub(like, key))
             return out
         if tag in ("__set__", "__frozenset__"):
-            items = (_hashable(_dec(x, tensors, where, _NONE)) for x in arg)
+            items = (_hashable(_dec(x, tensors, where, _peer(like, x))) for x in arg)
             return frozenset(items) if tag == "__frozenset__" else set(items)
         if tag == "__bytes__":
             return base64.b64decode(arg.encode("ascii"), validate=True)

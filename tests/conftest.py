@@ -25,6 +25,11 @@ SLOW = (
     "tests/test_replay.py::test_two_ranks_kill_restart_replay_is_bitwise",
     "tests/test_bench_quick.py",
     "tests/test_faults_matrix.py::test_kill_at_point",
+    # two launches of two Lightning ranks (SIGKILL, resume, reference, FSDP2); the resume itself is covered on one
+    # process by test_lightning.py, the rank-0-only save without a collective by test_values.py
+    "tests/test_lightning.py::test_ddp_rank0_saves_sigkill_resume_bitwise_and_fsdp2",
+    # two ranks of the HF Trainer, four trainings; the same flow on one process is test_huggingface.py's other case
+    "tests/test_huggingface.py::test_trainer_resumes_bitwise_on_two_processes",
 )
 
 

@@ -54,8 +54,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from tierstore.errors import CheckpointNotFoundError, CommitError, MissingDependencyError, UnknownError
+from tierstore.errors import (
+    CheckpointNotFoundError,
+    CommitError,
+    ConfigError,
+    MissingDependencyError,
+    UnknownError,
+)
 from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, write_pointer
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import validate_name
@@ -201,6 +208,11 @@ class TierStoreCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError(f"storage_options is not supported by {type(self).__name__}")
+        rank = self._global_rank()
+        if rank != 0:
+            raise ConfigError(f"{type(self).__name__}.save_checkpoint called on rank {rank}: it saves the checkpoint "
+                              "of global rank 0, as Lightning's own strategies call it (this strategy saves on every "
+                              "rank: use its own checkpoint format)", field="strategy")
         full = os.path.abspath(os.fspath(path))
         model = model_name(self.name, full)
         state, how = self._state(checkpoint)
@@ -217,6 +229,11 @@ class TierStoreCheckpointIO(CheckpointIO):
             from consistency.gc import Retention  # lazy: only re-saves collect
 
             self.store.gc(model, Retention(keep_last=1), dry_run=False)
+
+    def _global_rank(self) -> int:
+        if self._trainer is not None:
+            return int(self._trainer.global_rank)
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     # ---- load -----------------------------------------------------------------------------------
     def _pointer(self, path: Any) -> Pointer | None:

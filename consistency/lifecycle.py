@@ -13,7 +13,10 @@ an index rebuild could resurrect without its objects):
 2. every index key of the model (its hash tag: steps, votes, manifests,
    object records, epoch, incarnations, progress) and its entry in the models list;
 3. every copy in every tier the caller passes whose name is under ``model/``
-   (host, peer, durable objects);
+   (host, peer, durable objects), listed before step 1 and once more after
+   step 2 (a migration in flight may have written a copy or a durable
+   manifest meanwhile; one that finishes later finds no record and removes
+   what it wrote);
 4. last, the durable epoch records (``model/_epoch/``): a new model of the
    same name starts at epoch 1.
 
@@ -138,10 +141,11 @@ def delete_model(steps: StepProtocol, model: str, tiers: Sequence[Backend], *, d
     if known:
         index.drop_model(model)  # 2.
     steps.forget_model(model)
-    for i, tier in enumerate(tiers):  # 3.
+    for i, tier in enumerate(tiers):  # 3., then once more: what an in-flight migration wrote before step 2
         mine = [n for n in names.get(i, []) if not n.startswith(meta)]
         try:
             tier.delete_many(mine)
+            tier.delete_many([n for n in tier.list(prefix) if not n.startswith(epochs)])
         except TierStoreError as e:
             report.left[tier.tier] = f"some copies could not be deleted: {e}"
             log.warning("delete %s: copies left in the %s tier: %s", model, tier.tier, e)

@@ -73,10 +73,15 @@ def test_resume_last_is_bitwise_and_the_policy_applies_to_resaves(store, tmp_pat
     assert all(b.losses[s] == ref.losses[s] for s in b.losses)
     pr, pb = J.params(ref), J.params(b)
     assert all(torch.equal(pr[n], pb[n]) for n in pr)
-    # top-k rotation and re-saves leave exactly one model per checkpoint file, each with one step
+    # top-k rotation leaves exactly one model per checkpoint file; its newest step is the pointer's, and no
+    # durable manifest outlives its step (re-saves collect older steps only once their migration is done)
     files = _pointers(tmp_path)
     assert _lightning_models(store) == sorted(read_pointer(tmp_path / f).model for f in files)
-    assert all(len(store.steps.steps(read_pointer(tmp_path / f).model)) == 1 for f in files)
+    store.flush()
+    for f in files:
+        ptr = read_pointer(tmp_path / f)
+        recorded = [s for s, _ in store.steps.steps(ptr.model)]
+        assert recorded[-1] == ptr.step and set(store.steps.durable_steps(ptr.model)) <= set(recorded)
 
 
 def test_resaving_a_path_overwrites_it_and_a_path_never_saved_is_an_error(store, tmp_path):
@@ -89,7 +94,13 @@ def test_resaving_a_path_overwrites_it_and_a_path_never_saved_is_an_error(store,
         net.head.bias.add_(1.0)
     t.save_checkpoint(path)  # the same global step again: Lightning expects an overwrite
     ptr = read_pointer(path)
-    assert ptr.step == 1 and [s for s, _ in store.steps.steps(ptr.model)] == [1]  # the first save was collected
+    assert ptr.step == 1 and store.steps.state(ptr.model, 1) in ("committed", "durable")
+    store.flush()  # step 0 is durable now: the next re-save collects the older steps, manifests included
+    t.save_checkpoint(path)
+    ptr = read_pointer(path)
+    store.flush()
+    assert ptr.step == 2 and [s for s, _ in store.steps.steps(ptr.model)] == [2]
+    assert store.steps.durable_steps(ptr.model) == [2] and {k.step for k in store.list(ptr.model)} == {2}
     io = t.strategy.checkpoint_io
     got = io.load_checkpoint(path)
     assert torch.equal(got["state_dict"]["head.bias"], net.head.bias) and got["global_step"] == 2

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from tierstore.errors import CheckpointNotFoundError, CommitError, ConfigError, MissingDependencyError
-from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, write_pointer
+from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, retire_older, write_pointer
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import validate_name
 from tierstore.train.checkpointer import Checkpointer, load
@@ -281,10 +281,7 @@ class TierStoreTrainerMixin:
                     "entries": sorted(state)}
             write_pointer(os.path.join(full, POINTER_FILE), Pointer(model, int(step), full, FRAMEWORK,
                                                                    time.time(), info))
-            if int(step) > 0:  # a re-save of the directory: the older step goes now that this one is committed
-                from consistency.gc import Retention  # lazy: only re-saves collect
-
-                self.store.gc(model, Retention(keep_last=1), dry_run=False)
+            retire_older(self.store, model)  # a re-save: the older steps go once they are settled
 
     def _ts_collect_rotated(self, run_dir: str) -> None:
         """Delete the models of ``checkpoint-N`` directories of ``run_dir`` the Trainer's rotation removed."""

@@ -63,7 +63,7 @@ from tierstore.errors import (
     MissingDependencyError,
     UnknownError,
 )
-from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, write_pointer
+from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, retire_older, write_pointer
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import validate_name
 from tierstore.train.checkpointer import Checkpointer
@@ -225,10 +225,7 @@ class TierStoreCheckpointIO(CheckpointIO):
             raise CommitError(f"the checkpoint at {full} (step {step} of {model}) was {outcome}", model=model,
                               step=step)
         write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info))
-        if step > 0:  # a re-save of the path: the older step goes now that this one is committed
-            from consistency.gc import Retention  # lazy: only re-saves collect
-
-            self.store.gc(model, Retention(keep_last=1), dry_run=False)
+        retire_older(self.store, model)  # a re-save: the older steps go once they are settled
 
     def _global_rank(self) -> int:
         if self._trainer is not None:

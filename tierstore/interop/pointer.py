@@ -41,7 +41,7 @@ from tierstore.errors import CorruptObjectError
 from tierstore.keys import MAX_NAME_LEN, validate_name
 
 __all__ = ["MAX_POINTER_BYTES", "POINTER_VERSION", "Pointer", "model_name", "next_step", "read_pointer",
-           "write_pointer"]
+           "retire_older", "write_pointer"]
 
 POINTER_VERSION = 1
 MAX_POINTER_BYTES = 1 << 20
@@ -90,6 +90,27 @@ def next_step(store: Any, model: str) -> int:
     """The step number the next save of ``model`` takes: one past every step the index records (0 first)."""
     recorded = [s for s, _ in store.steps.steps(model)]
     return max(recorded) + 1 if recorded else 0
+
+
+def retire_older(store: Any, model: str) -> bool:
+    """After a re-save of a path committed, collect the model's older steps (``gc`` keeping the newest).
+
+    Only once every older step is decided for good (durable, aborted, or committed and recorded memory-only):
+    a committed step whose migration is still running could write its durable manifest after garbage
+    collection removed its objects. Otherwise nothing is done now and the next re-save tries again. Returns
+    whether it collected.
+    """
+    recs = store.steps.records(model)
+    if len(recs) < 2:
+        return False
+    migrating = getattr(store, "durable", None) is not None and store.config.migrate
+    for r in recs[:-1]:
+        if r.state == "preparing" or (r.state == "committed" and migrating and not r.memory_only):
+            return False
+    from consistency.gc import Retention  # lazy: only re-saves collect
+
+    store.gc(model, Retention(keep_last=1), dry_run=False)
+    return True
 
 
 def write_pointer(path: str | os.PathLike[str], pointer: Pointer) -> None:

@@ -206,11 +206,11 @@ def test_an_accelerate_prepared_dataloader_is_a_typed_error_naming_it(store):
 
 _RANK_LOCAL = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    import tierstore
-    from tierstore.train.checkpointer import Checkpointer, load
     rank, port, home = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     if rank == 0:  # Lightning's rank-0-only save_checkpoint: rank 1 never constructs a Checkpointer
+        import tierstore
+        from tierstore.train.checkpointer import Checkpointer, load
         store = tierstore.open(home)
         m = torch.nn.Linear(4, 4)
         ck = Checkpointer(store, "rank0", m, rank=0, world_size=1, timeout=30)

@@ -147,11 +147,11 @@ def _ddp(home: str, ckpt_dir: str, mode: str, kill: int, steps: int) -> dict[str
     rank = int(os.environ["RANK"])
     out: dict[str, Any] = {}
     if mode == "first":  # saves every 2 steps, killed at the start of step ``kill``
-        cb = TierStoreCheckpoint(store, dirpath=ckpt_dir, every_n_train_steps=2, save_last=True, save_top_k=2,
+        cb = TierStoreCheckpoint(store=store, dirpath=ckpt_dir, every_n_train_steps=2, save_last=True, save_top_k=2,
                                  monitor="train_loss", policy=differential(base_every=3))
         trainer([cb, KillAt(kill)], steps, devices=2, strategy="ddp").fit(Net(), data(rank, 2))
         raise AssertionError("not killed")
-    cb = TierStoreCheckpoint(store, dirpath=ckpt_dir, every_n_train_steps=2, save_last=True, save_top_k=2,
+    cb = TierStoreCheckpoint(store=store, dirpath=ckpt_dir, every_n_train_steps=2, save_last=True, save_top_k=2,
                              monitor="train_loss", policy=differential(base_every=3))
     net = Net()
     t = trainer([cb], steps, devices=2, strategy="ddp")
@@ -173,11 +173,11 @@ def _fsdp2(store: Any, ckpt_dir: str, rank: int) -> dict[str, Any]:
     from tierstore.interop.pointer import read_pointer
 
     a = Sharded()
-    cb = TierStoreCheckpoint(store, name="fsdp2", dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)
+    cb = TierStoreCheckpoint(store=store, name="fsdp2", dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)
     trainer([cb], 6, devices=2, strategy=_fsdp2_strategy()).fit(a, data(rank, 2))
     b = Sharded()
     mid = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt")
-    cb = TierStoreCheckpoint(store, name="fsdp2", dirpath=ckpt_dir + "-b", every_n_train_steps=3)
+    cb = TierStoreCheckpoint(store=store, name="fsdp2", dirpath=ckpt_dir + "-b", every_n_train_steps=3)
     trainer([cb], 6, devices=2, strategy=_fsdp2_strategy()).fit(b, data(rank, 2), ckpt_path=mid)
     pa, pb = params(a), params(b)
     full = {n: tuple(p.shape) for n, p in a.named_parameters()}

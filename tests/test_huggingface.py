@@ -59,6 +59,15 @@ def test_trainer_resumes_bitwise_in_the_first_and_a_later_epoch_one_process(stor
     store.delete_model(ptr["model"], force=True)  # the directory outlives its model: a typed error, not a fresh run
     with pytest.raises(CheckpointNotFoundError, match="not in this store"):
         t.train(resume_from_checkpoint=str(tmp_path / "A" / "checkpoint-12"))
+    only = TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "G"), max_steps=4, save_only_model=True),
+                            train_dataset=H.Windows(), store=store)
+    only.train()  # save_only_model: the weights and the TrainerState, no optimizer, scheduler or RNG
+    ptr = json.loads((tmp_path / "G" / "checkpoint-4" / "tierstore.json").read_text())
+    assert ptr["info"]["entries"] == ["model", "trainer_state"]
+    again = TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "G"), max_steps=6, save_only_model=True),
+                             train_dataset=H.Windows(), store=store)
+    again.train(resume_from_checkpoint=True)  # resumes the weights and the position, as the Trainer's own files do
+    assert again.state.global_step == 6 and H.params(again.model) != H.params(H.model())
     with pytest.raises(ConfigError, match="load_best_model_at_end"):
         TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "F"), load_best_model_at_end=True,
                                                        eval_strategy="steps", eval_steps=4),

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cb(store, d, **kw):
     kw.setdefault("every_n_train_steps", 2)
-    return TierStoreCheckpoint(store, dirpath=str(d), **kw)
+    return TierStoreCheckpoint(store=store, dirpath=str(d), **kw)
 
 
 def _lightning_models(store, prefix="lightning."):

@@ -191,8 +191,13 @@ class TierStoreTrainerMixin:
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        if not self._ts_load(checkpoint, {"rng": RNGState()}, ["rng"]):
+        ptr = _pointer(checkpoint)
+        if ptr is None:
             super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        elif "rng" in (ptr.info.get("entries") or []):
+            self._ts_load(checkpoint, {"rng": RNGState()}, ["rng"])
+        else:  # save_only_model: as the Trainer does without its RNG file
+            log.info("%s holds no RNG state (save_only_model): reproducibility is not guaranteed", checkpoint)
 
     # ---- save -------------------------------------------------------------------------------------
     def _ts_state(self, *, saving: bool) -> tuple[dict[str, Any], list[str]]:

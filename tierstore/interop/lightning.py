@@ -3,8 +3,8 @@
 Minimal adoption (the lines a training script adds)::
 
     from tierstore.interop.lightning import TierStoreCheckpoint
-    trainer = L.Trainer(..., callbacks=[TierStoreCheckpoint(store, dirpath="ckpts", every_n_train_steps=100,
-                                                            save_last=True, save_top_k=3, monitor="val_loss")])
+    trainer = L.Trainer(..., callbacks=[TierStoreCheckpoint(dirpath="ckpts", every_n_train_steps=100, save_last=True,
+                                                            save_top_k=3, monitor="val_loss")])
     trainer.fit(model, data, ckpt_path="last")
 
 Three pieces, each at the extension point Lightning offers:
@@ -334,14 +334,14 @@ class TierStoreCheckpoint(ModelCheckpoint):
     pointers as it finds Lightning's files.
 
     Args:
-        store, name, policy, timeout: see :class:`TierStoreCheckpointIO`.
-        **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
+        *args, **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ...).
+        store, name, policy, timeout: keyword-only; see :class:`TierStoreCheckpointIO`.
     """
 
-    def __init__(self, store: Any = None, *, name: str = "lightning", policy: Policy | None = None,
+    def __init__(self, *args: Any, store: Any = None, name: str = "lightning", policy: Policy | None = None,
                  timeout: float = 120.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(*args, **kwargs)  # ModelCheckpoint's own arguments, positional ones included
         self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

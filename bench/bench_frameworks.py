@@ -29,6 +29,7 @@ import torch
 
 import tierstore
 from tierstore.embedded import stop_server
+from tierstore.home import host_dir
 
 
 def _fmt(xs: list[float]) -> str:
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         store.close()
         stop_server(home)
+        shutil.rmtree(host_dir(home), ignore_errors=True)  # the host tier's shared memory of this home
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

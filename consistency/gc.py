@@ -304,7 +304,8 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     step whose objects are going); the memory copies of what only the durable tier keeps (``release``,
     only where the index records a durable copy); the objects no kept step reaches (``delete``: from
     every tier and the index, while the record still names the copy); then the records of the retired
-    and collected steps (an aborted step keeps its ``state``, so a late vote cannot re-open it).
+    and collected steps (an aborted step keeps its ``state``, so a late vote cannot re-open it); then
+    the retired steps' durable manifests once more (one a migration wrote meanwhile).
     Before all that, the copies of superseded steps older than the newest durable step of the live
     line (:mod:`consistency.retired`; those ``retired_ok`` accepts) go: ``drop(name)`` from every tier.
     """
@@ -340,6 +341,9 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
             delete(key, rec.name if rec is not None else str(key))
     if not dry_run:
         steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True)
+        # a migration that finished meanwhile may have written a durable manifest before the records went
+        # (once they are gone, its own mark fails and it deletes what it wrote): delete it again
+        steps.delete_durable_manifests(model, plan.retired)
     return report
 
 

@@ -145,3 +145,25 @@ class Index(RetiredIndex):
             self._r.sadd(MODELS, model)
             return int(self.run_script(self._raise_epoch, [self._k(model, "epoch")], [int(at_least)],
                                        what=f"raise the epoch of {model}"))
+
+    # -- a model's whole record (consistency.lifecycle) ------------------------------------
+    def model_keys(self, model: str) -> list[str]:
+        """Every index key of ``model`` (its hash tag), for :func:`consistency.lifecycle.delete_model`."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"list the keys of model {model}", self.url):
+            return sorted(_s(k) for k in self._r.scan_iter(match=f"{self._k(model)}:*", count=1000))
+
+    def drop_model(self, model: str) -> int:
+        """Delete every index key of ``model`` and its entry in the models list; return the keys deleted.
+
+        Only :func:`consistency.lifecycle.delete_model` calls this (after the durable manifests went).
+        """
+        keys = self.model_keys(model)
+        with translate_redis_errors(f"delete model {model} from the index", self.url):
+            pipe = self._r.pipeline(transaction=False)
+            for k in keys:
+                pipe.delete(k)  # one key per DEL: a cluster pipeline refuses multi-key DEL
+            pipe.execute()
+            self._r.srem(MODELS, model)
+        self._listed.discard(model)  # a new model of the same name is listed again by its first record
+        return len(keys)

@@ -80,6 +80,14 @@ class StepBase:
             self.index.register_model(model)
             self._known_models.add(model)
 
+    def forget_model(self, model: str) -> None:
+        """Forget what this instance cached of ``model`` (it was deleted: a new model of the name starts afresh)."""
+        self._known_models.discard(model)
+        with self._listeners_lock:
+            got = self._listeners.pop(model, None)
+        if got is not None:
+            got.close()
+
     def _now(self) -> float:
         return -1.0 if self.clock is None else float(self.clock())
 

@@ -27,6 +27,11 @@ SLOW = (
     "tests/test_faults_matrix.py::test_kill_at_point",
     # two 2-rank jobs in turn; the fast cases are test_attempts.py and test_dcp_writers.py's own
     "tests/test_dcp_writers.py::test_restarted_job_saves_a_step_whose_attempt_timed_out",
+    # two launches of two Lightning ranks (SIGKILL, resume, reference, FSDP2); the resume itself is covered on one
+    # process by test_lightning.py, the rank-0-only save without a collective by test_values.py
+    "tests/test_lightning.py::test_ddp_rank0_saves_sigkill_resume_bitwise_and_fsdp2",
+    # two ranks of the HF Trainer, four trainings; the same flow on one process is test_huggingface.py's other case
+    "tests/test_huggingface.py::test_trainer_resumes_bitwise_on_two_processes",
 )
 
 

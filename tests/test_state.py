@@ -46,16 +46,19 @@ def test_tensors_leave_the_json_and_come_back():
     assert type(got["np_scalar"]) is np.float32 and got["np_scalar"] == np.float32(0.5)
 
 
-@pytest.mark.parametrize("bad, where", [
-    ({"fn": lambda x: x}, "sched.fn"),
-    ({"xs": [1, {2}]}, "sched.xs[1]"),
-    ({"obj": object()}, "sched.obj"),
-    ({"nt": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])}, "sched.nt"),
+@pytest.mark.parametrize("bad, where, fix", [
+    ({"fn": lambda x: x}, "sched.fn", "code is not state"),
+    ({"xs": [1, {2: (i for i in ())}]}, "sched.xs[1][2]", "state_dict()"),
+    ({"obj": object()}, "sched.obj", "state_dict()"),
+    ({"nt": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])}, "sched.nt", "dense"),
+    ({"loss_fn": nn.MSELoss()}, "sched.loss_fn", "save_hyperparameters(ignore=['loss_fn'])"),
+    ({"cls": nn.Linear}, "sched.cls", "its name"),
+    ({"loader": torch.utils.data.DataLoader(range(4))}, "sched.loader", "StatefulDataLoader"),
 ])
-def test_unstorable_value_is_a_typed_error_naming_it(bad, where):
+def test_unstorable_value_is_a_typed_error_naming_it_and_the_fix(bad, where, fix):
     with pytest.raises(InvalidValueError) as ei:
         encode(bad, {}, "p/", "sched")
-    assert ei.value.key == where and where in str(ei.value)
+    assert ei.value.key == where and where in str(ei.value) and fix in str(ei.value)
 
 
 def test_cycle_is_refused():

@@ -50,6 +50,11 @@ class ChainDepths:
             self._remember(k, below + 1 + i)
         return below + len(walked) if walked else below
 
+    def forget(self, model: str) -> None:
+        """Drop what is known of ``model``'s objects (the model was deleted)."""
+        for k in [k for k in list(self._depths) if k.model == model]:
+            self._depths.pop(k, None)
+
     def published(self, key: ShardKey, link: ShardKey | None) -> None:
         """Record a new object of ``key``: full (``link`` None), or one link past ``link``."""
         if link is None:

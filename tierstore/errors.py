@@ -16,6 +16,7 @@ __all__ = [
     "AccessDeniedError",
     "AuthenticationError",
     "CheckpointFailedError",
+    "CheckpointNotFoundError",
     "CommitError",
     "ConfigError",
     "CorruptObjectError",
@@ -27,6 +28,7 @@ __all__ = [
     "ManifestError",
     "MigrationError",
     "MissingDependencyError",
+    "ModelInUseError",
     "NoValidCopyError",
     "ObjectNotFoundError",
     "ProtocolError",
@@ -181,11 +183,23 @@ class UnknownError(TierStoreError, LookupError):
     """The model, step or key asked about is not in the index (``what`` names it)."""
 
 
+class CheckpointNotFoundError(UnknownError, FileNotFoundError):
+    """A framework's checkpoint path (a Lightning ``.ckpt``, a Trainer ``checkpoint-N`` directory) holds no
+    checkpoint tierstore saved: never saved, removed, or its step is gone from the store. ``path`` names it."""
+
+
 class ObjectNotFoundError(UnknownError, KeyError):
     """``store[key]`` found no object under ``key`` (``key`` names it); ``store.get(key)`` returns ``None`` instead."""
 
     def __str__(self) -> str:  # KeyError would print the message quoted, as a repr
         return str(self.args[0]) if self.args else ""
+
+
+class ModelInUseError(TierStoreError):
+    """A model cannot be deleted: a writer of it looks live (``reason`` says why); ``model`` names it.
+
+    Stop the job first, or force the delete (``tierstore admin delete MODEL --yes --force``).
+    """
 
 
 class CheckpointFailedError(TierStoreError):

@@ -15,13 +15,15 @@ Usage::
     watch MODEL                 live commits (pub/sub on ts:{MODEL}:events); --count N, --timeout S
     gc MODEL                    dry run unless --yes; --keep-last K --keep-durable-every M
     rebuild-index [MODEL] --yes rebuild the index from the durable tier (every model without MODEL)
+    delete MODEL                dry run unless --yes: the model's steps, copies per tier, durable manifests
+                                and epoch records; refused while a writer looks live unless --force
 
 Connection (all optional; the default is the embedded store of ``--home``,
 ``$TIERSTORE_HOME`` or ``./.tierstore``): ``--redis URL``, ``--s3
 s3://bucket/prefix`` (or ``--durable file://dir``), ``--s3-endpoint URL``,
 ``--host-root DIR`` (the host tier to read for ``where``/``verify``).
 
-Everything is read-only except ``gc --yes`` and ``rebuild-index --yes``.
+Everything is read-only except ``gc --yes``, ``rebuild-index --yes`` and ``delete --yes``.
 The store is opened with migration off, so the admin never moves data, and
 with ``create=False``, so it never creates state: a home without an index
 is an error ("no tierstore home at ...", exit 1), a missing host tier reads
@@ -56,9 +58,10 @@ from rich.table import Table
 
 import tierstore
 from consistency.gc import Retention
+from consistency.lifecycle import IDLE_S
 from tierstore.cli import views as V
 from tierstore.cli.common import HelpFormatter
-from tierstore.errors import TierStoreError, UnknownError
+from tierstore.errors import ModelInUseError, TierStoreError, UnknownError
 from tierstore.keys import ShardKey
 
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY", "build_parser", "main"]
@@ -122,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("rebuild-index", "rebuild the index from the durable tier (needs --yes)")
     s.add_argument("model", nargs="?", help="the model to rebuild (default: every model in the durable tier)")
     s.add_argument("--yes", action="store_true", help="really rewrite the index (default: refuse)")
+    s = add("delete", "delete a model from the index and every tier (dry run unless --yes)")
+    s.add_argument("model")
+    s.add_argument("--yes", action="store_true", help="really delete (default: a dry run that deletes nothing)")
+    s.add_argument("--force", action="store_true",
+                   help="delete even while a writer looks live (default: refuse)")
+    s.add_argument("--idle", type=float, default=IDLE_S,
+                   help="seconds since the newest step during which a writer counts as live")
     return p
 
 
@@ -419,10 +429,37 @@ def _cmd_rebuild(store, a) -> int:
     return EXIT_OK
 
 
+def _cmd_delete(store, a) -> int:
+    if a.idle < 0:
+        print("tierstore admin delete: --idle must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        data = store.delete_model(a.model, force=a.force, dry_run=not a.yes, idle_s=a.idle).to_json()
+    except ModelInUseError as e:
+        print(f"tierstore admin delete: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+    def render(c, d):
+        verb = "would delete" if d["dry_run"] else "deleted"
+        copies = ", ".join(f"{t} {n}" for t, n in d["copies"].items()) or "none"
+        c.print(f"delete {a.model}: {verb} {len(d['steps'])} step(s) {d['steps'] or ''}, {d['index_keys']} index "
+                f"key(s), copies: {copies}, {len(d['durable_manifests'])} durable manifest(s), "
+                f"{d['epoch_records']} epoch record(s)")
+        for t, why in d["left"].items():
+            c.print(f"  [red]{t}[/]: {escape(why)}")
+        if d["live"]:
+            c.print(f"[yellow]a writer looks live: {escape(d['live'])}[/]" +
+                    (" (--yes alone is refused; add --force)" if d["dry_run"] else " (forced)"))
+        if d["dry_run"]:
+            c.print("dry run: nothing was deleted; add --yes to act")
+    _emit(a, data, render)
+    return EXIT_OK
+
+
 _COMMANDS = {
     "models": _cmd_models, "steps": _cmd_steps, "show": _cmd_show, "layers": _cmd_layers, "where": _cmd_where,
     "nodes": _cmd_nodes, "du": _cmd_du, "verify": _cmd_verify, "watch": _cmd_watch, "gc": _cmd_gc,
-    "rebuild-index": _cmd_rebuild,
+    "rebuild-index": _cmd_rebuild, "delete": _cmd_delete,
 }
 
 

@@ -41,6 +41,8 @@ from backends.base import Backend
 from backends.host import HostBackend
 from consistency.gc import GCReport, Retention, collect
 from consistency.index import KINDS, Index, ObjectRecord
+from consistency.lifecycle import IDLE_S, ModelDeleteReport
+from consistency.lifecycle import delete_model as _delete_model
 from consistency.manifest import complete_entries
 from consistency.rebuild import RebuildReport, rebuild_index
 from consistency.twophase import StepProtocol
@@ -185,6 +187,26 @@ class TierStore(WritePath, ReadPath):
 
     def models(self) -> builtins.list[str]:
         return self.index.models()
+
+    def delete_model(self, model: str, *, force: bool = False, dry_run: bool = False,
+                     idle_s: float = IDLE_S) -> ModelDeleteReport:
+        """Delete ``model`` everywhere: its index records, every copy in every tier, its durable manifests
+        and durable epoch records; see :mod:`consistency.lifecycle` (the order, and what counts as a live writer).
+
+        Args:
+            force: delete even while a writer of the model looks live.
+            dry_run: only report what would go.
+            idle_s: seconds since the model's newest step during which its writer counts as live.
+
+        Raises:
+            UnknownError: nothing of ``model`` is in the index or in any tier.
+            ModelInUseError: a writer looks live (nothing deleted); pass ``force=True`` to delete anyway.
+        """
+        self._check_open()
+        report = _delete_model(self.steps, model, self.tiers, dry_run=dry_run, force=force, idle_s=idle_s)
+        if not dry_run:
+            self.chains.forget(model)
+        return report
 
     # -- steps (two-phase commit), delegated -------------------------------------
     def open_epoch(self, model: str) -> int:

@@ -667,7 +667,8 @@ def load(store: Any, model_name: str, state: MutableMapping[str, Any], step: int
     (``{"model": model}`` for the weights). Give the ``policy`` the job saved
     with when it was ``layerwise`` (its staleness bound) or ``replay``. With
     ``torch.distributed`` up and several ranks it is collective, as the
-    Checkpointer's constructor is (pass ``group=`` to choose the ranks).
+    Checkpointer's constructor is (pass ``group=`` to choose the ranks), unless
+    ``world_size=1``: rank-local, no collective (``rank=r`` reads rank ``r``'s part).
     """
     ck = Checkpointer(store, model_name, state=state, policy=policy, preallocate=False, keep_last=None, **kwargs)
     try:

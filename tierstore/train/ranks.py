@@ -8,7 +8,9 @@ One :class:`Ranks` per Checkpointer holds:
 * **the group** for the Checkpointer's own collectives: with
   ``torch.distributed`` up and more than one rank, ``group`` or a gloo group
   made by ``dist.new_group`` in the constructor (itself a collective: every
-  rank constructs its Checkpointer);
+  rank constructs its Checkpointer). ``world_size=1`` is **rank-local**: no
+  group, no collective, whatever ``torch.distributed`` says, so one rank can
+  save alone (Lightning's rank-0-only ``save_checkpoint``, ``is_global_zero``);
 * **the incarnation**: a token and the model's epoch as seen at construction
   (``base``), agreed by a broadcast from rank 0 at construction. Writers
   :meth:`join` the incarnation's epoch (``StepProtocol.join_epoch``): the
@@ -75,7 +77,7 @@ class Ranks:
         self.rank = rank if rank is not None else (dist.get_rank() if dist_on else env_rank)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else env_world)
         self.group = None
-        if dist_on and dist.get_world_size() > 1:
+        if dist_on and dist.get_world_size() > 1 and self.world_size > 1:  # world_size 1: rank-local, no collective
             self.group = group if group is not None else dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=max(timeout, 30.0)))
         self.token: str | None

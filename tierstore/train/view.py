@@ -96,6 +96,37 @@ class Collected:
         return {}
 
 
+def _none_entry(key: str) -> InvalidValueError:
+    return InvalidValueError(
+        f"state entry {key!r} is None: the Checkpointer saves the objects it holds (re-read at every save), so an "
+        "entry must hold its module, optimizer or Stateful when the Checkpointer is built and at every save. Build "
+        "the Checkpointer once the object exists (the Hugging Face Trainer makes its optimizer and scheduler inside "
+        "train(): use tierstore.interop.huggingface), or leave the entry out", key=key)
+
+
+def _state_dict_of(key: str, v: Any) -> Any:
+    """``v.state_dict()``, or a typed error naming the entry when it raises (an object that only looks Stateful)."""
+    try:
+        return v.state_dict()
+    except Exception as e:  # any failure of a foreign state_dict() is reported, typed, with its cause
+        fix = ""
+        if isinstance(v, torch.utils.data.DataLoader):
+            fix = (": a DataLoader is checkpointed through torchdata's StatefulDataLoader (Accelerate: "
+                   "Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)))")
+        raise InvalidValueError(f"state entry {key!r}: {type(v).__qualname__}.state_dict() raised {e!r}{fix}",
+                                key=key) from e
+
+
+def _template(target: Any) -> Any:
+    """What a restore of ``target`` decodes against (see :func:`~tierstore.train.values.decode`'s ``like``)."""
+    if not is_stateful(target):
+        return target
+    try:
+        return target.state_dict()
+    except Exception:  # noqa: BLE001 - no template: enums and dataclasses decode to plain values
+        return None
+
+
 def _check_tensor(key: str, name: str, t: torch.Tensor) -> None:
     if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
         raise InvalidValueError(f"state {key!r}: tensor {name!r} is not dense and strided", key=key, tensor=name)
@@ -190,8 +221,11 @@ class StateView:
                 continue
             if isinstance(v, nn.Module | torch.optim.Optimizer):
                 continue  # an optimizer over no module was refused by maps()
+            if v is None:
+                raise _none_entry(key)
             if is_stateful(v):
-                entries[key] = {"kind": "stateful", "value": encode(v.state_dict(), loose, f"state/{key}/", key)}
+                entries[key] = {"kind": "stateful", "value": encode(_state_dict_of(key, v), loose,
+                                                                    f"state/{key}/", key)}
             else:
                 entries[key] = {"kind": "value", "value": encode(v, loose, f"state/{key}/", key)}
         user = encode(extra, loose, "extra/", "extra")
@@ -289,7 +323,7 @@ class StateView:
                 if stored.get("kind") not in ("stateful", "value"):
                     raise RestoreMismatchError(f"state entry {k!r} is a {stored.get('kind')} in the checkpoint",
                                                layer=None, tensor=k)
-                plan["rest"].append((k, decode(stored.get("value"), loose, k)))
+                plan["rest"].append((k, decode(stored.get("value"), loose, k, like=_template(v))))
             plan["user"] = decode(doc.get("user"), loose, "extra")
         return plan
 

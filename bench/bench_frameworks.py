@@ -1,0 +1,188 @@
+"""One checkpoint save through each framework integration against the framework's own default, same model, same run.
+
+Lightning: a LightningModule of ``--blocks`` Linear(``--width``) blocks with AdamW state. Each round trains
+one step, then saves the same state with each system, alternating: Lightning's default ``TorchCheckpointIO``
+(``torch.save`` to a local directory), ``TierStoreCheckpointIO`` bound to the trainer (the module's layers,
+``exact``), the same unbound (Lightning's dict as it is), and ``TierStoreCheckpoint``'s re-save of one path
+under ``differential`` (the ``last.ckpt`` pattern). Hugging Face: a GPT-2 of ``--hf-layers`` x ``--hf-width``
+with AdamW; each round trains one step, then one ``_save_checkpoint`` of the Trainer's own flow (weights as
+safetensors, optimizer.pt, scheduler.pt, rng_state.pth) and one of ``TierStoreTrainer``'s, on the same trainer.
+
+Reported: the median (min-max) seconds until ``save`` returns (tierstore: committed in host memory; the
+framework: the files written, page cache) and, for tierstore, until the step is also durable in the store's
+local durable directory (``store.flush()``), with ratios to the framework's default.
+
+    python -m bench.bench_frameworks [--repeats 5] [--blocks 16] [--width 1024] [--hf-layers 8] [--hf-width 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+import tierstore
+from tierstore.embedded import stop_server
+from tierstore.home import host_dir
+
+
+def _fmt(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:8.1f} ms ({min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})"
+
+
+def _table(title: str, rows: dict[str, list[float]], base: str, state_bytes: int) -> None:
+    print(f"\n## {title}: state {state_bytes / 2**20:.0f} MiB (params + AdamW)\n")
+    print("| system | seconds to return (median, min-max) | ratio to the framework's default |")
+    print("| --- | --- | --- |")
+    ref = statistics.median(rows[base])
+    for name, xs in rows.items():
+        print(f"| {name} | {_fmt(xs)} | {statistics.median(xs) / ref:.2f}x |")
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def lightning(store: Any, work: str, repeats: int, blocks: int, width: int) -> None:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from tierstore.interop.lightning import TierStoreCheckpointIO
+    from tierstore.train.policies import differential
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(width, width) for _ in range(blocks)])
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x = batch[0]
+            for b in self.blocks:
+                x = torch.tanh(b(x))
+            return x.square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    net = Net()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8 * (repeats + 1), width)),
+                                       batch_size=8)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(net, data)
+    opt = trainer.optimizers[0]
+    systems: dict[str, Any] = {"Lightning TorchCheckpointIO (torch.save, local disk)": TorchCheckpointIO()}
+    bound = TierStoreCheckpointIO(store, name="bench-lit")
+    bound.bind(trainer)
+    systems["tierstore, bound (module layers, exact)"] = bound
+    systems["tierstore, plain dict"] = TierStoreCheckpointIO(store, name="bench-lit-dict")
+    diff = TierStoreCheckpointIO(store, name="bench-lit-diff", policy=differential(base_every=4))
+    diff.bind(trainer)
+    systems["tierstore, bound, differential re-save of last.ckpt"] = diff
+    times: dict[str, list[float]] = {n: [] for n in systems}
+    durable: dict[str, list[float]] = {n: [] for n in systems if "tierstore" in n}
+    batches = iter(data)
+    for r in range(repeats):
+        x = next(batches)[0]  # one training step between rounds: every system saves the same, changed state
+        loss = net.training_step((x,), 0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for name, io in systems.items():
+            trainer.strategy.checkpoint_io = io
+            path = os.path.join(work, "lit", f"{name[:12].replace(' ', '_')}-{r}.ckpt" if "last" not in name
+                                else "last.ckpt")
+            times[name].append(_timed(lambda p=path: trainer.save_checkpoint(p)))
+            if name in durable:
+                durable[name].append(times[name][-1] + _timed(store.flush))
+            if "last" not in name:  # untimed: one round's copies at a time in memory and on disk
+                io.remove_checkpoint(path)
+    nbytes = sum(p.numel() * 4 * 3 for p in net.parameters())
+    _table("Lightning: trainer.save_checkpoint(path)", times, next(iter(systems)), nbytes)
+    print("\nuntil durable in the store's local durable directory (save + store.flush()):\n")
+    ref = statistics.median(times[next(iter(systems))])
+    for name, xs in durable.items():
+        print(f"- {name}: {_fmt(xs)}, {statistics.median(xs) / ref:.2f}x")
+    for io in systems.values():
+        io.teardown()
+
+
+def huggingface(store: Any, work: str, repeats: int, layers: int, width: int) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from tierstore.interop.huggingface import TierStoreTrainer
+    from tierstore.interop.pointer import read_pointer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=width, n_layer=layers, n_head=8,
+                                       bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 1024, (8 * (repeats + 2), 64))
+    ds = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(output_dir=os.path.join(work, "hf"), max_steps=1, per_device_train_batch_size=8,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=100)
+    t = TierStoreTrainer(model=model, args=args, train_dataset=ds, store=store, store_name="bench-hf")
+    t.train()
+    times: dict[str, list[float]] = {"HF Trainer's own _save_checkpoint (safetensors + torch.save, local disk)": [],
+                                     "TierStoreTrainer._save_checkpoint": []}
+    durable: list[float] = []
+    batch = {"input_ids": ids[:8], "labels": ids[:8]}
+    for r in range(repeats):
+        out = t.model(**batch)  # one training step between rounds
+        out.loss.backward()
+        t.optimizer.step()
+        t.lr_scheduler.step()
+        t.optimizer.zero_grad()
+        t.state.global_step = 1 + r
+        t.args.output_dir = os.path.join(work, "hf", "own")
+        times["HF Trainer's own _save_checkpoint (safetensors + torch.save, local disk)"].append(
+            _timed(lambda: Trainer._save_checkpoint(t, t.model, None)))
+        t.args.output_dir = os.path.join(work, "hf", "tierstore")
+        times["TierStoreTrainer._save_checkpoint"].append(_timed(lambda: t._save_checkpoint(t.model, None)))
+        durable.append(times["TierStoreTrainer._save_checkpoint"][-1] + _timed(store.flush))
+        shutil.rmtree(os.path.join(work, "hf", "own"), ignore_errors=True)  # untimed: one round's copies at a time
+        done = os.path.join(work, "hf", "tierstore", f"checkpoint-{1 + r}")
+        store.delete_model(read_pointer(os.path.join(done, "tierstore.json")).model, force=True)
+        shutil.rmtree(done, ignore_errors=True)
+    nbytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    _table("Hugging Face: Trainer._save_checkpoint", times, next(iter(times)), nbytes)
+    ref = statistics.median(next(iter(times.values())))
+    print(f"\nuntil durable (save + store.flush()): {_fmt(durable)}, {statistics.median(durable) / ref:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--blocks", type=int, default=16)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--hf-layers", type=int, default=8)
+    p.add_argument("--hf-width", type=int, default=512)
+    p.add_argument("--which", default="lightning,hf")
+    a = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="tierstore-bench-frameworks-", dir=os.environ.get("TMPDIR"))
+    home = os.path.join(work, "home")
+    store = tierstore.open(home)
+    try:
+        print(f"# tierstore vs the frameworks' own checkpoints ({a.repeats} rounds, torch {torch.__version__}, "
+              f"{os.cpu_count()} CPUs)")
+        if "lightning" in a.which:
+            lightning(store, work, a.repeats, a.blocks, a.width)
+        if "hf" in a.which:
+            huggingface(store, work, a.repeats, a.hf_layers, a.hf_width)
+    finally:
+        store.close()
+        stop_server(home)
+        shutil.rmtree(host_dir(home), ignore_errors=True)  # the host tier's shared memory of this home
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""The Hugging Face Trainer on tierstore (tierstore.interop.huggingface), with the real transformers, CPU, gloo.
+
+A 2-layer GPT-2 with dropout trains 12 steps saving every 4 (6 steps an epoch per rank); fresh Trainers resume
+through the Trainer's own ``resume_from_checkpoint`` from ``checkpoint-4`` (the first epoch) and from
+``checkpoint-8`` (the second), and must equal the uninterrupted run bit for bit: every per-step log entry
+(loss, grad_norm, learning_rate, epoch: the Trainer restored its data position, epoch and logging counters
+itself) and the final weights. The checkpoint directories hold the pointer and the Trainer's
+``trainer_state.json``, no weight or optimizer files. ``resume_from_checkpoint=True`` with
+``save_total_limit=2`` resumes from the newest complete directory and the rotation leaves exactly the kept
+directories' models in the store. On 1 process (in this one) and on 2 (torch.distributed, gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers (the hf extra)")
+
+from tests import _hf_job as H
+from tierstore.errors import CheckpointNotFoundError, ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(res: dict) -> None:
+    a = res["A"]
+    assert a["dirs"] == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    assert a["files"] == ["tierstore.json", "trainer_state.json"]  # no weights, optimizer, scheduler, RNG files
+    assert sorted(map(int, a["log"])) == list(range(1, 13))
+    for tag, epoch in (("B", 0), ("C", 1)):
+        r = res[tag]
+        assert int(r["epoch_at_start"]) == epoch  # resumed in the first epoch, then in the second
+        assert sorted(map(int, r["log"])) == list(range(1, 13))
+        for step, entry in r["log"].items():
+            assert entry == a["log"][step], (tag, step, entry, a["log"][step])
+        assert r["params"] == a["params"], tag
+    d = res["D"]
+    assert d["dirs"] == ["checkpoint-12", "checkpoint-16"]  # resumed from 12 (the newest), rotated to 2 kept
+    assert sorted(map(int, d["log"])) == list(range(1, 17))
+    assert d["models"] == d["want"] and len(d["models"]) == 2  # no dead model for a rotated directory
+
+
+def test_trainer_resumes_bitwise_in_the_first_and_a_later_epoch_one_process(store, tmp_path, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    _check(json.loads(json.dumps(H.run_all(store, str(tmp_path)))))  # keys as the 2-process run's JSON has them
+    from tierstore.interop.huggingface import TierStoreTrainer
+
+    t = TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "E")), train_dataset=H.Windows(),
+                         store=store)
+    ptr = json.loads((tmp_path / "A" / "checkpoint-12" / "tierstore.json").read_text())
+    store.delete_model(ptr["model"], force=True)  # the directory outlives its model: a typed error, not a fresh run
+    with pytest.raises(CheckpointNotFoundError, match="not in this store"):
+        t.train(resume_from_checkpoint=str(tmp_path / "A" / "checkpoint-12"))
+    only = TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "G"), max_steps=4, save_only_model=True),
+                            train_dataset=H.Windows(), store=store)
+    only.train()  # save_only_model: the weights and the TrainerState, no optimizer, scheduler or RNG
+    ptr = json.loads((tmp_path / "G" / "checkpoint-4" / "tierstore.json").read_text())
+    assert ptr["info"]["entries"] == ["model", "trainer_state"]
+    again = TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "G"), max_steps=6, save_only_model=True),
+                             train_dataset=H.Windows(), store=store)
+    again.train(resume_from_checkpoint=True)  # resumes the weights and the position, as the Trainer's own files do
+    assert again.state.global_step == 6 and H.params(again.model) != H.params(H.model())
+    with pytest.raises(ConfigError, match="load_best_model_at_end"):
+        TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "F"), load_best_model_at_end=True,
+                                                       eval_strategy="steps", eval_steps=4),
+                         train_dataset=H.Windows(), eval_dataset=H.Windows(), store=store)
+
+
+def test_trainer_resumes_bitwise_on_two_processes(tmp_path):
+    from tests.redis_server import free_port
+
+    port, out = free_port(), tmp_path / "out"
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests._hf_job", str(out), str(tmp_path / "home")],
+                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    deadline = time.monotonic() + 400
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait() for p in procs]
+    assert codes == [0, 0], b"\n".join(p.stderr.read()[-3000:] for p in procs).decode(errors="replace")
+    for rank in range(2):  # each rank's own RNG (dropout) and the replicas stored once (dedup)
+        _check(json.loads(Path(f"{out}.{rank}.json").read_text()))

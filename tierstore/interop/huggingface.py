@@ -1,0 +1,309 @@
+"""The Hugging Face ``transformers`` Trainer on tierstore, met at its own save/resume flow.
+
+Minimal adoption (the lines a training script adds)::
+
+    from tierstore.interop.huggingface import TierStoreTrainer
+    trainer = TierStoreTrainer(model=model, args=args, train_dataset=ds, store=store)   # was: Trainer(...)
+    trainer.train(resume_from_checkpoint=True)
+
+(``TierStoreTrainerMixin`` goes in front of another Trainer subclass: ``class T(TierStoreTrainerMixin, SFTTrainer)``.)
+
+Where it hooks in, and why there: the Trainer's own ``_save_checkpoint``
+writes a ``checkpoint-<global step>`` directory (weights, ``optimizer.pt``,
+``scheduler.pt``, ``rng_state_<rank>.pth``, ``trainer_state.json``), and
+``train(resume_from_checkpoint=...)`` restores from one: it reads
+``trainer_state.json`` itself and from it restores the epoch, the data
+position (skipping the batches the interrupted run consumed), the logging
+counters and the callbacks' states, then calls ``_load_from_checkpoint``
+(weights, before ``accelerator.prepare``), ``_load_optimizer_and_scheduler``
+(after the optimizer exists) and ``_load_rng_state`` (at the point of the
+epoch where the interrupted run saved its generators). Those private methods
+are the Trainer's documented-in-code split of its resume flow, the ones
+DeepSpeed, FSDP and SageMaker support override inside the Trainer itself
+and subclasses such as TRL's keep; overriding them leaves every part the
+Trainer restores by itself (``TrainerState``: epoch, data position, logging
+counters) to the Trainer. A callback cannot: the Trainer has chosen its
+data position before any callback runs.
+
+So, per checkpoint directory:
+
+* **save** (``save_model`` as ``_save_checkpoint`` calls it, on every rank):
+  one tierstore step of the directory's model (``<name>.checkpoint-<N>-<digest>``,
+  :mod:`tierstore.interop.pointer`) holding the model, optimizer, scheduler,
+  gradient scaler, this rank's RNG state and the ``TrainerState``, saved by
+  every rank (``dedup()`` by default with several ranks: replicas stored
+  once), committed, then rank 0 writes ``tierstore.json`` (the pointer) in the
+  directory. The weight, optimizer, scheduler, scaler and RNG files are not
+  written; the Trainer then writes ``trainer_state.json`` itself, last. A
+  directory is complete when both files are there.
+* **resume** (``train(resume_from_checkpoint=True)`` or a directory): ``True``
+  picks the newest *complete* ``checkpoint-N`` (HF would pick the newest
+  number, even one a killed save left half-written); each load reads this
+  rank's part of the step read-only (no collective, no epoch taken).
+  Directories the Trainer wrote itself (no pointer) load as the Trainer loads them.
+* **rotation** (``save_total_limit``): after the Trainer deletes old
+  directories, the models of the ``checkpoint-N`` directories that are gone
+  from the run directory that holds the new checkpoint are deleted from
+  the store (the Trainer's ``rmtree`` is the evidence; a run directory that
+  cannot be seen deletes nothing).
+
+Not supported: ``load_best_model_at_end`` (refused at construction),
+DeepSpeed, FSDP and SageMaker model parallelism (they save through their
+own engines; refused at the first save), Accelerate's ``save_state``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tierstore.errors import CheckpointNotFoundError, CommitError, ConfigError, MissingDependencyError
+from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, retire_older, write_pointer
+from tierstore.interop.store_ref import StoreRef
+from tierstore.keys import validate_name
+from tierstore.train.checkpointer import Checkpointer, load
+from tierstore.train.policies import Policy, dedup, exact
+from tierstore.train.state import RNGState
+
+try:
+    from transformers import Trainer
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as e:  # pragma: no cover - the hf extra is in the test extra
+    raise MissingDependencyError("tierstore.interop.huggingface needs transformers: pip install 'tierstore[hf]'") from e
+
+__all__ = ["POINTER_FILE", "TierStoreTrainer", "TierStoreTrainerMixin", "last_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+POINTER_FILE = "tierstore.json"
+TRAINER_STATE = "trainer_state.json"
+FRAMEWORK = "transformers"
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def _pointer(checkpoint_dir: str | os.PathLike[str]) -> Pointer | None:
+    p = os.path.join(os.fspath(checkpoint_dir), POINTER_FILE)
+    return read_pointer(p) if os.path.isfile(p) else None
+
+
+def last_checkpoint(run_dir: str | os.PathLike[str], store: Any | None = None) -> str | None:
+    """The newest complete ``checkpoint-N`` directory of ``run_dir``: its pointer and ``trainer_state.json`` are
+    there, and (given ``store``) the step it names is committed. Directories the Trainer wrote itself (no
+    pointer) count when their ``trainer_state.json`` is there. ``None``: none."""
+    run = os.fspath(run_dir)
+    if not os.path.isdir(run):
+        return None
+    found = sorted(((int(m.group(1)), d) for d in os.listdir(run) if (m := _CHECKPOINT_RE.match(d))), reverse=True)
+    for _, d in found:
+        full = os.path.join(run, d)
+        if not os.path.isfile(os.path.join(full, TRAINER_STATE)):
+            continue
+        ptr = _pointer(full)
+        if ptr is not None and store is not None and ptr.step not in {
+                s for s, st in store.steps.steps(ptr.model) if st in ("committed", "durable")}:
+            continue
+        return full
+    return None
+
+
+class TierStoreTrainerMixin:
+    """Checkpoints of a ``transformers.Trainer`` (subclass) in tierstore; see the module docstring.
+
+    Keyword arguments (besides the Trainer's):
+        store: an open :class:`~tierstore.store.TierStore` (or a :class:`~tierstore.config.StoreConfig` / a
+            dict of :func:`tierstore.open` arguments).
+        store_name: the models' name prefix (default ``"hf"``): a checkpoint directory's model is
+            ``<store_name>.checkpoint-<N>-<digest of its absolute path>``.
+        store_policy: the Checkpointer policy (default ``dedup()`` with several ranks, else ``exact()``).
+        store_timeout: seconds a save waits for its step to commit.
+    """
+
+    def __init__(self, *args: Any, store: Any = None, store_name: str = "hf", store_policy: Policy | None = None,
+                 store_timeout: float = 120.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        if self.args.load_best_model_at_end:
+            raise ConfigError("TierStoreTrainer does not support load_best_model_at_end yet (the best checkpoint's "
+                              "weights are in tierstore, and the Trainer reads weight files)",
+                              field="load_best_model_at_end")
+        self._ts_ref = StoreRef(store)
+        self._ts_name = validate_name(store_name, "model name prefix")
+        self._ts_policy = store_policy
+        self._ts_timeout = store_timeout
+        self._ts_saving = False
+        self._ts_group: Any = None
+
+    args: Any
+    state: Any
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    accelerator: Any
+
+    @property
+    def store(self) -> Any:
+        return self._ts_ref.get()
+
+    # ---- resume -----------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            found = last_checkpoint(self.args.output_dir, self.store)
+            resume_from_checkpoint = found if found is not None else True  # none: the Trainer says so itself
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _ts_load(self, checkpoint: str, state: dict[str, Any], only: list[str]) -> bool:
+        ptr = _pointer(checkpoint)
+        if ptr is None:
+            return False
+        if ptr.step not in {s for s, st in self.store.steps.steps(ptr.model) if st in ("committed", "durable")}:
+            raise CheckpointNotFoundError(f"{checkpoint}: its step {ptr.step} of {ptr.model} is not in this store "
+                                          "(deleted, or another store)", what="checkpoint", path=checkpoint)
+        load(self.store, ptr.model, state, ptr.step, only=only, rank=self.args.process_index, world_size=1)
+        return True
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not self._ts_load(resume_from_checkpoint, {"model": model or self.model}, ["model"]):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        ptr = _pointer(checkpoint)
+        if ptr is None:
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        state, only = self._ts_state(saving=False)
+        saved = ptr.info.get("entries") or []
+        only = [k for k in only if k in saved]
+        if "optim" in only:
+            self._ts_load(checkpoint, {k: state[k] for k in ["model", *only]}, ["model", *only])
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and _pointer(checkpoint) is not None:
+            return  # loaded with the optimizer
+        super()._load_scaler(checkpoint)  # type: ignore[misc]
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        ptr = _pointer(checkpoint)
+        if ptr is None:
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        elif "rng" in (ptr.info.get("entries") or []):
+            self._ts_load(checkpoint, {"rng": RNGState()}, ["rng"])
+        else:  # save_only_model: as the Trainer does without its RNG file
+            log.info("%s holds no RNG state (save_only_model): reproducibility is not guaranteed", checkpoint)
+
+    # ---- save -------------------------------------------------------------------------------------
+    def _ts_state(self, *, saving: bool) -> tuple[dict[str, Any], list[str]]:
+        """The Checkpointer state of a save (and the keys besides the model that a resume loads)."""
+        state: dict[str, Any] = {"model": self.model}
+        rest: list[str] = []
+        if not self.args.save_only_model:
+            if self.optimizer is not None:
+                state["optim"] = self.optimizer
+                rest.append("optim")
+            if self.lr_scheduler is not None:
+                state["sched"] = self.lr_scheduler
+                rest.append("sched")
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler
+                rest.append("scaler")
+            state["rng"] = RNGState()
+        if saving:
+            state["trainer_state"] = self.state
+        return state, rest
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        self._ts_saving = True
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        finally:
+            self._ts_saving = False
+        if self.args.should_save and self._ts_last_dir is not None:
+            self._ts_collect_rotated(os.path.dirname(self._ts_last_dir))
+
+    _ts_last_dir: str | None = None
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not (self._ts_saving and _internal_call and output_dir is not None):
+            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            return
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            raise ConfigError("TierStoreTrainer does not checkpoint DeepSpeed or FSDP engines (they save through "
+                              "their own formats); use the Trainer's own checkpoints there", field="strategy")
+        self._ts_save(output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._ts_saving:
+            super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if not self._ts_saving:
+            super()._save_scaler(output_dir)  # type: ignore[misc]
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        if not self._ts_saving:
+            super()._save_rng_state(output_dir)  # type: ignore[misc]
+
+    def _ts_world(self) -> tuple[int, int, Any]:
+        world, rank = int(self.args.world_size), int(self.args.process_index)
+        if world > 1 and self._ts_group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ConfigError(f"{world} processes without torch.distributed", field="world_size")
+            self._ts_group = dist.new_group(backend="gloo")  # every rank saves together: a collective
+        return world, rank, self._ts_group
+
+    def _ts_save(self, output_dir: str) -> None:
+        """One committed step of ``output_dir``'s model from every rank, then the pointer (rank 0)."""
+        full = os.path.abspath(output_dir)
+        world, rank, group = self._ts_world()
+        model = model_name(self._ts_name, full)
+        step = torch.tensor([next_step(self.store, model) if rank == 0 else 0], dtype=torch.int64)
+        if group is not None:  # every rank takes the number rank 0 chose
+            dist.broadcast(step, src=dist.get_global_rank(group, 0), group=group)
+        state, _ = self._ts_state(saving=True)
+        policy = self._ts_policy or (dedup() if world > 1 else exact())
+        ck = Checkpointer(self.store, model, state=state, policy=policy, rank=rank, world_size=world, group=group,
+                          keep_last=1, preallocate=False, timeout=self._ts_timeout)
+        try:
+            ck.save(int(step), extra={"dir": full, "global_step": self.state.global_step})
+            outcome = ck.wait()
+        finally:
+            ck.close()
+        if outcome != "committed":
+            raise CommitError(f"the checkpoint {full} (step {int(step)} of {model}) was {outcome}", model=model,
+                              step=int(step))
+        self._ts_last_dir = full
+        if self.args.should_save:
+            info = {"global_step": self.state.global_step, "epoch": self.state.epoch, "world": world,
+                    "entries": sorted(state)}
+            write_pointer(os.path.join(full, POINTER_FILE), Pointer(model, int(step), full, FRAMEWORK,
+                                                                   time.time(), info))
+            retire_older(self.store, model)  # a re-save: the older steps go once they are settled
+
+    def _ts_collect_rotated(self, run_dir: str) -> None:
+        """Delete the models of ``checkpoint-N`` directories of ``run_dir`` the Trainer's rotation removed."""
+        if self._ts_last_dir is None or not os.path.isdir(self._ts_last_dir):
+            return  # the run directory that holds the new checkpoint is not visible here: delete nothing
+        prefix = f"{self._ts_name}.{PREFIX_CHECKPOINT_DIR}-"
+        for m in self.store.models():
+            if not m.startswith(prefix):
+                continue
+            number = m[len(prefix):].split("-", 1)[0]
+            if not number.isdigit():
+                continue
+            d = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{number}")
+            if model_name(self._ts_name, d) == m and not os.path.isdir(d):
+                log.info("checkpoint %s was rotated away: deleting its model %s", d, m)
+                self.store.delete_model(m, force=True)
+
+
+class TierStoreTrainer(TierStoreTrainerMixin, Trainer):
+    """``transformers.Trainer`` checkpointing in tierstore; see :class:`TierStoreTrainerMixin`."""

@@ -1,0 +1,390 @@
+"""PyTorch Lightning on tierstore: a ``CheckpointIO``, a ``ModelCheckpoint`` that lets policies apply, FSDP2.
+
+Minimal adoption (the lines a training script adds)::
+
+    from tierstore.interop.lightning import TierStoreCheckpoint
+    trainer = L.Trainer(..., callbacks=[TierStoreCheckpoint(dirpath="ckpts", every_n_train_steps=100, save_last=True,
+                                                            save_top_k=3, monitor="val_loss")])
+    trainer.fit(model, data, ckpt_path="last")
+
+Three pieces, each at the extension point Lightning offers:
+
+* :class:`TierStoreCheckpointIO` (``Trainer(plugins=[...])``): Lightning's
+  strategies hand it the checkpoint dict on rank 0 only (``is_global_zero``)
+  and it saves it as a step of the path's model (:mod:`tierstore.interop.pointer`),
+  rank-local (``world_size=1``: no collective, so the other ranks never wait
+  for it), waits until the step is committed, then writes a small JSON
+  pointer at the path. Lightning's own machinery (``ModelCheckpoint``'s
+  top-k, version counters and ``save_last`` links, ``ckpt_path="last"``, which
+  lists ``last*.ckpt`` files) works on the pointers unchanged.
+  ``load_checkpoint`` reads the step back on every rank (read-only, no epoch
+  taken); a path that holds no tierstore checkpoint raises
+  :class:`~tierstore.errors.CheckpointNotFoundError` (a ``FileNotFoundError``);
+  a file Lightning wrote itself is loaded by Lightning's ``TorchCheckpointIO``.
+  ``remove_checkpoint`` (top-k rotation) deletes the pointer, then the path's
+  model from every tier. Re-saving a path is a new step of its model (the old
+  one is collected once the new one is committed).
+* :class:`TierStoreCheckpoint`, a ``ModelCheckpoint`` (same arguments) that
+  installs the IO into the trainer's strategy and binds it to the trainer:
+  where the checkpoint dict holds the LightningModule's own tensors (single
+  device, DDP: checked tensor by tensor), the module and its optimizer go
+  through the Checkpointer's layer path, so the ``policy`` applies
+  (``differential``, ``layerwise``: they pay across re-saves of one path,
+  ``last.ckpt``). Elsewhere (FSDP's gathered state dict) the dict is stored as is.
+* :class:`TierStoreModelParallelStrategy`: Lightning's FSDP2 strategy
+  (``ModelParallelStrategy``, ``fully_shard``), whose ``load_checkpoint``
+  bypasses ``CheckpointIO``: this one reads pointers through the IO. Saves
+  need ``save_distributed_checkpoint=False`` (the full state dict, gathered
+  to rank 0). Lightning's FSDP1 ``FSDPStrategy`` saves through the IO too, but
+  loads without it (and needs a GPU): not supported.
+
+Everything non-tensor in the dict (hyper-parameters, loop and callback
+state) is stored as tagged JSON (:mod:`tierstore.train.values`); a value that
+cannot be (an ``nn.Module`` passed to ``save_hyperparameters()``) is refused
+at the save, naming it, with the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tierstore.errors import (
+    CheckpointNotFoundError,
+    CommitError,
+    ConfigError,
+    MissingDependencyError,
+    UnknownError,
+)
+from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, retire_older, write_pointer
+from tierstore.interop.store_ref import StoreRef
+from tierstore.keys import validate_name
+from tierstore.train.checkpointer import Checkpointer
+from tierstore.train.plain import read_plain
+from tierstore.train.policies import Policy
+from tierstore.train.state import normalise_fqn
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+    from lightning.fabric.strategies.model_parallel import _load_raw_module_state, _rekey_optimizer_state_if_needed
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
+except ImportError as e:  # pragma: no cover - the lightning extra is in the test extra
+    raise MissingDependencyError("tierstore.interop.lightning needs PyTorch Lightning 2.x: pip install "
+                                 "'tierstore[lightning]'") from e
+
+__all__ = ["TierStoreCheckpoint", "TierStoreCheckpointIO", "TierStoreModelParallelStrategy"]
+
+log = logging.getLogger(__name__)
+
+FRAMEWORK = "lightning"
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and type(a) is type(b)
+            and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+            and a.stride() == b.stride())
+
+
+def _holds_module(sd: Any, module: torch.nn.Module) -> bool:
+    """Whether ``sd`` is ``module``'s own state dict: the same names, every tensor the module's own memory."""
+    if not isinstance(sd, Mapping):
+        return False
+    live = module.state_dict()
+    return sd.keys() == live.keys() and all(
+        _same_storage(sd[k], v) if isinstance(v, torch.Tensor) else not isinstance(sd[k], torch.Tensor)
+        for k, v in live.items())
+
+
+def _holds_optimizer(osd: Any, opt: torch.optim.Optimizer) -> bool:
+    """Whether ``osd`` is ``opt``'s own state dict (its state tensors are the optimizer's own memory)."""
+    if not isinstance(osd, Mapping) or not isinstance(osd.get("state"), Mapping):
+        return False
+    live = opt.state_dict()
+    if osd["state"].keys() != live["state"].keys() or len(osd.get("param_groups") or []) != len(live["param_groups"]):
+        return False
+    return all(_same_storage(osd["state"][i].get(k), v)
+               for i, st in live["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor))
+
+
+def _move(obj: Any, device: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_move(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_move(v, device) for v in obj)
+    return obj
+
+
+class TierStoreCheckpointIO(CheckpointIO):
+    """Lightning checkpoints in a tierstore store; see the module docstring.
+
+    Args:
+        store: an open :class:`~tierstore.store.TierStore`, or a :class:`~tierstore.config.StoreConfig` / a dict
+            of :func:`tierstore.open` arguments (opened once per process: ``ddp_spawn`` pickles the plugin).
+        name: the models' name prefix: a path's model is ``<name>.<file stem>-<digest of the absolute path>``.
+        policy: the Checkpointer policy where the module's own tensors are saved (see :class:`TierStoreCheckpoint`).
+        timeout: seconds a save waits for its step to commit.
+    """
+
+    def __init__(self, store: Any = None, *, name: str = "lightning", policy: Policy | None = None,
+                 timeout: float = 120.0) -> None:
+        self._ref = StoreRef(store)
+        self.name = validate_name(name, "model name prefix")
+        self.policy = policy
+        self.timeout = timeout
+        self._trainer: Any = None
+        self._cks: dict[str, tuple[Checkpointer, dict[str, Any]]] = {}
+
+    # ---- wiring -------------------------------------------------------------------------------
+    @property
+    def store(self) -> Any:
+        return self._ref.get()
+
+    def bind(self, trainer: Any) -> None:
+        """Let saves see ``trainer``'s LightningModule and optimizers (policies apply); :class:`TierStoreCheckpoint`
+        calls this in its ``setup``."""
+        self._trainer = trainer
+
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: configuration only
+        return {"_ref": self._ref, "name": self.name, "policy": self.policy, "timeout": self.timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._trainer, self._cks = None, {}
+
+    # ---- save -----------------------------------------------------------------------------------
+    def _state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """The Checkpointer state for one save, and how it was made (``"module"`` or ``"dict"``)."""
+        t = self._trainer
+        module = getattr(t, "lightning_module", None) if t is not None else None
+        if module is None or not _holds_module(checkpoint.get("state_dict"), module):
+            return {"lightning": dict(checkpoint)}, "dict"
+        state: dict[str, Any] = {"model": module}
+        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        opts = checkpoint.get("optimizer_states")
+        optimizers = list(getattr(t, "optimizers", None) or [])
+        if isinstance(opts, list) and len(opts) == 1 and len(optimizers) == 1 and _holds_optimizer(opts[0],
+                                                                                                     optimizers[0]):
+            state["optim"] = optimizers[0]
+            rest.pop("optimizer_states")
+        state["lightning"] = rest
+        return state, "module"
+
+    def _checkpointer(self, model: str, state: dict[str, Any]) -> Checkpointer:
+        got = self._cks.get(model)
+        if got is not None:
+            ck, held = got
+            if held.keys() == state.keys() and all(held[k] is state[k] for k in state if k != "lightning"):
+                held["lightning"] = state["lightning"]  # the Checkpointer re-reads its state at every save
+                return ck
+            ck.close()
+        ck = Checkpointer(self.store, model, state=state, policy=self.policy, rank=0, world_size=1, keep_last=1,
+                          preallocate=False, timeout=self.timeout)
+        self._cks[model] = (ck, state)
+        return ck
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` as the next step of ``path``'s model, wait for its commit, write the pointer.
+
+        Called by Lightning on rank 0 only; takes no collective.
+
+        Raises:
+            TypeError: ``storage_options`` (not supported, as for Lightning's own ``TorchCheckpointIO``).
+            InvalidValueError: a value of the checkpoint cannot be stored (named; nothing written).
+            CommitError: the step did not commit (the pointer at ``path`` is left as it was).
+        """
+        if storage_options is not None:
+            raise TypeError(f"storage_options is not supported by {type(self).__name__}")
+        rank = self._global_rank()
+        if rank != 0:
+            raise ConfigError(f"{type(self).__name__}.save_checkpoint called on rank {rank}: it saves the checkpoint "
+                              "of global rank 0, as Lightning's own strategies call it (this strategy saves on every "
+                              "rank: use its own checkpoint format)", field="strategy")
+        full = os.path.abspath(os.fspath(path))
+        model = model_name(self.name, full)
+        state, how = self._state(checkpoint)
+        ck = self._checkpointer(model, state)
+        step = next_step(self.store, model)
+        info = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"), "layout": how}
+        ck.save(step, extra={"path": full, **info})
+        outcome = ck.wait()
+        if outcome != "committed":
+            raise CommitError(f"the checkpoint at {full} (step {step} of {model}) was {outcome}", model=model,
+                              step=step)
+        write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info))
+        retire_older(self.store, model)  # a re-save: the older steps go once they are settled
+
+    def _global_rank(self) -> int:
+        if self._trainer is not None:
+            return int(self._trainer.global_rank)
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    # ---- load -----------------------------------------------------------------------------------
+    def _pointer(self, path: Any) -> Pointer | None:
+        try:
+            return read_pointer(path)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"no checkpoint at {os.fspath(path)}: nothing was saved there (or it was "
+                                          "removed)", what="checkpoint", path=os.fspath(path)) from e
+
+    def _templates(self) -> dict[str, Any]:
+        module = getattr(self._trainer, "lightning_module", None) if self._trainer is not None else None
+        if module is None:
+            return {}
+        like: dict[str, Any] = {"hyper_parameters": dict(getattr(module, "hparams", {}) or {})}
+        dm = getattr(self._trainer, "datamodule", None)
+        if dm is not None:
+            like["datamodule_hyper_parameters"] = dict(getattr(dm, "hparams", {}) or {})
+        return {"lightning": like}
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint saved at ``path`` (read-only, on any rank); a file Lightning wrote itself is loaded by
+        Lightning's ``TorchCheckpointIO``.
+
+        Raises:
+            CheckpointNotFoundError: nothing at ``path``, or its step is gone from the store.
+            CorruptObjectError: a malformed pointer.
+        """
+        ptr = self._pointer(path)
+        if ptr is None:
+            log.info("%s is not a tierstore pointer: loading it with Lightning's TorchCheckpointIO", path)
+            kwargs = {} if map_location is None else {"map_location": map_location}
+            return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
+        store = self.store
+        if ptr.step not in {s for s, st in store.steps.steps(ptr.model) if st in ("committed", "durable")}:
+            raise CheckpointNotFoundError(f"the checkpoint at {os.fspath(path)} names step {ptr.step} of "
+                                          f"{ptr.model}, which this store does not hold (deleted, or another store)",
+                                          what="checkpoint", path=os.fspath(path), model=ptr.model, step=ptr.step)
+        plain = read_plain(store, ptr.model, ptr.step, templates=self._templates())
+        ckpt = dict(plain.entries["lightning"])
+        if "model" in plain.entries:
+            ckpt["state_dict"] = self._names(plain.entries["model"])
+        if "optim" in plain.entries:
+            ckpt["optimizer_states"] = [plain.entries["optim"]]
+        if map_location is not None:
+            if callable(map_location) or isinstance(map_location, Mapping):
+                raise TypeError("map_location: a device or a device string (tierstore reads into CPU memory)")
+            ckpt = _move(ckpt, map_location)
+        return ckpt
+
+    def _names(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """``sd`` under the live module's own keys (tierstore stores names without wrapper parts)."""
+        module = getattr(self._trainer, "lightning_module", None) if self._trainer is not None else None
+        if module is None:
+            return sd
+        keys = {normalise_fqn(k): k for k in module.state_dict()}
+        return {keys.get(k, k): v for k, v in sd.items()}
+
+    # ---- remove ---------------------------------------------------------------------------------
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path``: the pointer first, then its model from every tier.
+
+        A symbolic link (``save_last="link"``) or a copy of a pointer made elsewhere only loses its file: the model
+        belongs to the path it was saved at. A file Lightning wrote itself is removed as Lightning would.
+        """
+        full = os.path.abspath(os.fspath(path))
+        if os.path.islink(full):
+            os.unlink(full)
+            return
+        if not os.path.exists(full):
+            return
+        ptr = read_pointer(full)
+        if ptr is None:
+            TorchCheckpointIO().remove_checkpoint(path)
+            return
+        os.remove(full)  # first: ckpt_path="last" can never pick a pointer to a deleted model
+        if os.path.abspath(ptr.path) != full:
+            return
+        got = self._cks.pop(ptr.model, None)
+        if got is not None:
+            got[0].close()
+        try:  # Lightning asked: its own rotation is the evidence, and this process is the model's only writer
+            self.store.delete_model(ptr.model, force=True)
+        except UnknownError:
+            pass
+
+    def teardown(self) -> None:
+        """Close the Checkpointers (their background work is done: every save waited for its commit)."""
+        cks, self._cks = list(self._cks.values()), {}
+        for ck, _ in cks:
+            ck.close()
+
+
+class TierStoreCheckpoint(ModelCheckpoint):
+    """A ``ModelCheckpoint`` (every argument of Lightning's) saving through :class:`TierStoreCheckpointIO`.
+
+    In ``setup`` it installs its IO into the trainer's strategy (or takes the
+    :class:`TierStoreCheckpointIO` already given as a plugin) and binds it to
+    the trainer, so the module's own tensors go through the Checkpointer's
+    layers and ``policy`` applies. ``ckpt_path="last"`` finds its ``last*.ckpt``
+    pointers as it finds Lightning's files.
+
+    Args:
+        *args, **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
+            ``save_last``, ``every_n_train_steps``, ...).
+        store, name, policy, timeout: keyword-only; see :class:`TierStoreCheckpointIO`.
+    """
+
+    def __init__(self, *args: Any, store: Any = None, name: str = "lightning", policy: Policy | None = None,
+                 timeout: float = 120.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # ModelCheckpoint's own arguments, positional ones included
+        self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        current = trainer.strategy.checkpoint_io
+        if isinstance(current, TierStoreCheckpointIO):
+            self.io = current
+        else:
+            trainer.strategy.checkpoint_io = self.io
+        self.io.bind(trainer)
+
+
+class TierStoreModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's FSDP2 strategy whose ``load_checkpoint`` reads tierstore pointers through the CheckpointIO.
+
+    Use with ``save_distributed_checkpoint=False`` (the default here): the full state dict is gathered to rank 0
+    and saved there through the IO. Every rank reads the checkpoint and the full state is loaded into the
+    sharded module and optimizers as Lightning loads its own full checkpoint files (``broadcast_from_rank0``).
+    """
+
+    def __init__(self, *, save_distributed_checkpoint: bool = False, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        io = self.checkpoint_io
+        path = Path(self.broadcast(checkpoint_path))
+        if not isinstance(io, TierStoreCheckpointIO) or not path.is_file() or read_pointer(path) is None:
+            return super().load_checkpoint(path, weights_only=weights_only)
+        checkpoint = io.load_checkpoint(path)
+        assert self.lightning_module is not None and self.model is not None
+        strict = self.lightning_module.strict_loading
+        # as lightning.fabric.strategies.model_parallel._load_checkpoint loads a full checkpoint file
+        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=strict)
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING or "optimizer_states" not in checkpoint:
+            return checkpoint
+        from torch.distributed.checkpoint.state_dict import (  # lazy: only a resume loads optimizers
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if state.get("state"):
+                state = _rekey_optimizer_state_if_needed(state, self.model)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint

@@ -1,0 +1,171 @@
+"""Checkpoint paths a framework recognises, holding a pointer to a tierstore step instead of the tensors.
+
+Frameworks find, list, rotate and resume checkpoints through their file
+system: Lightning's ``ModelCheckpoint`` checks ``fs.exists``, lists
+``last*.ckpt`` for ``ckpt_path="last"`` and numbers versions by the files it
+finds; the Hugging Face Trainer picks ``checkpoint-N`` directories for
+``resume_from_checkpoint=True`` and rotates them with ``shutil.rmtree``. The
+integrations keep that machinery working unchanged by writing, at the path
+the framework chose, a small JSON **pointer** naming the tierstore model and
+step that hold the checkpoint::
+
+    {"tierstore_pointer": 1, "model": "lit.last-3fa2b1c4", "step": 7,
+     "path": "/abs/path/last.ckpt", "framework": "lightning", "saved_at": 1767225600.0, "info": {...}}
+
+Protocol (the writer): save the step, **wait until it is committed**, then
+write the pointer (a temporary file, fsync, rename over the path): a pointer
+only ever names a committed step, so a process killed at any moment leaves
+the previous pointer or the new one, never one to a step that does not
+exist. Readers parse it as JSON only (bounded size, never unpickled).
+
+Each path gets its own model (:func:`model_name`: the integration's name, the
+path's stem and a digest of the absolute path), and every save of the path is
+a new step of that model (:func:`next_step`): re-saving a path is an
+overwrite for the framework and a new step for tierstore, never a write into
+a committed one; removing the path deletes its model
+(:meth:`tierstore.store.TierStore.delete_model`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierstore.errors import CorruptObjectError
+from tierstore.keys import MAX_NAME_LEN, validate_name
+
+__all__ = ["MAX_POINTER_BYTES", "POINTER_VERSION", "Pointer", "model_name", "next_step", "read_pointer",
+           "retire_older", "write_pointer"]
+
+POINTER_VERSION = 1
+MAX_POINTER_BYTES = 1 << 20
+_MARK = "tierstore_pointer"
+_BAD = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What a pointer file says: the model and committed step holding the checkpoint saved at ``path``."""
+
+    model: str
+    step: int
+    path: str
+    framework: str
+    saved_at: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {_MARK: POINTER_VERSION, "model": self.model, "step": self.step, "path": self.path,
+                "framework": self.framework, "saved_at": self.saved_at, "info": self.info}
+
+
+def _clean(text: str) -> str:
+    out = _BAD.sub("_", text).strip("._") or "_"
+    while ".." in out:
+        out = out.replace("..", ".")
+    return out
+
+
+def model_name(prefix: str, path: str | os.PathLike[str]) -> str:
+    """The model holding the checkpoint saved at ``path``: ``<prefix>.<stem>-<digest of the absolute path>``.
+
+    Raises:
+        InvalidKeyError: ``prefix`` is not a valid model name.
+    """
+    validate_name(prefix, "model name prefix")
+    full = os.path.abspath(os.fspath(path))
+    digest = hashlib.blake2s(full.encode(), digest_size=4).hexdigest()
+    stem = _clean(Path(full).name.removesuffix(".ckpt"))
+    room = MAX_NAME_LEN - len(prefix) - len(digest) - 2
+    return validate_name(f"{prefix}.{stem[:max(room, 1)]}-{digest}", "model")
+
+
+def next_step(store: Any, model: str) -> int:
+    """The step number the next save of ``model`` takes: one past every step the index records (0 first)."""
+    recorded = [s for s, _ in store.steps.steps(model)]
+    return max(recorded) + 1 if recorded else 0
+
+
+def retire_older(store: Any, model: str) -> bool:
+    """After a re-save of a path committed, collect the model's older steps (``gc`` keeping the newest).
+
+    Only once every older step is decided for good (durable, aborted, or committed and recorded memory-only):
+    a committed step whose migration is still running could write its durable manifest after garbage
+    collection removed its objects. Otherwise nothing is done now and the next re-save tries again. Returns
+    whether it collected.
+    """
+    recs = store.steps.records(model)
+    if len(recs) < 2:
+        return False
+    migrating = getattr(store, "durable", None) is not None and store.config.migrate
+    for r in recs[:-1]:
+        if r.state == "preparing" or (r.state == "committed" and migrating and not r.memory_only):
+            return False
+    from consistency.gc import Retention  # lazy: only re-saves collect
+
+    store.gc(model, Retention(keep_last=1), dry_run=False)
+    return True
+
+
+def write_pointer(path: str | os.PathLike[str], pointer: Pointer) -> None:
+    """Write ``pointer`` at ``path`` atomically (temporary file in the same directory, fsync, rename)."""
+    target = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(target) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tierstore-pointer-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(pointer.to_json(), f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # the rename itself survives a crash once the directory is synced
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
+    """The pointer at ``path``; ``None`` if the file is not one (a framework's own checkpoint file).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CorruptObjectError: a pointer (it carries the marker) that is malformed.
+    """
+    p = os.fspath(path)
+    with open(p, "rb") as f:
+        head = f.read(MAX_POINTER_BYTES + 1)
+    if not head.lstrip()[:1] == b"{" or _MARK.encode() not in head[:4096]:
+        return None
+    if len(head) > MAX_POINTER_BYTES:
+        raise CorruptObjectError(f"{p}: a tierstore pointer larger than {MAX_POINTER_BYTES} bytes", key=p)
+    try:
+        d = json.loads(head)
+        if not isinstance(d, dict) or d.get(_MARK) != POINTER_VERSION:
+            raise ValueError(f"pointer version {d.get(_MARK) if isinstance(d, dict) else None!r}")
+        step = d["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step {step!r}")
+        info = d.get("info") or {}
+        if not isinstance(info, dict):
+            raise ValueError("info must be an object")
+        return Pointer(validate_name(d["model"], "model"), step, str(d["path"]), str(d.get("framework", "")),
+                       float(d.get("saved_at") or 0.0), info)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptObjectError(f"{p}: malformed tierstore pointer ({e})", key=p) from e

@@ -284,6 +284,34 @@ def test_demo_without_matplotlib_says_the_plot_was_not_drawn(tmp_path):
     assert not (tmp_path / "demo.png").exists()
 
 
+def test_demo_plot_draws_a_full_checkpoint_baseline_beside_the_bytes_written(tmp_path, monkeypatch):
+    """The bytes panel shows what each step saved against a full checkpoint of the same state, legend clear of it."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (tierstore[plot])")
+    from matplotlib.figure import Figure
+
+    from tierstore.cli.demo_plot import draw
+
+    mib = 1 << 20
+    summary = {"world": 2, "policy": "differential+dedup", "kill_at": 3, "restore": {"step": 2},
+               "loss_curve": {"phase0": [[0, 3.0], [1, 2.5], [2, 2.2], [3, 2.1]], "phase1": [[3, 2.1], [4, 2.0]]},
+               "bytes_per_step": {str(s): {"full": mib, "ref": 1024} if s != 1 else {"delta": mib // 2}
+                                  for s in range(5)},
+               "full_bytes_per_step": {str(s): 2 * mib for s in range(5)}}
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    draw(summary, tmp_path / "demo.png")
+    (fig,) = figures
+    bytes_ax = fig.axes[1]
+    assert "against 10.0 MiB of full checkpoints (2.2x smaller)" in bytes_ax.get_title(), bytes_ax.get_title()
+    (baseline,) = [ln for ln in bytes_ax.get_lines() if "full checkpoint" in ln.get_label()]
+    assert list(baseline.get_ydata()) == [2.0] * 5 and bytes_ax.get_ylim()[1] > 2.0
+    legend = bytes_ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()][1:] == ["written: full", "written: delta", "written: ref"]
+    fig.canvas.draw()
+    box, axes_box = legend.get_window_extent(), bytes_ax.get_window_extent()
+    assert box.x0 >= axes_box.x1, "the legend covers the bars"
+
+
 def test_metrics_without_prometheus_client_say_which_extra():
     code = ("import sys, logging; sys.modules['prometheus_client'] = None; logging.basicConfig()\n"
             "from tierstore.cli import metrics\nprint(metrics.serve(0))\n")

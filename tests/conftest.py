@@ -24,6 +24,8 @@ SLOW = (
     "tests/test_testbed.py::test_testbed_node_loss_and_restore",
     "tests/test_demo.py",
     "tests/test_readme.py::test_the_demo_as_written",
+    "tests/test_readme.py::test_scripts_test_runs_in_a_fresh_venv",  # installs the test extras into a fresh venv
+    "tests/test_readme.py::test_the_readme_counts_of_the_test_suite_are_true",  # collects the whole suite
     "tests/test_replay.py::test_two_ranks_kill_restart_replay_is_bitwise",
     "tests/test_bench_quick.py",
     "tests/test_faults_matrix.py::test_kill_at_point",

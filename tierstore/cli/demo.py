@@ -195,7 +195,7 @@ def _worker(cfg: dict[str, Any]) -> int:
 def full_checkpoint_bytes(model: Any, opt: Any) -> int:
     """What a full checkpoint of this rank's state holds now: every tensor of the model and of the optimizer state
     (what ``exact`` writes, less the objects' headers): the baseline the plot measures each policy against."""
-    import torch  # the worker's: torch is loaded there already
+    import torch  # lazy: the worker's torch, loaded there already (the launcher needs none)
 
     tensors = list(model.state_dict().values())
     tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]

@@ -80,13 +80,27 @@ def _nothing_left_behind(tmp_path_factory):
         pytest.fail("the tests left behind (now removed):\n  " + "\n  ".join(map(str, found)), pytrace=False)
 
 
-def _stop_servers_under(root: Path) -> None:
-    """Stop the embedded index servers of homes below ``root`` (detached by design: they outlive their store)."""
-    from tierstore.embedded import find_servers, stop_server
+def _stop_servers_under(root: Path, timeout_s: float = 10.0) -> None:
+    """Stop the embedded index servers of homes below ``root`` (detached by design: they outlive their store):
+    SIGTERM to all of them at once (the server's own clean shutdown), SIGKILL to any still there after
+    ``timeout_s``."""
+    import signal
+    import time
 
-    for server in find_servers():
-        if server.home.is_relative_to(root):
-            stop_server(server.home, timeout_s=5)
+    from tierstore.embedded import find_servers
+
+    pids = [s.pid for s in find_servers() if s.home.is_relative_to(root)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while (pids := [p for p in pids if _leaks._alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not pids:
+            return
 
 
 @pytest.fixture(autouse=True)

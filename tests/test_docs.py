@@ -153,8 +153,17 @@ TEARDOWN = {"store": "store.close()\n", "weights": "store.close()\n",
 SUBSTITUTE = {"services": {"rediss://:password@redis.internal:6380/0": "{redis_url}"}}
 
 REPL = r'''
-import code, sys, traceback
-setup, snippet, teardown = (open(p).read() for p in sys.argv[1:4])
+import code, os, runpy, sys, traceback
+script_dir, repl_dir = sys.argv[1:3]
+if script_dir != "-":  # first as a script: the context, the block and the teardown in one file, run as __main__
+    os.chdir(script_dir)
+    sys.path.insert(0, script_dir)
+    runpy.run_path("snippet.py", run_name="__main__")
+    sys.path.remove(script_dir)
+    print("== ran as a script", flush=True)
+os.chdir(repl_dir)  # then pasted into the REPL, in a directory of its own
+sys.path.insert(0, "")
+setup, snippet, teardown = (open(p).read() for p in ("_setup.py", "_snippet.py", "_teardown.py"))
 ns = {"__name__": "__console__"}
 exec(compile(setup, "<context>", "exec"), ns)
 errors = []
@@ -175,6 +184,7 @@ for line in snippet.splitlines():  # as pasted: one line at a time, a blank line
 if more:
     console.push("")
 exec(compile(teardown, "<teardown>", "exec"), ns)
+print("== pasted into the REPL:", "failed" if errors else "ok", flush=True)
 sys.exit(1 if errors else 0)
 '''
 
@@ -225,20 +235,19 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.id)
 def test_python_block_runs_as_a_script_and_pasted_into_the_repl(block, tmp_path, request):
+    """One interpreter (torch imported once): the block as a script (``runpy``, as ``__main__``) in one fresh
+    directory, then pasted into ``code.InteractiveConsole`` in another."""
     setup, text, teardown = _prepare(block, request)
-    for mode in ("script", "repl"):
-        cwd = tmp_path / mode
-        cwd.mkdir()
-        (cwd / "_setup.py").write_text(setup)
-        (cwd / "_snippet.py").write_text(text)
-        (cwd / "_teardown.py").write_text(teardown)
-        if mode == "script":
-            (cwd / "snippet.py").write_text(setup + "\n" + text + "\n" + teardown)
-            args = [sys.executable, "snippet.py"]
-        else:
-            args = [sys.executable, "-c", REPL, "_setup.py", "_snippet.py", "_teardown.py"]
-        p = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300, check=False)
-        assert p.returncode == 0, f"{block.id} as a {mode}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    script, repl = tmp_path / "script", tmp_path / "repl"
+    script.mkdir()
+    repl.mkdir()
+    (script / "snippet.py").write_text(setup + "\n" + text + "\n" + teardown)
+    for name, content in (("_setup.py", setup), ("_snippet.py", text), ("_teardown.py", teardown)):
+        (repl / name).write_text(content)
+    p = subprocess.run([sys.executable, "-c", REPL, str(script), str(repl)], env=_env(), capture_output=True,
+                       text=True, timeout=300, check=False)
+    mode = "pasted into the REPL" if "== ran as a script" in p.stdout else "as a script"
+    assert p.returncode == 0, f"{block.id} {mode}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
 
 
 def _console_script(bindir: Path) -> None:
@@ -398,7 +407,7 @@ def test_the_repl_check_fails_a_block_that_only_works_as_a_file(tmp_path):
                      ('d = {}\ntry:\n    d[1]\nexcept KeyError as e:\n    print("not stored:", e)\n\nprint("done")\n', True)):
         for name, content in (("_setup.py", ""), ("_snippet.py", text), ("_teardown.py", "")):
             (tmp_path / name).write_text(content)
-        p = subprocess.run([sys.executable, "-c", REPL, "_setup.py", "_snippet.py", "_teardown.py"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=60, check=False)
+        p = subprocess.run([sys.executable, "-c", REPL, "-", str(tmp_path)], capture_output=True, text=True,
+                           timeout=60, check=False)
         assert (p.returncode == 0) is ok, p.stderr
         assert ("SyntaxError" in p.stderr) is not ok and ("done" in p.stdout) is ok

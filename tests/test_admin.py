@@ -8,6 +8,7 @@ and ``where`` must catch a byte flipped in the host tier's file.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import threading
@@ -60,11 +61,26 @@ def conn(tmp_path, redis_url, shm_root):
             "--host-root", str(shm_root / "node0")]
 
 
+LISTINGS = {"models", "steps", "layers", "nodes", "du"}
+
+
+def parse_json_out(command: str, out: str):
+    """``--json`` as a script reads it: a listing is JSON lines (one record a line), the rest one document."""
+    lines = out.splitlines()
+    assert all(line.strip() for line in lines), repr(out)  # no blank or pretty-printed lines
+    docs = [json.loads(line) for line in lines]
+    if command in LISTINGS:
+        assert all(isinstance(d, dict) for d in docs), docs
+        return docs
+    (doc,) = docs
+    return doc
+
+
 def run(capsys, conn, *args, json_out=True):
     capsys.readouterr()
     rc = admin.main([*conn, *(["--json"] if json_out else []), *args])
     out, err = capsys.readouterr()
-    return rc, (json.loads(out) if json_out and out.strip() else out), err
+    return rc, (parse_json_out(args[0], out) if json_out and out.strip() else out), err
 
 
 def test_models(populated, conn, capsys):
@@ -319,4 +335,9 @@ def test_through_the_cli_dispatcher(populated, conn):
     p = subprocess.run([sys.executable, "-m", "tierstore.cli", "admin", *conn, "--json", "steps", M],
                        check=False, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert [r["step"] for r in json.loads(p.stdout)] == [1, 2, 3, 4]
+    assert [r["step"] for r in parse_json_out("steps", p.stdout)] == [1, 2, 3, 4]
+    # one record per line composes with shell tools: the first line is the first step, whole
+    p = subprocess.run(f"{sys.executable} -m tierstore.cli admin {' '.join(map(shlex.quote, conn))} --json steps {M}"
+                       " | head -1", shell=True, check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert json.loads(p.stdout)["step"] == 1 and p.stdout.count("\n") == 1

@@ -10,6 +10,7 @@ and servers whose home was deleted under them (found and stopped by pid).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -177,10 +178,34 @@ def test_help_into_a_closed_pipe_is_quiet(args):
     assert p.returncode == 0 and p.stderr == "", p.stderr
 
 
-def test_json_into_head_as_a_person_types_it(home):
-    p = subprocess.run(f"{sys.executable} -m tierstore.cli admin --home {home} --json show {M} 2 | head -1",
-                       shell=True, capture_output=True, text=True, env=_env(), timeout=120, check=False)
-    assert p.returncode == 0 and p.stdout == "{\n" and p.stderr == "", p.stderr
+@pytest.mark.parametrize("args", [["models"], ["steps", M], ["show", M, "2"]], ids=lambda a: a[0])
+def test_json_into_head_as_a_person_types_it(home, args):
+    """``--json | head -1`` is one whole JSON document: a listing's first record, or the one report."""
+    cmd = f"{sys.executable} -m tierstore.cli admin --home {home} --json {' '.join(args)} | head -1"
+    p = subprocess.run(cmd, shell=True, capture_output=True, text=True, env=_env(), timeout=120, check=False)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    first = json.loads(p.stdout)
+    assert p.stdout.count("\n") == 1 and isinstance(first, dict), p.stdout
+    full = cli("admin", "--home", str(home), "--json", *args).stdout
+    same = lambda d: {k: v for k, v in d.items() if k != "age_s"}  # noqa: E731  (the age moves on)
+    assert same(json.loads(full.splitlines()[0])) == same(first)
+    if args[0] == "steps":  # one line per step, as `wc -l` counts them
+        assert [json.loads(line)["step"] for line in full.splitlines()] == [1, 2, 3]
+    if args[0] == "models":
+        assert first["model"] == M
+
+
+def test_server_list_json_is_one_record_per_line(home):
+    p = cli("server", "list", "--json")
+    assert p.returncode == 0, p.stderr
+    records = [json.loads(line) for line in p.stdout.splitlines()]
+    assert all(set(r) == {"pid", "socket", "home", "home_exists"} for r in records), records
+    mine = [r for r in records if Path(r["home"]) == home.resolve()]
+    assert len(mine) == 1 and mine[0]["home_exists"] is True and mine[0]["socket"].endswith(".sock")
+    status = cli("server", "status", "--json", "--home", str(home))
+    d = json.loads(status.stdout)
+    assert status.returncode == 0 and d["running"] is True and d["pids"] == [mine[0]["pid"]]
+    assert {p["what"] for p in d["paths"]} >= {"index", "durable tier"}, d["paths"]
 
 
 def test_verify_and_server_status_print_no_blank_line(home):
@@ -193,8 +218,6 @@ def test_verify_and_server_status_print_no_blank_line(home):
 
 
 def test_gc_dry_run_json_says_would_delete(home):
-    import json
-
     p = cli("admin", "--home", str(home), "--json", "gc", M, "--keep-last", "2")
     d = json.loads(p.stdout)
     assert p.returncode == 0 and d["dry_run"] is True and len(d["would_delete"]) == 4
@@ -259,6 +282,34 @@ def test_demo_without_matplotlib_says_the_plot_was_not_drawn(tmp_path):
                        env=_env(), timeout=120, check=False)
     assert p.returncode == 0 and "pip install 'tierstore[plot]'" in p.stdout, p.stderr
     assert not (tmp_path / "demo.png").exists()
+
+
+def test_demo_plot_draws_a_full_checkpoint_baseline_beside_the_bytes_written(tmp_path, monkeypatch):
+    """The bytes panel shows what each step saved against a full checkpoint of the same state, legend clear of it."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (tierstore[plot])")
+    from matplotlib.figure import Figure
+
+    from tierstore.cli.demo_plot import draw
+
+    mib = 1 << 20
+    summary = {"world": 2, "policy": "differential+dedup", "kill_at": 3, "restore": {"step": 2},
+               "loss_curve": {"phase0": [[0, 3.0], [1, 2.5], [2, 2.2], [3, 2.1]], "phase1": [[3, 2.1], [4, 2.0]]},
+               "bytes_per_step": {str(s): {"full": mib, "ref": 1024} if s != 1 else {"delta": mib // 2}
+                                  for s in range(5)},
+               "full_bytes_per_step": {str(s): 2 * mib for s in range(5)}}
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    draw(summary, tmp_path / "demo.png")
+    (fig,) = figures
+    bytes_ax = fig.axes[1]
+    assert "against 10.0 MiB of full checkpoints (2.2x smaller)" in bytes_ax.get_title(), bytes_ax.get_title()
+    (baseline,) = [ln for ln in bytes_ax.get_lines() if "full checkpoint" in ln.get_label()]
+    assert list(baseline.get_ydata()) == [2.0] * 5 and bytes_ax.get_ylim()[1] > 2.0
+    legend = bytes_ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()][1:] == ["written: full", "written: delta", "written: ref"]
+    fig.canvas.draw()
+    box, axes_box = legend.get_window_extent(), bytes_ax.get_window_extent()
+    assert box.x0 >= axes_box.x1, "the legend covers the bars"
 
 
 def test_metrics_without_prometheus_client_say_which_extra():
@@ -343,6 +394,10 @@ def test_server_start_status_stop(tmp_path):
     assert (h / "index").is_dir()  # stop keeps the data
     p = cli("server", "stop", "--home", str(h))
     assert p.returncode == 0 and "not running" in p.stdout
+    # a purge after the stop says what it did: it removed the data, and there was no server to stop
+    p = cli("server", "stop", "--purge", "--yes", "--home", str(h))
+    assert p.returncode == 0 and not h.exists(), p.stdout + p.stderr
+    assert f"no index server of {h.resolve()} was running; removed" in p.stdout and "stopped" not in p.stdout, p.stdout
 
 
 def _alive(pid: int) -> bool:

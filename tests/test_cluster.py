@@ -24,7 +24,6 @@ What is tried, the way an operator or a user would:
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -43,6 +42,7 @@ from consistency.index import Index
 from consistency.nodes import NodeRegistry
 from tests.redis_cluster import LocalCluster, make_cluster
 from tests.redis_server import RedisProcess
+from tests.test_admin import parse_json_out
 from tierstore import ShardKey
 from tierstore.cli import admin
 from tierstore.config import StoreConfig
@@ -250,13 +250,13 @@ def test_admin_cli_against_the_cluster(redis_cluster, cluster_url, tmp_path, cap
     p = subprocess.run([sys.executable, "-m", "tierstore.cli", "admin", *conn, "models"], capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert sorted(r["model"] for r in json.loads(p.stdout)) == models
+    assert sorted(r["model"] for r in parse_json_out("models", p.stdout)) == models
 
     def run(*args: str):
         capsys.readouterr()
         rc = admin.main([*conn, *args])
         out = capsys.readouterr().out
-        return rc, json.loads(out) if out.strip() else None
+        return rc, parse_json_out(args[0], out) if out.strip() else None
 
     rc, rows = run("steps", models[0])
     assert rc == 0 and [(r["step"], r["state"]) for r in rows] == [(1, "durable"), (2, "preparing")]

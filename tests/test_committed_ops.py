@@ -171,7 +171,7 @@ def test_a_step_that_stays_in_memory_is_reported(tmp_path, redis_url, shm_root):
     p = admin_cli(["--redis", redis_url, "--home", str(home), "--durable", f"file://{tmp_path / 'd'}"],
                   "--json", "steps", M)
     assert p.returncode == 0, p.stderr
-    (row,) = json.loads(p.stdout)
+    (row,) = [json.loads(line) for line in p.stdout.splitlines()]  # --json steps: one record per line
     assert row["state"] == "committed" and "failed to migrate" in row["memory_only"]
 
 

@@ -83,6 +83,7 @@ def worker(rank: int, world: int, port: int, home: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+from tests._leaks import purge_homes  # noqa: E402
 from tests.redis_server import free_port as _free_port  # noqa: E402
 
 
@@ -98,7 +99,8 @@ def saved(tmp_path_factory):
     ]
     codes = [p.wait(timeout=240) for p in procs]
     assert codes == [0, 0]
-    return tmp
+    yield tmp
+    purge_homes(tmp / "home")
 
 
 def test_two_ranks_round_trip_bitwise(saved):

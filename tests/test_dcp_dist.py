@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests._leaks import purge_homes
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,7 +285,8 @@ def _all_true(results: list[dict], want: set[str]) -> None:
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dcp-ddp")
-    return _run("ddp", 2, tmp / "home", tmp / "ddp")
+    yield _run("ddp", 2, tmp / "home", tmp / "ddp")
+    purge_homes(tmp / "home")
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +294,8 @@ def fsdp_home(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dcp-fsdp")
     res = _run("fsdp-save", 2, tmp / "home", tmp / "fsdp.save")
     _all_true(res, {"saved", "sharded"})
-    return tmp
+    yield tmp
+    purge_homes(tmp / "home")
 
 
 def test_ddp_adamw_state_dict_round_trip_sync_and_async(ddp_results):

@@ -45,6 +45,10 @@ def test_demo_short_run(tmp_path, shm_root):
     assert summary["ranks_reporting"] == 2 and summary["killed_rank"] == 1
     assert set(summary["restore"]["steps_by_rank"].values()) == {summary["restore"]["step"]}
     assert [s for s, _ in summary["loss_curve"]["phase1"]] == list(range(summary["restore"]["step"] + 1, 6))
+    # the plot's baseline: a full checkpoint of the same state for every step drawn, which the policy undercuts
+    full, written = summary["full_bytes_per_step"], summary["bytes_per_step"]
+    assert set(full) == set(written) and len(set(full.values())) == 1 and min(full.values()) > 0, full
+    assert sum(sum(k.values()) for k in written.values()) < sum(full.values())  # dedup: rank 1 writes refs
     png = out / "demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from PIL import Image

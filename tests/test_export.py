@@ -6,6 +6,8 @@ Multi-rank round trips (DDP replicas, FSDP2 shards reassembled) are in tests/tes
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -310,3 +312,28 @@ def test_cli_export_import_and_install_hint(store, tmp_path, capsys, monkeypatch
         import_model(store, out, "third")
     assert cli_main(["import", str(out), "--model", "third", *conn]) == 1
     assert "pip install 'tierstore[safetensors]'" in capsys.readouterr().err
+
+
+def test_cli_import_finds_a_module_in_the_current_directory(store, tmp_path):
+    """``tierstore import --module mymodels:build_mlp`` with ``mymodels.py`` in the current directory, run as the
+    console script runs (``python -P``: no current directory on ``sys.path``, no ``PYTHONPATH=.``)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mymodels.py").write_text("import torch\n\n\ndef build_mlp():\n"
+                                      "    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))\n")
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    save_file(mlp.state_dict(), work / "mlp.safetensors")
+    conn = ["--redis", store.config.redis_url, "--host-root", store.config.host_root,
+            "--durable", store.config.durable_url]
+    script = "import sys\nfrom tierstore.cli import main\nsys.exit(main())\n"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.run([sys.executable, "-P", "-c", script, "import", "mlp.safetensors", "--model", "mlp",
+                        "--module", "mymodels:build_mlp", "--quiet", *conn],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "imported mlp.safetensors as step 0 of mlp" in p.stdout
+    assert store.resolve("mlp").step == 0
+    p = subprocess.run([sys.executable, "-P", "-c", script, "import", "mlp.safetensors", "--model", "mlp2",
+                        "--module", "nosuchmodule:build", *conn],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert p.returncode == 1 and "No module named 'nosuchmodule'" in p.stderr, p.stderr

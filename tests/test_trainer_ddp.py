@@ -204,6 +204,7 @@ def fsdp_worker(rank: int, port: int, home: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+from tests._leaks import purge_homes  # noqa: E402
 from tests.redis_server import free_port as _free_port  # noqa: E402
 
 
@@ -235,7 +236,8 @@ def runs(tmp_path_factory):
     assert _run(["train", str(tmp / "home"), str(tmp / "first"), str(KILL), "0"], kill=True)[1] == 17
     assert _run(["train", str(tmp / "home"), str(tmp / "second"), "-1", "0"]) == [0, 0]
     assert _run(["train", str(tmp / "refhome"), str(tmp / "ref"), "-1", "1"]) == [0, 0]
-    return _load(tmp / "second"), _load(tmp / "ref")
+    yield _load(tmp / "second"), _load(tmp / "ref")
+    purge_homes(tmp / "home", tmp / "refhome")
 
 
 @pytest.mark.parametrize("name", ["exact", "differential", "dedup", "replay"])

@@ -103,6 +103,7 @@ def worker(rank: int, world: int, port: int, home: str, out: str, kill_at: int) 
     dist.destroy_process_group()
 
 
+from tests._leaks import purge_homes  # noqa: E402
 from tests.redis_server import free_port as _free_port  # noqa: E402
 
 
@@ -143,7 +144,8 @@ def runs(tmp_path_factory):
     setup_determinism(0)
     model, opt = make_model(seed=0)
     ref = train_emulated(model, opt, 0, STOP_LAYERWISE, world_size=2)
-    return res, ref
+    yield res, ref
+    purge_homes(tmp / "home")
 
 
 @pytest.mark.parametrize("name", ["exact", "differential", "dedup"])

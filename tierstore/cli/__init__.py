@@ -32,7 +32,7 @@ _COMMANDS = {
                 "tierstore[testbed] (and tierstore[ucx] for the peer tier)"),
     "export": ("tierstore.cli.transfer", "export_main", "write a committed step as safetensors or torch.save", ""),
     "import": ("tierstore.cli.transfer", "import_main", "make step 0 of a model from safetensors or torch.save",
-               "tierstore[safetensors] for .safetensors input"),
+               ""),
 }
 
 

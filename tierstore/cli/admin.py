@@ -4,6 +4,11 @@ Usage::
 
     tierstore admin [CONNECTION] [--json] COMMAND [ARGS]
 
+``--json``: the listings (``models``, ``steps``, ``layers``, ``nodes``, ``du``)
+print one JSON record per line (JSON lines), ``watch`` one event per line,
+the other commands one JSON document on one line
+(:func:`tierstore.cli.common.print_json`).
+
     models                      models with steps, epoch, objects, bytes
     steps MODEL                 per step: state, attempt, age, votes/world, bytes per tier, memory-only
     show MODEL STEP             the step's manifest: layers x ranks (kind, size, tiers)
@@ -60,7 +65,7 @@ import tierstore
 from consistency.gc import Retention
 from consistency.lifecycle import IDLE_S
 from tierstore.cli import views as V
-from tierstore.cli.common import HelpFormatter
+from tierstore.cli.common import HelpFormatter, print_json
 from tierstore.errors import ModelInUseError, TierStoreError, UnknownError
 from tierstore.keys import ShardKey
 
@@ -86,7 +91,8 @@ def _connection_parser() -> argparse.ArgumentParser:
     g.add_argument("--node", default=argparse.SUPPRESS,
                    help="node id, which derives the default host tier (default: this host's name)")
     g.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                   help="machine-readable output (default: tables)")
+                   help="JSON instead of tables: listings (models, steps, layers, nodes, du) print one record "
+                        "per line, the other commands one document on one line")
     return p
 
 
@@ -205,7 +211,7 @@ def _tiers_text(d: dict[str, int]) -> str:
 
 def _emit(a: argparse.Namespace, data: Any, render) -> None:
     if getattr(a, "json", False):
-        print(json.dumps(data, indent=2, sort_keys=True, default=str))
+        print_json(data)
     else:
         render(_console(), data)
     sys.stdout.flush()  # a closed pipe (``| head``) raises here, where the dispatcher handles it
@@ -375,7 +381,8 @@ def _cmd_watch(store, a) -> int:
                      "commit_latency_s": row.get("commit_latency_s")}
             seen += 1
             if c is None:
-                print(json.dumps(event, sort_keys=True), flush=True)
+                print_json(event)
+                sys.stdout.flush()
             else:
                 lat = event["commit_latency_s"]
                 c.print(f"{time.strftime('%H:%M:%S', time.localtime(event['time']))}  step {step:>6}  {_state(state):<9}"

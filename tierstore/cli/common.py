@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from typing import Any
 
-__all__ = ["EXTRAS", "HelpFormatter", "confirm", "install_hint", "quiet_closed_stdout"]
+__all__ = ["EXTRAS", "HelpFormatter", "confirm", "install_hint", "print_json", "quiet_closed_stdout"]
 
 #: The optional dependency (top-level module) -> the extra that installs it.
 EXTRAS = {
@@ -45,6 +47,20 @@ class HelpFormatter(argparse.HelpFormatter):
                 or "default" in text or "%(default)" in text):
             return text
         return f"{text} (default: %(default)s)"
+
+
+def print_json(data: Any) -> None:
+    """``--json`` output that composes with shell tools: one JSON document per line.
+
+    A list (the rows of a listing command: ``admin models``, ``steps``, ``layers``, ``nodes``, ``du``,
+    ``server list``) prints one record per line (JSON lines: ``| head -1`` is the first record, ``| wc -l``
+    counts them, ``jq -c`` and ``grep`` work line by line; an empty list prints nothing). Anything else
+    (one report: ``show``, ``where``, ``verify``, ``gc``, ...) prints as one compact document on one line.
+    Keys are sorted; values JSON cannot hold are written with ``str``.
+    """
+    records = data if isinstance(data, list) else [data]
+    for record in records:
+        print(json.dumps(record, sort_keys=True, default=str, separators=(",", ":")))
 
 
 def quiet_closed_stdout() -> None:

@@ -57,6 +57,7 @@ from tierstore.cli import metrics
 from tierstore.cli import views as V
 from tierstore.cli.admin import human_bytes
 from tierstore.cli.common import HelpFormatter
+from tierstore.cli.demo_plot import draw
 from tierstore.errors import ConfigError
 from tierstore.testing import gpt
 from tierstore.train import policies as P
@@ -171,7 +172,7 @@ def _worker(cfg: dict[str, Any]) -> int:
         t = time.perf_counter()
         ckpt.save(s, extra={"data_pos": s + 1})
         stall = time.perf_counter() - t
-        emit(event="step", step=s, loss=loss, stall_s=stall, t_save=wall)
+        emit(event="step", step=s, loss=loss, stall_s=stall, t_save=wall, full_bytes=full_checkpoint_bytes(model, opt))
         if phase == 0 and s == cfg.get("hold_after"):
             while True:  # the testbed kills a whole node here, mid-run
                 time.sleep(1)
@@ -189,6 +190,16 @@ def _worker(cfg: dict[str, Any]) -> int:
     store.close()
     dist.destroy_process_group()
     return 0
+
+
+def full_checkpoint_bytes(model: Any, opt: Any) -> int:
+    """What a full checkpoint of this rank's state holds now: every tensor of the model and of the optimizer state
+    (what ``exact`` writes, less the objects' headers): the baseline the plot measures each policy against."""
+    import torch  # lazy: the worker's torch, loaded there already (the launcher needs none)
+
+    tensors = list(model.state_dict().values())
+    tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 # -- the launcher ----------------------------------------------------------------------------
@@ -272,6 +283,12 @@ def _collect(store: Any, model: str, ev: dict[int, dict[int, list[dict]]], world
             if rec is not None:
                 kinds[rec.kind] = kinds.get(rec.kind, 0) + rec.size
         per_step[row["step"]] = kinds
+    full: dict[int, int] = {}  # a full checkpoint of the state each step saved, all ranks (the saves that made it)
+    for phase in (0, 1):
+        by_step: dict[int, int] = {}
+        for e in of(phase, "step"):
+            by_step[e["step"]] = by_step.get(e["step"], 0) + int(e.get("full_bytes") or 0)
+        full.update(by_step)
     loss0 = {e["step"]: e["loss"] for e in of(0, "step", 0)}
     loss1 = {e["step"]: e["loss"] for e in of(1, "step", 0)}
     replayed = sorted(set(loss0) & set(loss1))
@@ -311,56 +328,13 @@ def _collect(store: Any, model: str, ev: dict[int, dict[int, list[dict]]], world
         "replay_bitwise": bool(replayed) and same,
         "loss_curve": {"phase0": sorted(loss0.items()), "phase1": sorted(loss1.items())},
         "bytes_per_step": {s: k for s, k in sorted(per_step.items())},
+        "full_bytes_per_step": {s: full[s] for s in sorted(per_step) if s in full},
         "plot": str(out / "demo.png"),
     }
 
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib  # lazy: optional dependency (tierstore[plot])
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: optional dependency (tierstore[plot])
-
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for phase, style, label in (("phase0", "-", "before the failure"), ("phase1", "--", "after restore")):
-        pts = summary["loss_curve"][phase]
-        if pts:
-            a1.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=label)
-    a1.axvline(summary["kill_at"], color="red", linestyle=":", label=f"rank killed at step {summary['kill_at']}")
-    if summary["restore"]["step"] is not None:
-        a1.axvline(summary["restore"]["step"], color="green", linestyle=":",
-                   label=f"restored step {summary['restore']['step']}")
-    a1.set_ylabel("loss (rank 0)")
-    a1.set_title(f"tierstore demo: {summary['world']} ranks, policy {summary['policy']}")
-    a1.legend()
-    steps = sorted(int(s) for s in summary["bytes_per_step"])
-    bottom = [0.0] * len(steps)
-    for kind in ("full", "delta", "ref"):
-        vals = [summary["bytes_per_step"][s].get(kind, 0) / 1024 for s in steps]
-        if any(vals):
-            a2.bar(steps, vals, bottom=bottom, label=kind)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-    a2.set_xlabel("step")
-    a2.set_ylabel("checkpoint KiB (all ranks)")
-    a2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def draw(summary: dict[str, Any], path: Path) -> str:
-    """Draw the demo's plot to ``path``; return the path, or why it was not drawn and how to get it."""
-    try:
-        _plot(summary, path)
-    except ImportError as e:
-        if (e.name or "").split(".")[0] != "matplotlib":
-            raise
-        return "not drawn: matplotlib is not installed (pip install 'tierstore[plot]')"
-    return str(path)
 
 
 def _print_summary(s: dict[str, Any]) -> None:

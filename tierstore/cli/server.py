@@ -8,7 +8,11 @@ Usage::
     tierstore server stop --purge [--yes] [--home H]
                                                     stop it and remove the home's index, durable tier and
                                                     host tier (with its pool); refuses while anyone holds it
-    tierstore server list                           every embedded server of this user, orphans included
+    tierstore server list [--json]                  every embedded server of this user, orphans included
+
+``status`` and ``list`` take ``--json``: ``list`` prints one JSON record per
+server per line (``pid``, ``socket``, ``home``, ``home_exists``; nothing when
+none runs), ``status`` one document (``running``, ``pids``, ``paths``, ...).
 
 Exit codes: 0 ok; 1 ``status`` of a server that is not running, a purge
 refused (in use, or not confirmed) or a tierstore error; 2 bad arguments.
@@ -23,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tierstore.cli.common import HelpFormatter, confirm
+from tierstore.cli.common import HelpFormatter, confirm, print_json
 from tierstore.embedded import client_count, ensure_server, find_servers, ping, socket_path, stop_server
 from tierstore.home import describe, purge, users
 
@@ -46,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "list":
             s.add_argument("--home", default=_default_home(),
                            help="the embedded store's data directory (default: $TIERSTORE_HOME, else .tierstore)")
+        if name in ("list", "status"):
+            s.add_argument("--json", action="store_true",
+                           help="JSON instead of text (list: one record per server per line)")
         return s
 
     add("status", "whether the server runs; its pid, connections and what the home holds")
@@ -68,11 +75,18 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _status(home: Path) -> int:
+def _status(home: Path, as_json: bool = False) -> int:
     sock = socket_path(home)
     state = describe(home)
     running = ping(sock)
     orphans = [s for s in state.servers if not s.home_exists]
+    if as_json:
+        running = running and not orphans
+        print_json({"home": str(home), "exists": state.exists, "running": running, "socket": str(sock),
+                    "pids": [s.pid for s in state.servers], "orphaned_pids": [s.pid for s in orphans],
+                    "connections": (client_count(sock) or 0) if running else None,
+                    "paths": [{"what": what, "path": str(path), "bytes": size} for what, path, size in state.paths]})
+        return EXIT_OK if running else EXIT_ERROR
     if orphans:  # its index directory was deleted under it: what it serves is gone
         pids = ", ".join(str(s.pid) for s in orphans)
         print(f"an orphaned server runs (pid {pids}): its home {home} was deleted under it; "
@@ -114,8 +128,10 @@ def _stop(home: Path, purge_: bool, yes: bool) -> int:
     if not confirm("remove it?", assume_yes=yes):
         print("nothing removed (answer y, or add --yes)", file=sys.stderr)
         return EXIT_ERROR
+    was_running = bool(state.servers) or ping(socket_path(home))
     removed = purge(home)
-    print(f"stopped the index server of {home}; removed {len(removed)} path(s)")
+    said = f"stopped the index server of {home}" if was_running else f"no index server of {home} was running"
+    print(f"{said}; removed {len(removed)} path(s)")
     for path in removed:
         print(f"  {path}")
     for path, why in state.kept:
@@ -123,8 +139,12 @@ def _stop(home: Path, purge_: bool, yes: bool) -> int:
     return EXIT_OK
 
 
-def _list() -> int:
+def _list(as_json: bool = False) -> int:
     servers = find_servers()
+    if as_json:
+        print_json([{"pid": s.pid, "socket": str(s.socket), "home": str(s.home), "home_exists": s.home_exists}
+                    for s in sorted(servers, key=lambda s: str(s.home))])
+        return EXIT_OK
     if not servers:
         print("no embedded index server runs for this user")
         return EXIT_OK
@@ -141,11 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     if a.action == "list":
-        return _list()
+        return _list(a.json)
     home = Path(a.home).resolve()
     if a.action == "start":
         print(ensure_server(home))
         return EXIT_OK
     if a.action == "stop":
         return _stop(home, a.purge, a.yes)
-    return _status(home)
+    return _status(home, a.json)

@@ -107,9 +107,14 @@ def export_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _factory(spec: str) -> Any:
+    """Call ``pkg.mod:factory``. The module is looked up as ``python -m`` would: the current directory first
+    (a console script's ``sys.path`` does not hold it), then the installed packages."""
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
         raise ConfigError(f"--module takes pkg.mod:factory, got {spec!r}", field="module")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         obj: Any = importlib.import_module(mod)
         for part in attr.split("."):
@@ -127,7 +132,8 @@ def import_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="the new model's name")
     p.add_argument("--module", default=None,
                    help="pkg.mod:factory returning the nn.Module the weights are for (names and shapes checked "
-                        "before anything is written; buffers laid out as buffers)")
+                        "before anything is written; buffers laid out as buffers); found in the current "
+                        "directory or the installed packages")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks that will restore it")
     p.add_argument("--dtype", default=None, help="without --module: cast floating-point tensors (bf16, ...)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -24,8 +24,9 @@ is left but what the caller asked for before.
 
 Read side (import), lazy: :func:`open_source` lists a directory or file's
 tensor names, shapes and dtypes from the headers, and reads one tensor at a
-time: safetensors through ``safetensors.safe_open`` (memory-mapped; the
-optional extra ``tierstore[safetensors]``), a ``torch.save`` file through
+time: safetensors through ``safetensors.safe_open`` (memory-mapped; a dependency
+of the base install, imported only here, so an install made with
+``--no-deps`` gets :class:`~tierstore.errors.MissingDependencyError` naming it), a ``torch.save`` file through
 ``torch.load(weights_only=True, mmap=True)`` (never a general unpickler).
 """
 
@@ -329,7 +330,7 @@ class TorchWriter:
 
 def _safetensors() -> Any:
     try:
-        import safetensors  # lazy: an optional dependency (tierstore[safetensors]), only for reading its files
+        import safetensors  # lazy: only reading its files needs it (a base dependency; --no-deps may leave it out)
     except ImportError as e:
         raise MissingDependencyError(f"reading safetensors files needs the safetensors package: {INSTALL_HINT}",
                                      package="safetensors", hint=INSTALL_HINT) from e

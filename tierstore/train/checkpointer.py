@@ -111,11 +111,14 @@ class Checkpointer:
     Args:
         store: an open :class:`~tierstore.store.TierStore`.
         model_name: the key namespace of this job.
-        module, optimizer: the convenience form, ``state={"model": module, "optim": optimizer}``
+        module: with ``optimizer``, the convenience form ``state={"model": module, "optim": optimizer}``
             (a mapping as ``module`` is taken as ``state``).
+        optimizer: the optimizer of ``module`` in the convenience form.
         policy: see :mod:`tierstore.train.policies` (default :func:`exact`).
         state: ``key -> Stateful or value`` (kept by reference, re-read at every save).
-        rank, world_size: see :mod:`tierstore.train.ranks`.
+        rank: this process's rank (default: from ``torch.distributed``, else ``RANK``; see
+            :mod:`tierstore.train.ranks`).
+        world_size: the number of ranks (default: likewise, else ``WORLD_SIZE``).
         layer_fn: ``name -> layer name`` (default: the block, :func:`~tierstore.train.layers.default_layer_fn`).
         group: the gloo group for the Checkpointer's collectives.
         timeout: seconds :meth:`wait` waits for a commit decision.

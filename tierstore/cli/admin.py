@@ -18,7 +18,7 @@ the other commands one JSON document on one line
     du [MODEL]                  bytes per model, tier and kind
     verify MODEL [STEP]         re-read every object from every tier and check its checksum
     watch MODEL                 live commits (pub/sub on ts:{MODEL}:events); --count N, --timeout S
-    gc MODEL                    dry run unless --yes; --keep-last K --keep-durable-every M
+    gc MODEL                    dry run unless --yes; --keep-last K --keep-durable N --keep-durable-every M
     rebuild-index [MODEL] --yes rebuild the index from the durable tier (every model without MODEL)
     delete MODEL                dry run unless --yes: the model's steps, copies per tier, durable manifests
                                 and epoch records; refused while a writer looks live unless --force
@@ -124,9 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=None, help="stop after S seconds (default: until Ctrl-C)")
     s = add("gc", "collect garbage (dry run unless --yes)")
     s.add_argument("model")
-    s.add_argument("--keep-last", type=int, default=2, help="keep the newest K committed steps")
+    s.add_argument("--keep-last", type=int, default=2,
+                   help="memory tiers keep the newest K committed steps (at least 1)")
+    s.add_argument("--keep-durable", type=int, default=1,
+                   help="the durable tier keeps the newest N durable steps (at least 1: the last line)")
     s.add_argument("--keep-durable-every", type=int, default=0,
-                   help="also keep every M-th durable step (default: 0, none)")
+                   help="the durable tier also keeps every M-th durable step (default: 0, none)")
     s.add_argument("--yes", action="store_true", help="really delete (default: a dry run that deletes nothing)")
     s = add("rebuild-index", "rebuild the index from the durable tier (needs --yes)")
     s.add_argument("model", nargs="?", help="the model to rebuild (default: every model in the durable tier)")
@@ -398,10 +401,13 @@ def _cmd_watch(store, a) -> int:
 
 def _cmd_gc(store, a) -> int:
     V.require_model(store, a.model)
-    if a.keep_last < 0 or a.keep_durable_every < 0:
-        print("tierstore admin gc: --keep-last and --keep-durable-every must be >= 0", file=sys.stderr)
+    if a.keep_last < 1 or a.keep_durable < 1 or a.keep_durable_every < 0:
+        print("tierstore admin gc: --keep-last and --keep-durable must be >= 1 (the newest committed step is what "
+              "a running trainer's next step builds on; the newest durable step is the last line), "
+              "--keep-durable-every >= 0", file=sys.stderr)
         return EXIT_USAGE
-    data = store.gc(a.model, Retention(a.keep_last, a.keep_durable_every), dry_run=not a.yes).to_json()
+    data = store.gc(a.model, Retention(a.keep_last, a.keep_durable_every, a.keep_durable),
+                    dry_run=not a.yes).to_json()
     if data["dry_run"]:  # nothing was deleted: say what would be
         data["would_delete"], data["would_free_bytes"] = data.pop("deleted"), data.pop("bytes_freed")
     keys, nbytes = (data["would_delete"], data["would_free_bytes"]) if data["dry_run"] else \
@@ -415,6 +421,11 @@ def _cmd_gc(store, a) -> int:
             c.print(f"  {k}")
         if len(keys) > 20:
             c.print(f"  ... and {len(keys) - 20} more")
+        if d["durable_only"]:
+            c.print(f"durable tier only: steps {d['durable_only']} ({'would release' if d['dry_run'] else 'released'} "
+                    f"{len(d['released'])} memory copies, {human_bytes(d['bytes_released'])})")
+        if d["deferred"]:
+            c.print(f"left for a later pass: {len(d['deferred'])} object(s) of steps whose migration may still finish")
         if d["dry_run"]:
             c.print("dry run: nothing was deleted; add --yes to act")
     _emit(a, data, render)

@@ -44,15 +44,26 @@ def _limit_fds(n: int):
 
 class AgentProc:
     def __init__(self, node_id: str, root: Path, secret_file: Path, extra: list[str], *,
-                 nofile: int | None = None) -> None:
+                 nofile: int | None = None, log: Path | None = None) -> None:
         self.node_id = node_id
         self.root = root
+        self.log = log
         env = dict(os.environ, UCXX_LOG_LEVEL=os.environ.get("UCXX_LOG_LEVEL", "FATAL"))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node_id, "--host-root", str(root),
-             "--secret-file", str(secret_file), *extra],
-            cwd=REPO, stdout=subprocess.PIPE, env=env, preexec_fn=_limit_fds(nofile) if nofile else None)
+        stderr = open(log, "wb") if log is not None else None  # the child writes its own copy
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node_id, "--host-root", str(root),
+                 "--secret-file", str(secret_file), *extra],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, env=env,
+                preexec_fn=_limit_fds(nofile) if nofile else None)
+        finally:
+            if stderr is not None:
+                stderr.close()
         self.port = self._wait_ready(30.0)
+
+    def log_text(self) -> str:
+        """What the agent logged so far (only for an agent started with ``log``)."""
+        return self.log.read_text(errors="replace") if self.log is not None else ""
 
     def _wait_ready(self, timeout: float) -> int:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -93,7 +104,7 @@ class AgentCluster:
     """``n`` agents, ``node0..node{n-1}``, each with its own host root below one /dev/shm dir."""
 
     def __init__(self, n: int, *, extra: list[str] | None = None, secret: bytes = SECRET,
-                 nofile: int | None = None) -> None:
+                 nofile: int | None = None, logs: bool = False) -> None:
         self.base = Path("/dev/shm") / f"ts-test-{uuid.uuid4().hex[:12]}"
         self.base.mkdir(parents=True)
         self.secret = secret
@@ -103,7 +114,7 @@ class AgentCluster:
         try:
             for i in range(n):
                 self.agents.append(AgentProc(f"node{i}", self.base / f"node{i}", self.secret_file, extra or [],
-                                             nofile=nofile))
+                                             nofile=nofile, log=self.base / f"node{i}.log" if logs else None))
         except BaseException:
             self.close()
             raise

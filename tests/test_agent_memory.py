@@ -31,14 +31,14 @@ pytestmark = pytest.mark.ucx
 
 MIB = 1 << 20
 MESSAGE = 4096  # the reported flood: 4 KiB tag messages...
-COUNT = 20_000  # ...80 MiB of them per flood
+COUNT = 20_000  # ...80 MB (78 MiB) of them per flood
 FLOOD = MESSAGE * COUNT
 BURST = 1000
-# The bounds, relative to the flood (80 MiB): one progress step of the worker holds at most 16 reads of 64 KiB
+# The bounds, relative to the flood (78 MiB): one progress step of the worker holds at most 16 reads of 64 KiB
 # (UCX_TCP_MAX_POLL x UCX_TCP_RX_SEG_SIZE), about 2 MiB of descriptors for 4 KiB messages; the rest of the
 # allowance is allocator slack (the C heap and Python's arenas, which keep freed memory around).
-DURING = FLOOD // 8  # 10 MiB while the flood lasts (before the fix: +68 MiB)
-AFTER = FLOOD // 16  # 5 MiB once the flooder left, and after a second flood (before the fix: +60 MiB)
+DURING = FLOOD // 8  # 9.8 MiB while the flood lasts (before the fix: +68 MiB)
+AFTER = FLOOD // 16  # 4.9 MiB once the flooder left, and after a second flood (before the fix: +60 MiB)
 
 
 def _wait_until(cond, timeout: float, step: float = 0.1) -> bool:
@@ -229,14 +229,8 @@ def test_stream_bytes_close_the_connection_that_sends_them(agent):
 
         async def send(n: int) -> int:
             reqs = [flooder.ep._ep.stream_send(Array(msg)) for _ in range(n)]
-            sent = 0
-            for r in reqs:
-                try:
-                    await asyncio.wait_for(r.wait(), 10)
-                    sent += 1
-                except Exception:  # noqa: BLE001 - the agent closed the connection
-                    pass
-            return sent
+            done = await asyncio.gather(*(asyncio.wait_for(r.wait(), 10) for r in reqs), return_exceptions=True)
+            return sum(1 for d in done if not isinstance(d, BaseException))  # failed: the agent closed it
 
         good.start()
         sent = 0
@@ -251,9 +245,7 @@ def test_stream_bytes_close_the_connection_that_sends_them(agent):
         assert sent * MESSAGE < FLOOD // 2, "the agent went on taking stream bytes past its per-peer limit"
         assert _wait_until(lambda: "stream bytes" in proc.log_text() and "max_peer_unexpected_bytes"
                            in proc.log_text(), 10.0), proc.log_text()[-2000:]
-        with pytest.raises(Exception):  # noqa: B017, PT011 - the endpoint is gone; ucxx's error type varies
-            flooder.send(flooder.request(P.Op.PING, ""))
-            flooder.reply(timeout=5)
+        assert flooder.closed_by_agent(10.0)
         flooder.close()
         assert proc.rss_bytes() - before < DURING
         good.once(1)
@@ -273,9 +265,7 @@ def test_a_peer_flooding_its_own_session_tags_is_disconnected(agent):
         _flood(proc, _tag_sender(flooder, tags), count=4 * BURST, closed_by_agent=True)  # up to 16 MiB
         assert _wait_until(lambda: "max_peer_unexpected_bytes" in proc.log_text(), 10.0), proc.log_text()[-2000:]
         assert f"session {flooder.base:#x}" in proc.log_text()
-        with pytest.raises(Exception):  # noqa: B017, PT011 - closed by the agent
-            flooder.send(flooder.request(P.Op.PING, ""))
-            flooder.reply(timeout=5)
+        assert flooder.closed_by_agent(10.0)
         bystander.send(bystander.request(P.Op.PING, ""))
         assert bystander.reply().status == P.Status.OK
         again = _authenticated(proc.port)
@@ -287,14 +277,16 @@ def test_a_peer_flooding_its_own_session_tags_is_disconnected(agent):
 
 def test_departed_peers_leave_nothing_behind(agent):
     """Peers that connect, start a put (the agent reserves its space and posts its receives) and vanish: their
-    endpoints are closed, their receives cancelled, reservations freed, and the memory comes back."""
+    endpoints are closed, their receives cancelled, reservations freed, and the memory comes back. (Before, a
+    cancelled receive could keep its view of the reservation alive inside ucxx, and with it the unlinked
+    segment's pages: a few MiB in shared memory per hundred such puts, for good.)"""
     proc = agent.agents[0]
     root = proc.root
     warm = _authenticated(proc.port)
     warm.close()
     time.sleep(1.5)
-    fds, before = proc.open_fds(), proc.rss_bytes()
-    for i in range(200):
+    fds, before, shm = proc.open_fds(), proc.rss_bytes(), proc.rss_bytes("RssShmem")
+    for i in range(60):
         c = _authenticated(proc.port)
         if i % 2:  # a put of 1 MiB in 16 chunks: READY, the first chunk, then gone
             c.send(c.request(P.Op.PUT, f"gone/{i}", payload_len=MIB, chunk_shift=16))
@@ -303,7 +295,100 @@ def test_departed_peers_leave_nothing_behind(agent):
         c.close()
     assert _wait_until(lambda: not list(root.rglob(".tmp*/*")) and proc.open_fds() <= fds + 2, 30.0), (
         "a departed peer's reservation or endpoint stayed")
+    assert not list(root.rglob("gone/*")), "a put cut short was published"
+    assert _wait_until(lambda: proc.rss_bytes("RssShmem") - shm < MIB // 2, 15.0), (
+        f"the departed peers' reservations kept {(proc.rss_bytes('RssShmem') - shm) / MIB:.1f} MiB of shared memory")
     assert _wait_until(lambda: proc.rss_bytes() - before < 4 * MIB, 15.0), (
-        f"200 departed peers left {(proc.rss_bytes() - before) / MIB:.1f} MiB behind")
+        f"60 departed peers left {(proc.rss_bytes() - before) / MIB:.1f} MiB behind")
     c = _authenticated(proc.port)
     c.close()
+
+
+# -- the accounting, without UCX ---------------------------------------------------------------------------
+class _FakeEndpoint:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def abort(self) -> None:
+        self.closed = True
+
+
+def _fake_agent(**cfg):
+    from types import SimpleNamespace
+
+    from tierstore.cli.agent import AgentConfig
+
+    config = AgentConfig(node_id="n0", host_root="/nonexistent", secret=b"s", **cfg)
+    agent = SimpleNamespace(config=config, stats={}, conns={}, shm_lanes=False)
+    agent.session = lambda base: agent.conns.get(base)
+    agent.live_connections = lambda: list(agent.conns.values())
+    return agent
+
+
+def test_session_base_names_the_session_whatever_the_slot_direction_and_lane():
+    base = P.new_tag_base()
+    for slot in (0, 1, 77, P.MAX_CHUNKS):
+        for to_client in (False, True):
+            for lane in (False, True):
+                assert P.session_base(P.tag(base, slot, to_client=to_client, lane=lane)) == base
+    assert P.session_base(0) == 0 and P.session_base((1 << 64) - 1) == ((1 << 63) - 1) & ~((1 << 24) - 1)
+
+
+def test_a_connection_is_closed_past_its_budget_of_unasked_bytes(caplog):
+    from tierstore.cli.agent_conn import Connection
+    from tierstore.cli.agent_unasked import UNEXPECTED_MESSAGE_COST, Unasked
+
+    agent = _fake_agent(max_peer_unexpected_bytes=10_000)
+    unasked = Unasked(agent)
+    ep = _FakeEndpoint()
+    conn = Connection(agent, ep, P.new_tag_base())
+    agent.conns[conn.session.tag_base] = conn
+    other = Connection(agent, _FakeEndpoint(), P.new_tag_base())
+    agent.conns[other.session.tag_base] = other
+    with caplog.at_level("WARNING", logger="tierstore.cli.agent"):
+        for _ in range(2):
+            unasked.charge_tag(P.tag(conn.session.tag_base, 9), 4096)
+        assert not conn.closed and conn.unexpected_bytes == 2 * (4096 + UNEXPECTED_MESSAGE_COST)
+        unasked.charge_tag(P.tag(P.new_tag_base(), 9), 4096)  # nobody's session: counted, charged to no one
+        assert agent.stats["untraced_messages"] == 1 and not conn.closed and not other.closed
+        unasked.charge_tag(P.tag(conn.session.tag_base, 1), 4096)
+    assert conn.closed and ep.closed and not other.closed
+    assert agent.stats["abusive_closed"] == 1 and agent.stats["dropped_messages"] == 4
+    assert "max_peer_unexpected_bytes" in caplog.text and f"{conn.session.tag_base:#x}" in caplog.text
+    assert "max_peer_unexpected_bytes" in conn.close_reason
+
+
+def test_drops_are_reported_once_per_interval_and_the_heap_trimmed_when_quiet(monkeypatch, caplog):
+    import tierstore.cli.agent_unasked as U
+
+    trims: list[int] = []
+    monkeypatch.setattr(U, "trim_heap", lambda: trims.append(1))
+    agent = _fake_agent(report_interval_s=10.0)
+    unasked = U.Unasked(agent)
+    t0 = unasked._reported_at
+    with caplog.at_level("WARNING", logger="tierstore.cli.agent"):
+        unasked.report(t0 + 11)  # nothing happened: no line, nothing to trim
+        assert caplog.text == "" and trims == []
+        for _ in range(3):
+            unasked.charge_tag(P.tag(P.new_tag_base(), 5), 100)
+        unasked.report(t0 + 15)  # not a whole interval since the last report
+        assert caplog.text == ""
+        unasked.report(t0 + 22)
+        assert "dropped 3 tag messages (300 bytes; 3 under no live session" in caplog.text and trims == []
+        unasked.report(t0 + 33)  # a quiet interval after the drops: trimmed, no line
+        assert caplog.text.count("dropped") == 1 and trims == [1]
+        unasked.report(t0 + 44)
+        assert trims == [1]
+        unasked.departed()  # a connection ended: its memory may be back in the heap
+        unasked.report(t0 + 55)
+        assert trims == [1, 1]
+
+
+def test_agent_config_refuses_a_negative_budget():
+    from tierstore.cli.agent import AgentConfig
+    from tierstore.errors import ConfigError
+
+    for bad in ({"max_peer_unexpected_bytes": -1}, {"report_interval_s": 0}, {"sweep_interval_s": -1}):
+        with pytest.raises(ConfigError):
+            AgentConfig(node_id="n0", host_root="/x", secret=b"s", **bad)
+    assert AgentConfig(node_id="n0", host_root="/x", secret=b"s").max_peer_unexpected_bytes == 1 << 20

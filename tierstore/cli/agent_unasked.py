@@ -121,9 +121,12 @@ class Unasked:
                 self.poll_sinks()
             self.report()
 
-    def report(self) -> None:
-        """Log what was dropped since the last report (once per ``report_interval_s`` at most); trim when quiet."""
-        now = time.monotonic()
+    def report(self, now: float | None = None) -> None:
+        """Log what was dropped since the last report (once per ``report_interval_s`` at most); trim when quiet.
+
+        ``now``: the ``time.monotonic()`` reading to use (tests pass their own clock).
+        """
+        now = time.monotonic() if now is None else now
         if now - self._reported_at < self.config.report_interval_s:
             return
         stats = self.agent.stats

@@ -161,10 +161,15 @@ class UnexpectedDrain:
         ucxx's blocking and polling progress modes call the worker's
         ``progress()`` (which loops ``ucp_worker_progress`` until nothing
         happens); it is replaced by at most ``rounds`` single steps, each
-        followed by :meth:`drain` (and ``after``), then ucxx's cancellation
-        of the requests of closed endpoints. Returns ``None`` when installed,
-        or why not (ucxx's progress thread mode, other internals): the caller
-        should then drain on a timer.
+        followed by :meth:`drain`, then ucxx's cancellation of the requests
+        of closed endpoints, a last drain and ``after`` (the agent polls its
+        stream sinks there: once per call, not per step, as their cost grows
+        with the connections). A call that used all its rounds returns with
+        work left; ucxx's loop calls again after one pass of the event loop
+        (the worker refuses to arm while events are pending), so the
+        agent's coroutines run during a flood. Returns ``None`` when
+        installed, or why not (ucxx's progress thread mode, other
+        internals): the caller should then drain on a timer.
         """
         ucxx = import_ucxx()
         try:
@@ -185,7 +190,7 @@ class UnexpectedDrain:
 
 
 class _DrainingWorker:
-    """ucxx's worker as its progress task sees it: ``progress()`` drains after each step."""
+    """ucxx's worker as its progress task sees it: ``progress()`` drains after each step (see ``install``)."""
 
     def __init__(self, worker: Any, drain: Callable[[], object], after: Callable[[], object] | None,
                  rounds: int) -> None:
@@ -197,10 +202,10 @@ class _DrainingWorker:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._worker, name)
 
-    def _settle(self) -> None:
+    def _settle(self, *, last: bool) -> None:
         try:
             self._drain()
-            if self._after is not None:
+            if last and self._after is not None:
                 self._after()
         except Exception:  # never let accounting stop the worker's progress
             log.exception("draining after a progress step failed")
@@ -212,12 +217,12 @@ class _DrainingWorker:
             if not worker.progress_once():
                 break
             busy = True
-            self._settle()
+            self._settle(last=False)
         # requests of endpoints closed since (ucxx's own progress() does this after its loop); their
         # completions run in the next step
         if worker.cancel_inflight_requests():
             worker.progress_once()
-        self._settle()
+        self._settle(last=True)
         return busy
 
 
@@ -227,10 +232,11 @@ class StreamSink:
     ucxx exchanges its peer information over the stream API when an
     endpoint is created; after that the agent's protocol never uses streams,
     so every stream byte is junk. Without a posted receive UCX would queue
-    it per endpoint. :meth:`poll` (called after each progress step) takes
-    completed receives, counts their bytes and posts the next; ``on_data``
-    is called with the count. :meth:`close` drops the buffer (aborting the
-    endpoint cancels the receive).
+    it per endpoint. :meth:`poll` (called after each ``progress()`` of the
+    worker, at most 16 steps of at most 64 KiB per socket over TCP) takes
+    completed receives, counts their bytes and posts the next, up to 64 at
+    a time; ``on_data`` is called with the count. :meth:`close` stops
+    counting (aborting the endpoint cancels the receive).
 
     Args:
         ep: the ``ucxx`` endpoint (its ``_ep`` posts the receive).
@@ -238,7 +244,7 @@ class StreamSink:
         size: the buffer's size.
     """
 
-    def __init__(self, ep: Any, on_data: Callable[[int], None], *, size: int = 64 << 10) -> None:
+    def __init__(self, ep: Any, on_data: Callable[[int], None], *, size: int = 16 << 10) -> None:
         from ucxx._lib.arr import Array  # lazy: optional dependency
 
         self._ep = ep

@@ -321,7 +321,6 @@ def _fake_agent(**cfg):
     config = AgentConfig(node_id="n0", host_root="/nonexistent", secret=b"s", **cfg)
     agent = SimpleNamespace(config=config, stats={}, conns={}, shm_lanes=False)
     agent.session = lambda base: agent.conns.get(base)
-    agent.live_connections = lambda: list(agent.conns.values())
     return agent
 
 

@@ -94,7 +94,7 @@ class AgentConfig:
     request-frame buffers (``2 * REQUEST_FRAME_SIZE``) and UCX's endpoint
     state, at most ``max_unauthenticated`` such connections at a time, each
     for at most ``handshake_timeout_s``; every connection also holds one
-    64 KiB stream buffer. What peers send unasked is bounded in all by one
+    16 KiB stream buffer. What peers send unasked is bounded in all by one
     progress step of the worker (unexpected tag messages are dropped after
     each; over TCP a step reads at most ``UCX_TCP_MAX_POLL`` times
     ``UCX_TCP_RX_SEG_SIZE``, 16 x 64 KiB, each message costing UCX up to a
@@ -376,9 +376,6 @@ class Agent:
         """The live connection whose session has ``tag_base``, if any."""
         conn = self._by_base.get(tag_base)
         return conn if conn is not None and not conn.closed else None
-
-    def live_connections(self) -> list[Connection]:
-        return [c for c in self._conns if not c.closed]
 
     def connections(self) -> tuple[int, int]:
         """(open connections, of which not yet authenticated)."""

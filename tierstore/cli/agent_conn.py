@@ -131,7 +131,7 @@ class Connection:
     # -- lifecycle ---------------------------------------------------------------
     async def serve(self) -> None:
         try:
-            self.sink = StreamSink(self.tcp.ep, self._stream_bytes)
+            self.sink = self.agent.unasked.open_sink(self.tcp.ep, self._stream_bytes)
             frame = bytearray(P.REQUEST_FRAME_SIZE)
             first = self._post(frame, 0)
             flags = P.CHALLENGE_FLAG_LANE if self.agent.shm_lanes else 0
@@ -151,7 +151,7 @@ class Connection:
             return
         self.closed = True
         if self.sink is not None:
-            self.sink.close()
+            self.agent.unasked.close_sink(self.sink)
         for ch in (self.out, self.tcp):
             if not ch.ep.closed:
                 ch.ep.abort()

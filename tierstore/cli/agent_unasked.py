@@ -2,12 +2,14 @@
 
 Protocol: :class:`tierstore.cli.agent.Agent` creates one :class:`Unasked`,
 calls :meth:`Unasked.start` once its listener exists, :meth:`departed` when
-a connection ends and :meth:`stop` on shutdown. :meth:`start` installs the
-drain of UCX's unexpected queue after every progress step of the worker
-(:class:`backends.ucx_server.UnexpectedDrain`, which also polls every
-connection's :class:`~backends.ucx_server.StreamSink`) and a timer task that
-drains again every ``sweep_interval_s`` (the only drain where ucxx runs its
-own progress thread) and reports every ``report_interval_s``.
+a connection ends and :meth:`stop` on shutdown; each connection opens its
+stream sink with :meth:`open_sink` and closes it with :meth:`close_sink`.
+:meth:`start` installs the drain of UCX's unexpected queue after every
+progress step of the worker (:meth:`backends.ucx_server.UnexpectedDrain.install`;
+the sinks are polled after each ``progress()``, at most 16 steps) and a
+timer task that drains and polls again every ``sweep_interval_s`` (the only
+drain where ucxx runs its own progress thread) and reports every
+``report_interval_s``.
 
 Tracing: a tag message's tag carries a session's tag base
 (:func:`backends.agent_protocol.session_base`); when that session is live
@@ -29,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from backends import agent_protocol as P
-from backends.ucx_server import UnexpectedDrain
+from backends.ucx_server import StreamSink, UnexpectedDrain
 
 if TYPE_CHECKING:  # the agent imports this module; only the type is needed here
     from tierstore.cli.agent import Agent
@@ -69,6 +72,7 @@ class Unasked:
         for name in STATS:
             agent.stats.setdefault(name, 0)
         self.drain: UnexpectedDrain | None = None
+        self._sinks: set[StreamSink] = set()
         self.on_every_step = False  # the drain runs after every progress step (not only on the timer)
         self._task: asyncio.Task | None = None
         self._reported = {name: 0 for name in STATS}
@@ -105,11 +109,19 @@ class Unasked:
         else:
             conn.charge(length + UNEXPECTED_MESSAGE_COST, "tag messages no receive was posted for")
 
+    def open_sink(self, ep: Any, on_data: Callable[[int], None]) -> StreamSink:
+        """A :class:`~backends.ucx_server.StreamSink` on ``ep``, polled until :meth:`close_sink`."""
+        sink = StreamSink(ep, on_data)
+        self._sinks.add(sink)
+        return sink
+
+    def close_sink(self, sink: StreamSink) -> None:
+        self._sinks.discard(sink)
+        sink.close()
+
     def poll_sinks(self) -> None:
-        for conn in self.agent.live_connections():
-            sink = conn.sink
-            if sink is not None:
-                sink.poll()
+        for sink in tuple(self._sinks):  # a poll may close its connection, and with it the sink
+            sink.poll()
 
     async def _run(self) -> None:
         sweep = self.config.sweep_interval_s

@@ -19,8 +19,10 @@ below ucxx's public API, that do it:
   after *every* ``ucp_worker_progress`` of the worker (the unit in which UCX
   reads from its transports), so the unexpected queue never holds more than
   one progress step's worth of messages: at most ``UCX_TCP_MAX_POLL``
-  (16) reads of ``UCX_TCP_RX_SEG_SIZE`` (64 KiB) over TCP, 16 FIFO elements
-  over shared memory. A flood faster than the drain is held back by the
+  (16) reads of ``UCX_TCP_RX_SEG_SIZE`` (64 KiB) over TCP (measured: at most
+  15 messages of 4 KiB, or about 1300 empty ones, per step from one flooding
+  peer), 16 FIFO elements over shared memory. A flood faster than the drain
+  is held back by the
   transport itself (the agent reads a socket again only once it has
   drained), not buffered.
 * :class:`StreamSink` keeps one stream receive posted on an endpoint, so

@@ -136,6 +136,7 @@ __all__ = [
     "pack_challenge",
     "pack_reply",
     "pack_request",
+    "session_base",
     "sign",
     "tag",
     "unpack_challenge",
@@ -257,6 +258,11 @@ def tag(base: int, slot: int, *, to_client: bool = False, lane: bool = False) ->
     if not 0 <= slot <= _SLOT_MASK:
         raise ValueError(f"slot {slot} out of range")
     return base | slot | (_TO_CLIENT if to_client else 0) | (_LANE_BIT if lane else 0)
+
+
+def session_base(tag_value: int) -> int:
+    """The session tag base that ``tag_value`` carries (bits 24..62), whatever its slot, direction and lane bits."""
+    return tag_value & ~(_LANE_BIT | _TO_CLIENT | _SLOT_MASK) & ((1 << 64) - 1)
 
 
 @functools.lru_cache(maxsize=1)

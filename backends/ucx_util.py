@@ -22,6 +22,16 @@ Defaults (measured on a 2-core loopback host):
   (~4.9 against ~3 GB/s). The agent offers lanes only while CMA is
   excluded (:func:`cma_excluded`).
 
+A process that serves peers (the node agent) asks :func:`import_ucxx` for
+``server=True``, which adds :data:`UCX_SERVER_ENV_DEFAULTS`:
+
+* ``UCX_LOG_LEVEL=error``: a peer can make UCX warn once per message it
+  sends (an active message, which the agent does not accept, is dropped
+  with a warning and a backtrace), so a flood would become a log flood.
+* ``UCX_LOG_FILE=stderr``: UCX's log goes where the agent's own log goes;
+  stdout carries only the agent's ready line (UCX writes to stdout by
+  default, and a full stdout pipe nobody reads would block the agent).
+
 ``UCX_NET_DEVICES`` is a default only: inside a network namespace (the
 testbed's ``--netns`` nodes) it must name that namespace's interface, since
 ``lo`` there reaches no other node and UCX's TCP transport would advertise
@@ -30,7 +40,7 @@ are not affected by it.
 
 Besides the environment, this module holds the few calls that reach below
 ucxx's public asynchronous API (tag receives posted synchronously, draining
-unexpected messages): :func:`post_recv`, :func:`drain_unexpected`.
+unexpected messages is :mod:`backends.ucx_server`'s): :func:`post_recv`.
 """
 
 from __future__ import annotations
@@ -46,9 +56,9 @@ from tierstore.errors import MissingDependencyError
 
 __all__ = [
     "UCX_ENV_DEFAULTS",
+    "UCX_SERVER_ENV_DEFAULTS",
     "apply_ucx_env_defaults",
     "cma_excluded",
-    "drain_unexpected",
     "import_ucxx",
     "post_recv",
     "ucx_loop",
@@ -63,22 +73,28 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_TLS": "^cma",
 }
 
+#: added for a process that serves peers (see the module docstring)
+UCX_SERVER_ENV_DEFAULTS: dict[str, str] = {
+    "UCX_LOG_LEVEL": "error",
+    "UCX_LOG_FILE": "stderr",
+}
+
 _ucxx: ModuleType | None = None
-_low: Any = None  # ucxx's Array, Tag, TagMask, TagMaskFull, filled by import_ucxx
-_SCRATCH = bytearray(1)  # where drained messages are received (truncated): never read
+_low: Any = None  # ucxx's Array, Tag, TagMaskFull, filled by import_ucxx
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_pid: int | None = None
 _loop_lock = threading.Lock()
 
 
-def apply_ucx_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set each of :data:`UCX_ENV_DEFAULTS` in ``environ`` (default ``os.environ``) where unset.
+def apply_ucx_env_defaults(environ: MutableMapping[str, str] | None = None, *, server: bool = False) -> dict[str, str]:
+    """Set each of :data:`UCX_ENV_DEFAULTS` (and with ``server`` :data:`UCX_SERVER_ENV_DEFAULTS`) where unset.
 
-    Returns the variables it set. Has an effect only before ``ucxx`` is imported.
+    ``environ`` defaults to ``os.environ``. Returns the variables it set.
+    Has an effect only before ``ucxx`` is imported.
     """
     env = os.environ if environ is None else environ
     applied = {}
-    for name, value in UCX_ENV_DEFAULTS.items():
+    for name, value in {**UCX_ENV_DEFAULTS, **(UCX_SERVER_ENV_DEFAULTS if server else {})}.items():
         if name not in env:
             env[name] = value
             applied[name] = value
@@ -97,15 +113,19 @@ def cma_excluded(environ: MutableMapping[str, str] | None = None) -> bool:
     return not set(tls.split(",")) & _SHM_ALIASES
 
 
-def import_ucxx() -> ModuleType:
+def import_ucxx(*, server: bool = False) -> ModuleType:
     """Apply the environment defaults, then import and return ``ucxx``.
+
+    ``server``: this process serves peers (the node agent): the server
+    defaults too. Only the first call of a process imports, so a server
+    must make it before anything else reaches ``ucxx``.
 
     Raises:
         MissingDependencyError: ``ucxx`` is not installed or cannot load its libraries.
     """
     global _ucxx, _low
     if _ucxx is None:
-        apply_ucx_env_defaults()
+        apply_ucx_env_defaults(server=server)
         try:
             import ucxx  # lazy: optional dependency (tierstore[ucx]); its import also reads the UCX environment
         except Exception as e:  # ImportError, or OSError from a missing libucx
@@ -114,10 +134,10 @@ def import_ucxx() -> ModuleType:
                 "`pip install ucxx-cu12` (or `pip install tierstore[ucx]`)",
                 package="ucxx-cu12",
             ) from e
-        from ucxx._lib.arr import Array  # lazy: optional dependency; used by post_recv/drain_unexpected
-        from ucxx.types import Tag, TagMask, TagMaskFull  # lazy: optional dependency, as above
+        from ucxx._lib.arr import Array  # lazy: optional dependency; used by post_recv
+        from ucxx.types import Tag, TagMaskFull  # lazy: optional dependency, as above
 
-        _low = SimpleNamespace(Array=Array, Tag=Tag, TagMask=TagMask, TagMaskFull=TagMaskFull)
+        _low = SimpleNamespace(Array=Array, Tag=Tag, TagMaskFull=TagMaskFull)
         _ucxx = ucxx
     return _ucxx
 
@@ -158,7 +178,7 @@ def post_recv(ep: Any, buf: Any, tag: int) -> asyncio.Future:
     it before sending the message that makes the peer send (the agent posts
     a request's payload receives before answering ``READY``). A message whose
     receive is posted never waits in UCX's unexpected queue, which
-    :func:`drain_unexpected` empties. Aborting ``ep`` cancels the receive.
+    :class:`backends.ucx_server.UnexpectedDrain` empties. Aborting ``ep`` cancels the receive.
     Call on the thread that runs the event loop.
     """
     ucxx = import_ucxx()
@@ -175,39 +195,3 @@ def post_recv(ep: Any, buf: Any, tag: int) -> asyncio.Future:
 async def _completion(req: Any, arr: Any) -> Any:
     # holds the Array (and through it the buffer) until UCX is done with it: UCX writes through a raw pointer
     return await req.wait()
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()  # truncation is the expected outcome; never read
-
-
-def drain_unexpected(limit: int = 100_000) -> tuple[int, int]:
-    """Receive and drop tag messages that arrived with no receive posted for them.
-
-    UCX keeps such messages (eager ones with their data) in the worker's
-    unexpected queue until someone receives them, whatever their sender; a
-    peer that sends tags nobody receives grows this process's memory. Each is
-    received, truncated, into a one-byte scratch buffer: an eager message's
-    buffer is freed, a rendezvous message's data is never transferred (its
-    sender completes). Only for a process whose receives are all posted
-    before their messages can arrive (the node agent, see
-    :func:`post_recv`): anything else in the queue is taken for junk.
-
-    Returns:
-        (messages, bytes) dropped, at most ``limit`` messages per call.
-    """
-    ucxx = import_ucxx()
-    low = _low
-    worker = ucxx.core._get_ctx().worker  # the process's one worker; probing with mask 0 needs it directly
-    n = nbytes = 0
-    while n < limit:
-        probe = worker.tag_probe(low.Tag(0), low.TagMask(0), remove=True)
-        if not probe.matched:
-            break
-        n += 1
-        nbytes += probe.length
-        arr = low.Array(_SCRATCH)
-        req = worker.tag_recv_with_handle(arr, probe)
-        asyncio.ensure_future(_completion(req, arr)).add_done_callback(_consume)
-    return n, nbytes

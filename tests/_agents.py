@@ -44,15 +44,28 @@ def _limit_fds(n: int):
 
 class AgentProc:
     def __init__(self, node_id: str, root: Path, secret_file: Path, extra: list[str], *,
-                 nofile: int | None = None) -> None:
+                 nofile: int | None = None, log: Path | None = None, repo: Path = REPO) -> None:
         self.node_id = node_id
         self.root = root
+        self.log = log
         env = dict(os.environ, UCXX_LOG_LEVEL=os.environ.get("UCXX_LOG_LEVEL", "FATAL"))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node_id, "--host-root", str(root),
-             "--secret-file", str(secret_file), *extra],
-            cwd=REPO, stdout=subprocess.PIPE, env=env, preexec_fn=_limit_fds(nofile) if nofile else None)
+        if repo != REPO:  # another checkout's agent (a benchmark's baseline)
+            env["PYTHONPATH"] = str(repo)
+        stderr = open(log, "wb") if log is not None else None  # the child writes its own copy
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tierstore.cli.agent", "--node-id", node_id, "--host-root", str(root),
+                 "--secret-file", str(secret_file), *extra],
+                cwd=repo, stdout=subprocess.PIPE, stderr=stderr, env=env,
+                preexec_fn=_limit_fds(nofile) if nofile else None)
+        finally:
+            if stderr is not None:
+                stderr.close()
         self.port = self._wait_ready(30.0)
+
+    def log_text(self) -> str:
+        """What the agent logged so far (only for an agent started with ``log``)."""
+        return self.log.read_text(errors="replace") if self.log is not None else ""
 
     def _wait_ready(self, timeout: float) -> int:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -68,12 +81,12 @@ class AgentProc:
 
         return PeerAddress(self.node_id, "127.0.0.1", self.port)
 
-    def rss_bytes(self) -> int:
-        """The agent process's resident memory."""
+    def rss_bytes(self, field: str = "VmRSS") -> int:
+        """The agent process's resident memory (``/proc/<pid>/status``: ``VmRSS``, or ``RssAnon``, ``RssShmem``)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
+        raise RuntimeError(f"no {field}")
 
     def open_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
@@ -93,7 +106,7 @@ class AgentCluster:
     """``n`` agents, ``node0..node{n-1}``, each with its own host root below one /dev/shm dir."""
 
     def __init__(self, n: int, *, extra: list[str] | None = None, secret: bytes = SECRET,
-                 nofile: int | None = None) -> None:
+                 nofile: int | None = None, logs: bool = False, repo: Path = REPO) -> None:
         self.base = Path("/dev/shm") / f"ts-test-{uuid.uuid4().hex[:12]}"
         self.base.mkdir(parents=True)
         self.secret = secret
@@ -103,7 +116,8 @@ class AgentCluster:
         try:
             for i in range(n):
                 self.agents.append(AgentProc(f"node{i}", self.base / f"node{i}", self.secret_file, extra or [],
-                                             nofile=nofile))
+                                             nofile=nofile, log=self.base / f"node{i}.log" if logs else None,
+                                             repo=repo))
         except BaseException:
             self.close()
             raise
@@ -142,6 +156,7 @@ class RawClient:
         self.challenge = P.unpack_challenge(frame)
         self.session = P.ClientSession(secret, self.challenge)
         self.base = self.challenge.tag_base
+        self._reply_size = P.REPLY_FRAME_SIZE
 
     def run(self, coro, timeout: float = 20.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -170,6 +185,14 @@ class RawClient:
         buf = bytearray(P.REPLY_FRAME_SIZE)
         self.recv(buf, 0, timeout)
         return P.unpack_reply(buf)
+
+    def closed_by_agent(self, timeout: float) -> bool:
+        """Whether a receive fails (the agent aborted its end) within ``timeout`` seconds."""
+        try:
+            self.recv(bytearray(self._reply_size), slot=0, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - any transport error means closed
+            return not isinstance(e, TimeoutError)
+        return False
 
     def close(self) -> None:
         async def _abort():

@@ -154,11 +154,7 @@ def test_frames_resent_on_the_same_connection_are_refused(agent):
 # -- timeouts ------------------------------------------------------------------------------
 def _closed_by_agent(c: RawClient, timeout: float) -> bool:
     """Whether a receive on ``c`` fails (the agent aborted its end) within ``timeout`` seconds."""
-    try:
-        c.recv(bytearray(P.REPLY_FRAME_SIZE), slot=0, timeout=timeout)
-    except Exception as e:  # noqa: BLE001 - any transport error means closed
-        return not isinstance(e, TimeoutError)
-    return False
+    return c.closed_by_agent(timeout)
 
 
 @pytest.fixture

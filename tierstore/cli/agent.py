@@ -29,9 +29,18 @@ freed. At most ``max_connections`` connections are served (fewer if the fd
 limit cannot fit them) and at most ``max_unauthenticated`` of them before
 their first authentic request: a new one evicts the oldest unauthenticated
 one, so a flood of idle connections cannot lock out a peer that has the
-secret. Tag messages nobody receives are dropped every ``sweep_interval_s``
-(:func:`backends.ucx_util.drain_unexpected`), so they cannot grow the
-agent's memory. The serving of one connection is :mod:`tierstore.cli.agent_conn`.
+secret. The serving of one connection is :mod:`tierstore.cli.agent_conn`.
+
+Memory a peer sends unasked (:mod:`backends.ucx_server`): the agent's UCX
+context has no active messages (they are dropped as they arrive); tag
+messages no receive is posted for are received and dropped right after every
+progress step of the worker, so UCX's unexpected queue never holds more than
+one step's worth; stream bytes land in one posted buffer per connection.
+What can be traced to a session (a tag under its session's base, stream
+bytes on its endpoint) is charged to that connection, and one charged more
+than ``max_peer_unexpected_bytes`` is closed with a logged reason. Drops are
+logged once per ``report_interval_s``, and after a flood the agent hands the
+freed heap back to the system.
 
 Network note: ``ucxx`` listeners bind every interface of the agent's network
 namespace (ucxx has no bind address); ``host`` is only the address advertised
@@ -63,14 +72,16 @@ from typing import Any
 from backends import agent_protocol as P
 from backends.base import Backend
 from backends.host import HostBackend
-from backends.ucx_util import cma_excluded, drain_unexpected, import_ucxx
+from backends.ucx_server import init_server_context
+from backends.ucx_util import cma_excluded, import_ucxx
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
 from tierstore.cli.agent_conn import Connection
+from tierstore.cli.agent_unasked import UNEXPECTED_MESSAGE_COST, Unasked
 from tierstore.cli.common import HelpFormatter
 from tierstore.errors import ConfigError, TierStoreError
 
-__all__ = ["Agent", "AgentConfig", "DigestCache", "NodeRegistration", "main", "run_agent"]
+__all__ = ["UNEXPECTED_MESSAGE_COST", "Agent", "AgentConfig", "DigestCache", "NodeRegistration", "main", "run_agent"]
 
 log = logging.getLogger("tierstore.cli.agent")
 
@@ -82,11 +93,17 @@ class AgentConfig:
     Memory bound: before its first authentic request a connection holds two
     request-frame buffers (``2 * REQUEST_FRAME_SIZE``) and UCX's endpoint
     state, at most ``max_unauthenticated`` such connections at a time, each
-    for at most ``handshake_timeout_s``; unexpected tag messages live at most
-    ``sweep_interval_s``. Only an authentic put reserves memory: one
-    reservation of its object's size (at most ``max_object_bytes``) per
-    channel, freed if its payload stalls ``header_timeout_s`` or takes longer
-    than ``io_timeout_s``. Gets send from the stored mapping, without a copy.
+    for at most ``handshake_timeout_s``; every connection also holds one
+    16 KiB stream buffer. What peers send unasked is bounded in all by one
+    progress step of the worker (unexpected tag messages are dropped after
+    each; over TCP a step reads at most ``UCX_TCP_MAX_POLL`` times
+    ``UCX_TCP_RX_SEG_SIZE``, 16 x 64 KiB, each message costing UCX up to a
+    segment), and per connection by ``max_peer_unexpected_bytes`` of what
+    can be traced to it (see :mod:`backends.ucx_server`). Only an authentic
+    put reserves memory: one reservation of its object's size (at most
+    ``max_object_bytes``) per channel, freed if its payload stalls
+    ``header_timeout_s`` or takes longer than ``io_timeout_s``. Gets send
+    from the stored mapping, without a copy.
 
     Attributes:
         node_id: this node's id (a validated name segment).
@@ -103,7 +120,12 @@ class AgentConfig:
         header_timeout_s: after ``READY`` (and between payload chunks) the payload must progress within this.
         max_connections: connections served at once (lowered to what the fd limit fits).
         max_unauthenticated: connections without an authentic request yet; a new one evicts the oldest.
-        sweep_interval_s: how often unexpected tag messages are dropped (0: never; only for tests).
+        sweep_interval_s: how often the agent also drains on a timer, besides after every progress step
+            (0: never; the only drain where ucxx runs its own progress thread).
+        max_peer_unexpected_bytes: what one connection may send unasked (tag messages under its session's
+            tags, each costing its length plus :data:`UNEXPECTED_MESSAGE_COST`; stream bytes) before it is
+            closed; a well-behaved peer sends none.
+        report_interval_s: dropped messages are logged at most this often (one line with the totals).
         shm_lanes: offer same-host clients a shared-memory lane (see :mod:`backends.agent_protocol`);
             only while UCX's CMA transport is excluded (:func:`backends.ucx_util.cma_excluded`).
         ttl_s / heartbeat_s: registration TTL and its refresh period.
@@ -124,6 +146,8 @@ class AgentConfig:
     max_connections: int = 256
     max_unauthenticated: int = 32
     sweep_interval_s: float = 0.2
+    max_peer_unexpected_bytes: int = 1 << 20
+    report_interval_s: float = 10.0
     shm_lanes: bool = True
     ttl_s: float = 10.0
     heartbeat_s: float = 3.0
@@ -140,6 +164,10 @@ class AgentConfig:
                 raise ConfigError(f"{name} must be > 0", field=name)
         if self.max_connections < 1 or self.max_unauthenticated < 1:
             raise ConfigError("max_connections and max_unauthenticated must be >= 1", field="max_connections")
+        if self.max_peer_unexpected_bytes < 0:
+            raise ConfigError("max_peer_unexpected_bytes must be >= 0", field="max_peer_unexpected_bytes")
+        if self.sweep_interval_s < 0 or not self.report_interval_s > 0:
+            raise ConfigError("sweep_interval_s must be >= 0 and report_interval_s > 0", field="sweep_interval_s")
 
 
 class NodeRegistration:
@@ -265,7 +293,8 @@ class Agent:
     Use :meth:`serve` inside an event loop (it returns after :meth:`stop`), or
     :func:`run_agent` for a whole process with signal handling. The process's
     UCX worker must serve this agent only (no peer-tier client in the same
-    process): the sweeper drops every tag message no receive was posted for.
+    process), and :meth:`start` creates it (:func:`backends.ucx_server.init_server_context`): the agent drops
+    every tag message no receive was posted for.
     """
 
     def __init__(self, config: AgentConfig, backend: Backend | None = None, *, index: Index | None = None) -> None:
@@ -276,15 +305,15 @@ class Agent:
         self.port: int | None = None
         self.max_connections = config.max_connections
         self.shm_lanes = config.shm_lanes
-        self.stats = {"refused": 0, "evicted": 0, "dropped_messages": 0, "dropped_bytes": 0}
+        self.stats = {"refused": 0, "evicted": 0}
         self._conns: dict[Connection, None] = {}  # in accept order
-        self._bases: set[int] = set()
+        self._by_base: dict[int, Connection] = {}  # each live session's tag base
+        self.unasked = Unasked(self)  # adds its counters to stats
         self._listener: Any = None
-        self._sweeper: asyncio.Task | None = None
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._registration: NodeRegistration | None = None
-        self.ucxx = import_ucxx()
+        self.ucxx = import_ucxx(server=True)
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> int:
@@ -300,10 +329,13 @@ class Agent:
         if self.config.shm_lanes and not self.shm_lanes:
             log.warning("UCX_TLS=%s allows CMA: no shared-memory lanes (a client dying mid-transfer would abort "
                         "this agent); exclude it (UCX_TLS=^cma) to offer them", os.environ.get("UCX_TLS"))
+        why = init_server_context()
+        if why is not None:
+            log.warning("the agent's UCX context accepts active messages (%s): ucxx keeps those no one receives",
+                        why)
         self._listener = self.ucxx.create_listener(self._serve_connection, port=self.config.port)
         self.port = int(self._listener.port)
-        if self.config.sweep_interval_s > 0:
-            self._sweeper = asyncio.ensure_future(self._sweep())
+        self.unasked.start(self._loop)
         index = self._index
         if index is None and self.config.redis_url:
             index = self._index = Index(self.config.redis_url)
@@ -328,8 +360,7 @@ class Agent:
         finally:
             if self._registration is not None:
                 await asyncio.to_thread(self._registration.stop)
-            if self._sweeper is not None:
-                self._sweeper.cancel()
+            self.unasked.stop()
             self._listener.close()
             for conn in list(self._conns):
                 conn.close()
@@ -341,6 +372,11 @@ class Agent:
             self._loop.call_soon_threadsafe(self._stopped.set)
 
     # -- connections ---------------------------------------------------------------
+    def session(self, tag_base: int) -> Connection | None:
+        """The live connection whose session has ``tag_base``, if any."""
+        conn = self._by_base.get(tag_base)
+        return conn if conn is not None and not conn.closed else None
+
     def connections(self) -> tuple[int, int]:
         """(open connections, of which not yet authenticated)."""
         live = [c for c in self._conns if not c.closed]
@@ -367,25 +403,17 @@ class Agent:
             ep.abort()
             return
         base = P.new_tag_base()
-        while base in self._bases:
+        while base in self._by_base:
             base = P.new_tag_base()
         conn = Connection(self, ep, base)
-        self._bases.add(base)
+        self._by_base[base] = conn
         self._conns[conn] = None
         try:
             await conn.serve()
         finally:
             self._conns.pop(conn, None)
-            self._bases.discard(base)
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
-            n, nbytes = drain_unexpected()
-            if n:
-                self.stats["dropped_messages"] += n
-                self.stats["dropped_bytes"] += nbytes
-                log.info("dropped %d tag messages nobody receives (%d bytes)", n, nbytes)
+            self._by_base.pop(base, None)
+            self.unasked.departed()
 
 
 def _read_secret(path: str) -> bytes:
@@ -435,12 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl", type=float, default=AgentConfig.ttl_s, help="registration TTL in seconds")
     for flag, field in (("--handshake-timeout", "handshake_timeout_s"), ("--idle-timeout", "idle_timeout_s"),
                         ("--header-timeout", "header_timeout_s"), ("--io-timeout", "io_timeout_s"),
-                        ("--sweep-interval", "sweep_interval_s")):
+                        ("--sweep-interval", "sweep_interval_s"), ("--report-interval", "report_interval_s")):
         p.add_argument(flag, type=float, default=getattr(AgentConfig, field), help="seconds (see AgentConfig)")
     p.add_argument("--max-connections", type=int, default=AgentConfig.max_connections,
                    help="open connections at most (the oldest unauthenticated one is evicted first)")
     p.add_argument("--max-unauthenticated", type=int, default=AgentConfig.max_unauthenticated,
                    help="connections still in their handshake at most")
+    p.add_argument("--max-peer-unexpected-bytes", type=int, default=AgentConfig.max_peer_unexpected_bytes,
+                   help="what one connection may send unasked before it is closed (a well-behaved peer sends none)")
     p.add_argument("--no-shm-lanes", action="store_true", help="never offer same-host clients a shared-memory lane")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="expose Prometheus metrics on 127.0.0.1:PORT, with tierstore[metrics] (default: off)")
@@ -458,6 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_object_bytes=args.max_object_bytes, ttl_s=args.ttl, heartbeat_s=max(0.2, args.ttl / 3),
         handshake_timeout_s=args.handshake_timeout, idle_timeout_s=args.idle_timeout,
         header_timeout_s=args.header_timeout, io_timeout_s=args.io_timeout, sweep_interval_s=args.sweep_interval,
+        report_interval_s=args.report_interval, max_peer_unexpected_bytes=args.max_peer_unexpected_bytes,
         max_connections=args.max_connections, max_unauthenticated=args.max_unauthenticated,
         shm_lanes=not args.no_shm_lanes)
 

@@ -16,7 +16,13 @@ per endpoint its listener accepts and awaits :meth:`Connection.serve`, which
 Every receive is posted before the message that makes the peer send it
 (the next request frame as soon as one arrives, a payload's chunks before
 ``READY``), so nothing a well-behaved peer sends waits in UCX's unexpected
-queue; the agent drains that queue as junk (:func:`backends.ucx_util.drain_unexpected`).
+queue; the agent drains that queue as junk after every progress step
+(:class:`backends.ucx_server.UnexpectedDrain`), charging a connection
+(:meth:`Connection.charge`) for what arrived under its session's tags, and
+keeps a stream receive posted on each endpoint
+(:class:`backends.ucx_server.StreamSink`), charging the stream bytes too. A
+connection charged more than ``max_peer_unexpected_bytes`` is closed, and
+the reason logged.
 
 A ``LANE`` request moves the session's replies and payloads (not its
 requests, not put payloads) to an endpoint created from the client's worker
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends import agent_protocol as P
 from backends.shm_mapping import release_pages
+from backends.ucx_server import StreamSink
 from backends.ucx_util import post_recv
 from tierstore.errors import KeyExistsError, TierFullError, TierStoreError
 
@@ -57,14 +64,17 @@ def _consume(fut: asyncio.Future) -> None:
 
 
 def _release_stuck(buf: memoryview) -> None:
-    """Give back the memory under a receive UCX will never finish (nor cancel).
+    """Give back the memory under the reservation of a put whose payload was cut short.
 
-    A lane's endpoints have no error handling, so a receive whose sender died
-    in the middle of a rendezvous stays posted forever. Its buffer must stay
-    mapped (UCX holds a pointer), but its pages need not stay allocated: they
-    are punched out of the shared-memory segment (``MADV_REMOVE``), after
-    which the reservation is aborted as usual. A late write would only fault
-    in a page of the already unlinked segment.
+    A receive may outlive the put: one whose sender died in the middle of a
+    rendezvous on an endpoint without error handling stays posted forever,
+    and even a cancelled one can keep its view of the buffer alive inside
+    ucxx for as long as ucxx keeps the request (seen here: a few puts in a
+    hundred cut short by departing peers). Such a buffer must stay mapped
+    (UCX may hold a pointer), but its pages need not stay allocated: they are
+    punched out of the shared-memory segment (``MADV_REMOVE``), after which
+    the reservation is aborted as usual. A late write would only fault in a
+    page of the already unlinked segment.
     """
     try:
         release_pages(buf)
@@ -109,6 +119,9 @@ class Connection:
         self.accepted = time.monotonic()
         self.last_active = self.accepted
         self.closed = False
+        self.close_reason = ""
+        self.unexpected_bytes = 0  # charged so far: what the peer sent that nobody asked for
+        self.sink: StreamSink | None = None
         self._posted: set[asyncio.Future] = set()
 
     @property
@@ -118,6 +131,7 @@ class Connection:
     # -- lifecycle ---------------------------------------------------------------
     async def serve(self) -> None:
         try:
+            self.sink = self.agent.unasked.open_sink(self.tcp.ep, self._stream_bytes)
             frame = bytearray(P.REQUEST_FRAME_SIZE)
             first = self._post(frame, 0)
             flags = P.CHALLENGE_FLAG_LANE if self.agent.shm_lanes else 0
@@ -136,9 +150,27 @@ class Connection:
         if self.closed:
             return
         self.closed = True
+        if self.sink is not None:
+            self.agent.unasked.close_sink(self.sink)
         for ch in (self.out, self.tcp):
             if not ch.ep.closed:
                 ch.ep.abort()
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` the peer sent unasked (``what``); over the agent's per-peer limit, close the connection."""
+        self.unexpected_bytes += nbytes
+        limit = self.cfg.max_peer_unexpected_bytes
+        if self.unexpected_bytes > limit and not self.closed:
+            self.close_reason = (f"sent {self.unexpected_bytes} bytes nobody asked for (last: {what}), over the "
+                                 f"limit of {limit} (max_peer_unexpected_bytes)")
+            log.warning("closing a connection (session %#x, %s): %s", self.session.tag_base,
+                        "authenticated" if self.authenticated else "never authenticated", self.close_reason)
+            self.agent.stats["abusive_closed"] += 1
+            self.close()
+
+    def _stream_bytes(self, nbytes: int) -> None:
+        self.agent.stats["stream_bytes"] += nbytes
+        self.charge(nbytes, "stream bytes")
 
     async def _settle(self) -> bool:
         """Wait until every receive posted on this connection completed or was cancelled."""
@@ -297,11 +329,13 @@ class Connection:
                 await self._receive_payload(req, buf, out)
             except BaseException:
                 self.close()  # cancels the receives still posted into the reservation
-                if res is not None and not await self._settle():
-                    _release_stuck(buf)
-                    self.agent.stats["stuck_receives"] = self.agent.stats.get("stuck_receives", 0) + 1
-                    log.warning("receives into %r not cancelled within %ss; its memory is released, its "
-                                "mapping kept", req.key, _CANCEL_WAIT_S)
+                settled = await self._settle()
+                if res is not None:
+                    _release_stuck(buf)  # the segment is unlinked next: its pages go now, whoever still views them
+                    if not settled:
+                        self.agent.stats["stuck_receives"] = self.agent.stats.get("stuck_receives", 0) + 1
+                        log.warning("receives into %r not cancelled within %ss; its memory is released, its "
+                                    "mapping kept", req.key, _CANCEL_WAIT_S)
                 raise
             if req.flags & P.FLAG_CHECKSUM and P.checksum([buf]) != req.checksum:
                 await out.reply(P.Reply(P.Status.CHECKSUM, "payload checksum mismatch", request_id=rid))

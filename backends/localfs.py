@@ -276,8 +276,8 @@ class LocalFSBackend(Backend):
                         continue  # a foreign file: not ours to show
 
     # -- maintenance ---------------------------------------------------------------
-    def _iter_files(self) -> Iterator[os.DirEntry[str]]:
-        stack = [self._root_s]
+    def _iter_files(self, prefix: str = "") -> Iterator[os.DirEntry[str]]:
+        stack = [self._path(prefix.rstrip("/")) if prefix else self._root_s]
         while stack:
             try:
                 it = os.scandir(stack.pop())
@@ -290,15 +290,15 @@ class LocalFSBackend(Backend):
                     else:
                         yield entry
 
-    def cleanup_temp(self, max_age_s: float = 3600.0) -> int:
-        """Remove temporary files older than ``max_age_s`` (left by crashed writers).
+    def cleanup_temp(self, max_age_s: float = 3600.0, prefix: str = "") -> int:
+        """Remove temporary files older than ``max_age_s`` (left by crashed writers), under ``prefix``.
 
         Returns how many were removed. A writer in progress has a fresh temp
         file, so choose ``max_age_s`` above the longest put.
         """
         now = time.time()
         removed = 0
-        for entry in self._iter_files():
+        for entry in self._iter_files(prefix):
             if not entry.name.startswith(_TEMP_PREFIX):
                 continue
             try:

@@ -101,6 +101,7 @@ class GCReport:
         released: objects whose memory copies went (their durable copy stays); ``bytes_released``.
         deferred: objects of steps whose migration may still finish (a later pass decides).
         retired: copies of superseded steps deleted (a newer durable step exists).
+        temp_removed: temp files of interrupted writes removed from a local durable directory.
     """
 
     kept_steps: list[int] = field(default_factory=list)
@@ -113,12 +114,13 @@ class GCReport:
     released: list[str] = field(default_factory=list)
     bytes_released: int = 0
     retired: list[str] = field(default_factory=list)
+    temp_removed: int = 0
 
     def to_json(self) -> dict:
         return {"kept_steps": self.kept_steps, "dropped_steps": self.dropped_steps, "deleted": self.deleted,
                 "bytes_freed": self.bytes_freed, "dry_run": self.dry_run, "deferred": self.deferred,
                 "durable_only": self.durable_only, "released": self.released,
-                "bytes_released": self.bytes_released, "retired": self.retired}
+                "bytes_released": self.bytes_released, "retired": self.retired, "temp_removed": self.temp_removed}
 
 
 @dataclass

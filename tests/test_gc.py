@@ -219,3 +219,20 @@ def test_gc_concurrent_with_training(store):
     store.flush()  # nothing gc deleted was still waiting for migration
     store.gc(M, Retention(keep_last=2), dry_run=False)
     assert [s for s, _ in store.steps.steps(M)] == [7, 8]
+
+
+def test_gc_removes_what_an_interrupted_migration_left_in_the_durable_tier(store):
+    """A migration killed mid-put leaves a temp file in a local durable directory: gc removes it once it is
+    older than any put could take (an hour), and leaves a fresh one (a put in progress) alone."""
+    import os
+    import time
+
+    saved(store, [1, 2])
+    layer_dir = store.durable.root / M / "a" / "1"
+    stale, fresh = layer_dir / ".tmp~0~deadbeef0001", layer_dir / ".tmp~1~deadbeef0002"
+    for p in (stale, fresh):
+        p.write_bytes(b"half an object")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    report = store.gc(M, Retention(keep_last=2), dry_run=False)
+    assert report.temp_removed == 1 and not stale.exists() and fresh.exists()

@@ -63,6 +63,7 @@ __all__ = ["KINDS", "ObjectRecord", "PendingObject", "TierStore"]
 
 log = logging.getLogger(__name__)
 _DELETE_ATTEMPTS = 8  # records of one key replaced by concurrent puts while a delete runs
+TEMP_MAX_AGE_S = 3600.0  # gc removes temp files of the durable tier older than this (interrupted writes)
 
 
 class TierStore(WritePath, ReadPath):
@@ -298,12 +299,16 @@ class TierStore(WritePath, ReadPath):
         """Apply ``retention`` (per tier) to ``model``; see :mod:`consistency.gc`.
 
         Committed steps newer than the newest durable step whose migration may still finish are left for
-        a later pass (their objects reported as deferred).
+        a later pass (their objects reported as deferred). A local durable directory's temp files older
+        than an hour (interrupted writes) are removed too (``temp_removed``).
         """
-        return collect(self.steps, model, retention or Retention(), delete=self._collect, release=self.release,
-                       drop=self._drop_copy,
-                       dry_run=dry_run, max_staleness=max_staleness,
-                       migrating=self.durable is not None and self.config.migrate)
+        report = collect(self.steps, model, retention or Retention(), delete=self._collect, release=self.release,
+                         drop=self._drop_copy, dry_run=dry_run, max_staleness=max_staleness,
+                         migrating=self.durable is not None and self.config.migrate)
+        sweep = getattr(self.durable, "cleanup_temp", None)  # a local durable directory's interrupted writes
+        if sweep is not None and not dry_run:
+            report.temp_removed = sweep(max_age_s=TEMP_MAX_AGE_S, prefix=f"{model}/")
+        return report
 
     # -- host-tier eviction ----------------------------------------------------------
     def evict_host(self, nbytes: int) -> int:

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs // ranks)")
     p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default: a temp dir)")
     p.add_argument("--matmul-n", type=int, default=512, help="size of the stand-in training step")
+    p.add_argument("--durable", action="store_true",
+                   help="instead: time to durable on a local-directory durable tier against a plain copy of the "
+                        "same bytes, and the durable lag under a slow durable tier (--size-gib of state, "
+                        "--slow-ms per put, a save every --interval-ms)")
+    p.add_argument("--slow-ms", type=float, default=20.0, help="--durable: extra time of each durable put")
+    p.add_argument("--interval-ms", type=float, default=50.0, help="--durable: the stand-in step between saves")
     p.add_argument("--fwd-bwd-ms", type=float, default=None,
                    help="lazy systems: the stand-in forward/backward between a save and the next update, "
                         "in ms idle (default: 1000 per GiB of state, at least 100)")
@@ -76,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     size = args.size_gib if args.size_gib is not None else (1 / 16 if args.quick else 1.0)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    if args.durable:
+        from tierstore.cli.bench.durable import run_durable  # lazy: only this mode needs it
+
+        _, md = run_durable(mib=size * 1024 if args.size_gib is not None else 64.0, repeats=repeats,
+                            slow_ms=args.slow_ms, interval_ms=args.interval_ms)
+        print(md)
+        return 0
     fwd_bwd_s = (args.fwd_bwd_ms if args.fwd_bwd_ms is not None else max(100.0, 1000.0 * size)) / 1e3
     now = datetime.datetime.now(datetime.UTC)
     out = args.out or os.path.join("bench", "results", now.strftime("%Y%m%dT%H%M%SZ"))

@@ -49,7 +49,7 @@ def test_a_lost_index_refuses_to_start_fresh_until_rebuilt(store, conn, tmp_path
     e1 = store.open_epoch(M)
     for s in (1, 2):
         save_step(store, s, 2, epoch=e1)
-    store.flush()
+        store.flush()  # each durable before the next (a lagging migration skips the steps between)
     assert store.steps.state(M, 2) == "durable"
     lose_index(redis_url)
     fresh = reopen(tmp_path, redis_url, shm_root)
@@ -99,6 +99,7 @@ def test_the_epoch_never_goes_backwards_after_an_index_loss(store, tmp_path, red
 
 def test_a_differing_durable_manifest_is_never_swallowed(store):
     save_step(store, 1, 2)
+    store.flush()
     save_step(store, 2, 2)
     store.flush()
     name = durable_manifest_name(M, 1)
@@ -147,6 +148,7 @@ def test_migration_retries_after_a_transient_durable_failure(tmp_path, redis_url
         plan = install(s, FaultPlan([FaultRule("backend.put@durable", "exception", 1.0, limit=3),
                                      FaultRule("migration", "exception", 1.0, after=6, limit=2)], seed=1))
         save_step(s, 1, 2)
+        s.flush()
         save_step(s, 2, 2)
         s.flush()  # the durable tier failed 3 times and the migration twice: retried, nothing reported
         assert plan.total_fired() == 5

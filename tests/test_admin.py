@@ -39,6 +39,7 @@ def populated(store):
     for r in (0, 1):
         objs = [put(ShardKey(M, ln, 1, r), {"w": torch.full((64,), float(r + 1))}) for ln in ("embed", "head")]
         store.vote(M, 1, r, objs, extra={"data_pos": 1})
+    store.flush()  # durable before step 2 commits (a lagging migration skips the steps between)
     store.begin_step(M, 2, 2, layout=layout)
     o0 = [put(ShardKey(M, "embed", 2, 0), {"w": torch.full((64,), 3.0)}),
           put(ShardKey(M, "head", 2, 0), {"w": torch.zeros(64, dtype=torch.int32)}, kind="delta",

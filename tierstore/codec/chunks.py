@@ -1,0 +1,116 @@
+"""Version 2's chunk table: the data section in chunks, each with the digest of its stored bytes.
+
+The data section of a version 2 object is cut into chunks of ``chunk_size``
+uncompressed bytes (the last one shorter). Chunk ``i`` covers the
+uncompressed bytes ``[i * chunk_size, (i + 1) * chunk_size)``; it is stored
+raw or, in a compressed object, as one frame of the header's codec
+(:mod:`tierstore.codec.compression`) where that is smaller. The table holds
+one :data:`~tierstore.codec.format.CHUNK` row per chunk (xxh3-128 of the
+stored bytes, their length, their codec), and the stored chunks follow each
+other in the data section. The trailer is xxh3-128 of everything before
+the data (header, table, chunk table), so a reader that checked it may
+trust the table and then verify any chunk on its own: a byte range is read
+and verified without the rest of the object.
+
+This module parses and checks a chunk table (:class:`Chunks`) and verifies
+and unpacks single chunks; the layout decisions are in
+:mod:`tierstore.codec.format`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xxhash
+
+from tierstore.codec.compression import decompress as _decompress
+from tierstore.codec.compression import max_raw_len as _max_raw_len
+from tierstore.codec.format import CHUNK, MAX_CHUNK_READ, MIN_CHUNK_READ, chunk_table_len, n_chunks
+from tierstore.errors import CorruptObjectError
+
+__all__ = ["Chunks", "check_geometry"]
+
+_digest = xxhash.xxh3_128_digest
+
+
+def check_geometry(chunk_size: int, count: int, raw_len: int) -> None:
+    """Check a version 2 header's chunk fields against its ``raw_len``.
+
+    Raises:
+        CorruptObjectError: a chunk size that is not a power of two within
+            4 KiB..16 MiB, or a chunk count that does not cut ``raw_len``.
+    """
+    if not MIN_CHUNK_READ <= chunk_size <= MAX_CHUNK_READ or chunk_size & (chunk_size - 1):
+        raise CorruptObjectError(f"chunk size {chunk_size} is not a power of two in 4 KiB..16 MiB",
+                                 field="chunk_size")
+    if count != n_chunks(raw_len, chunk_size):
+        raise CorruptObjectError(f"{count} chunks do not cut a {raw_len}-byte data section into {chunk_size}-byte "
+                                 "chunks", field="n_chunks")
+
+
+class Chunks:
+    """A parsed, bounded chunk table (it is trusted only once the object's trailer matched).
+
+    Attributes:
+        size: uncompressed bytes per chunk.
+        count: number of chunks.
+        raw_len: uncompressed bytes of the data section.
+        starts: ``count + 1`` offsets of the stored chunks inside the data section.
+    """
+
+    __slots__ = ("_table", "count", "flags", "raw_len", "size", "starts")
+
+    def __init__(self, table: Any, chunk_size: int, count: int, raw_len: int, data_len: int, header_flags: int):
+        mv = memoryview(table)
+        if len(mv) != chunk_table_len(count):
+            raise CorruptObjectError(f"chunk table of {len(mv)} bytes for {count} chunks", field="chunks")
+        self._table = mv
+        self.size, self.count, self.raw_len = chunk_size, count, raw_len
+        starts = [0]
+        flags = []
+        for i in range(count):
+            _d, stored, flag = CHUNK.unpack_from(mv, i * CHUNK.size)
+            raw = self.raw_size(i)
+            if flag == 0:
+                if stored != raw:
+                    raise CorruptObjectError(f"raw chunk {i} stores {stored} bytes, not {raw}", field="chunks")
+            elif flag != header_flags:
+                raise CorruptObjectError(f"chunk {i} has codec {flag:#x}, the header {header_flags:#x}",
+                                         field="chunks")
+            elif stored == 0 or raw > _max_raw_len(flag, stored):
+                raise CorruptObjectError(f"chunk {i}: {stored} compressed bytes cannot hold {raw}", field="chunks")
+            flags.append(flag)
+            starts.append(starts[-1] + stored)
+        if starts[-1] != data_len:
+            raise CorruptObjectError(f"the chunks store {starts[-1]} bytes, the data section holds {data_len}",
+                                     field="chunks")
+        self.starts = starts
+        self.flags = flags
+
+    def raw_size(self, i: int) -> int:
+        """Uncompressed bytes of chunk ``i``."""
+        return min(self.size, self.raw_len - i * self.size)
+
+    def stored_len(self, i: int) -> int:
+        return self.starts[i + 1] - self.starts[i]
+
+    def digest(self, i: int) -> memoryview:
+        o = i * CHUNK.size
+        return self._table[o : o + 16]
+
+    def check(self, i: int, stored: Any) -> None:
+        """Raise :class:`CorruptObjectError` unless ``stored`` are chunk ``i``'s bytes."""
+        if _digest(stored) != self.digest(i):
+            raise CorruptObjectError(f"checksum mismatch in chunk {i} (bytes {self.starts[i]}.."
+                                     f"{self.starts[i + 1]} of the data section)", field="checksum", chunk=i)
+
+    def unpack(self, i: int, stored: Any) -> Any:
+        """Chunk ``i``'s uncompressed bytes from its verified ``stored`` bytes."""
+        flag = self.flags[i]
+        if not flag:
+            return stored
+        return memoryview(_decompress(flag, memoryview(stored), self.raw_size(i)))
+
+    def covering(self, first: int, last: int) -> tuple[int, int]:
+        """Chunks ``[i, j)`` that hold uncompressed bytes ``[first, last)`` (``last > first``)."""
+        return first // self.size, (last - 1) // self.size + 1

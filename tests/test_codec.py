@@ -191,7 +191,7 @@ def test_header_pack_unpack_roundtrip():
     assert HEADER2.unpack(packed2) == fields2
     blob = encode({"x": torch.zeros(3)}, compress="never")
     magic, version, flags, table_len, data_len, raw_len, chunk_size, n_chunks = HEADER2.unpack_from(blob)
-    assert (magic, version, flags, chunk_size, n_chunks) == (MAGIC, 2, 0, 64 << 10, 1)
+    assert (magic, version, flags, chunk_size, n_chunks) == (MAGIC, 2, 0, codec.CHUNK_SIZE, 1)
     assert len(blob) == 64 + table_len + 64 + data_len + TRAILER_SIZE and raw_len == data_len  # one chunk row
     assert table_len % 64 == 0 and data_len % 64 == 0
 

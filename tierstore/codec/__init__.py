@@ -15,8 +15,7 @@ Layout of one encoded object, format version 2 (all integers little-endian)::
                         of 64) inside the uncompressed data section of
                         ``raw_len`` bytes, cut into chunks of ``chunk_size``
                         uncompressed bytes (a power of two; the writer takes
-                        64 KiB to 1 MiB, at most 256 chunks below 256 MiB),
-                        stored one after the other; with a flag (bit0 lz4,
+                        128 KiB), stored one after the other; with a flag (bit0 lz4,
                         bit1 zstd, at most one: :mod:`tierstore.codec.compression`)
                         each chunk is one frame of that codec where it is smaller
     trailer  16 bytes   xxh3-128 of header, table and chunk table
@@ -53,6 +52,7 @@ from tierstore.codec.compression import FLAG_LZ4, FLAG_ZSTD
 from tierstore.codec.format import (
     ALIGN,
     CHUNK,
+    CHUNK_SIZE,
     DTYPES,
     FORMAT_VERSION,
     HEADER,
@@ -80,6 +80,7 @@ from tierstore.codec.write import EncodePlan, encode, plan
 __all__ = [
     "ALIGN",
     "CHUNK",
+    "CHUNK_SIZE",
     "DTYPES",
     "FLAG_LZ4",
     "FLAG_ZSTD",

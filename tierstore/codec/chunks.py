@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from tierstore.codec.compression import decompress as _decompress
@@ -31,6 +32,8 @@ from tierstore.errors import CorruptObjectError
 __all__ = ["Chunks", "check_geometry"]
 
 _digest = xxhash.xxh3_128_digest
+_ROW = np.dtype([("digest", "V16"), ("stored", "<u4"), ("flag", "<u4")])
+assert _ROW.itemsize == CHUNK.size
 
 
 def check_geometry(chunk_size: int, count: int, raw_len: int) -> None:
@@ -66,26 +69,36 @@ class Chunks:
             raise CorruptObjectError(f"chunk table of {len(mv)} bytes for {count} chunks", field="chunks")
         self._table = mv
         self.size, self.count, self.raw_len = chunk_size, count, raw_len
-        starts = [0]
-        flags = []
-        for i in range(count):
-            _d, stored, flag = CHUNK.unpack_from(mv, i * CHUNK.size)
-            raw = self.raw_size(i)
-            if flag == 0:
-                if stored != raw:
-                    raise CorruptObjectError(f"raw chunk {i} stores {stored} bytes, not {raw}", field="chunks")
-            elif flag != header_flags:
-                raise CorruptObjectError(f"chunk {i} has codec {flag:#x}, the header {header_flags:#x}",
-                                         field="chunks")
-            elif stored == 0 or raw > _max_raw_len(flag, stored):
-                raise CorruptObjectError(f"chunk {i}: {stored} compressed bytes cannot hold {raw}", field="chunks")
-            flags.append(flag)
-            starts.append(starts[-1] + stored)
-        if starts[-1] != data_len:
-            raise CorruptObjectError(f"the chunks store {starts[-1]} bytes, the data section holds {data_len}",
+        rows = np.frombuffer(mv, dtype=_ROW, count=count)
+        stored, flags = rows["stored"].astype(np.int64), rows["flag"].astype(np.int64)
+        raw = np.full(count, chunk_size, dtype=np.int64)
+        if count:
+            raw[-1] = raw_len - (count - 1) * chunk_size
+        plain = flags == 0
+        bad = np.nonzero(plain & (stored != raw))[0]
+        if len(bad):
+            i = int(bad[0])
+            raise CorruptObjectError(f"raw chunk {i} stores {int(stored[i])} bytes, not {int(raw[i])}", field="chunks")
+        bad = np.nonzero(~plain & (flags != header_flags))[0]
+        if len(bad):
+            i = int(bad[0])
+            raise CorruptObjectError(f"chunk {i} has codec {int(flags[i]):#x}, the header {header_flags:#x}",
                                      field="chunks")
-        self.starts = starts
-        self.flags = flags
+        if header_flags:
+            base = _max_raw_len(header_flags, 0)
+            limit = (_max_raw_len(header_flags, 1) - base) * stored + base  # linear in the compressed length
+            packed = ~plain & ((stored == 0) | (raw > limit))
+            bad = np.nonzero(packed)[0]
+            if len(bad):
+                i = int(bad[0])
+                raise CorruptObjectError(f"chunk {i}: {int(stored[i])} compressed bytes cannot hold {int(raw[i])}",
+                                         field="chunks")
+        total = int(stored.sum())
+        if total != data_len:
+            raise CorruptObjectError(f"the chunks store {total} bytes, the data section holds {data_len}",
+                                     field="chunks")
+        self.starts: list[int] = [0, *np.cumsum(stored).tolist()]
+        self.flags: list[int] = flags.tolist()
 
     def raw_size(self, i: int) -> int:
         """Uncompressed bytes of chunk ``i``."""

@@ -20,6 +20,7 @@ else:  # torch is imported on first use: verifying, inspecting and checksumming 
 __all__ = [
     "ALIGN",
     "CHUNK",
+    "CHUNK_SIZE",
     "DTYPES",
     "FORMAT_VERSION",
     "HEADER",
@@ -52,9 +53,7 @@ TRAILER_SIZE = 16
 ALIGN = 64
 KNOWN_FLAGS = FLAGS
 
-MIN_CHUNK = 64 << 10  # what the writer picks: at most CHUNKS_PER_OBJECT chunks, each 64 KiB to 1 MiB
-MAX_CHUNK = 1 << 20
-CHUNKS_PER_OBJECT = 256
+CHUNK_SIZE = 128 << 10  # what the writer cuts the data section into (a range read reads whole chunks)
 MIN_CHUNK_READ = 1 << 12  # what a reader accepts (a hostile header is bounded by these)
 MAX_CHUNK_READ = 1 << 24
 
@@ -66,11 +65,12 @@ assert HEADER.size == HEADER2.size == 64 and CHUNK.size == 24
 
 
 def chunk_size_for(raw_len: int) -> int:
-    """The chunk size the writer gives an object of ``raw_len`` data bytes (see :mod:`tierstore.codec`)."""
-    c = MIN_CHUNK
-    while c < MAX_CHUNK and c * CHUNKS_PER_OBJECT < raw_len:
-        c <<= 1
-    return c
+    """The chunk size the writer gives an object of ``raw_len`` data bytes: :data:`CHUNK_SIZE`.
+
+    128 KiB: small enough that a range read rounds out by little, large enough that hashing chunk by
+    chunk costs what one hash over the object does (measured: ``bench/bench_codec.py``).
+    """
+    return CHUNK_SIZE
 
 
 def n_chunks(raw_len: int, chunk_size: int) -> int:

@@ -20,15 +20,17 @@ decompressed after their check. So a flipped byte in a range read raises
 A version 1 object has no chunk digests: it is fetched whole once and
 verified whole (:mod:`tierstore.codec.read`), then ranges are served from it.
 
-Bytes fetched for one box: the box's bytes rounded out to whole chunks (a
-chunk is at most 1/256 of its object, 64 KiB to 1 MiB), at most 16 MiB per
-fetch. Memory: the fetched chunks of one :meth:`RangedObject.read_runs` call
-and its result.
+Bytes fetched for one box: the box's bytes rounded out to whole chunks (128
+KiB as the writer cuts them), at most 16 MiB per fetch; the last 8 chunks
+read stay verified in memory, so reads of neighbouring tensors that share a
+chunk fetch it once. Memory: the fetched chunks of one
+:meth:`RangedObject.read_runs` call, its result and the 8 kept chunks.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +53,7 @@ Fetch = Callable[[int, int], Any]
 
 _FIRST = 4096  # the first fetch: the header and, for most objects, the table and chunk table
 _SPAN = 16 << 20  # the most one fetch of chunks asks for
+_KEEP = 8  # verified chunks kept for the next reads (tensors share chunks; reads come in table order)
 
 
 def box_runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, int]:
@@ -103,6 +106,7 @@ class RangedObject:
         self.size = size
         self.bytes_read = 0
         self._whole: Any = None  # version 1: the verified data section (uncompressed)
+        self._kept: OrderedDict[int, Any] = OrderedDict()  # chunk index -> verified uncompressed bytes
         first = self._get(0, min(size, _FIRST))
         head = parse_head(first[: HEADER.size], size)
         self.version = head.version
@@ -194,7 +198,14 @@ class RangedObject:
         need = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first.tolist(), last.tolist())])
                          if len(starts) < 4096 else _span_union(first, last))
         out: dict[int, Any] = {}
-        spans = _consecutive(need.tolist())
+        todo = []
+        for i in need.tolist():
+            if i in self._kept:
+                self._kept.move_to_end(i)
+                out[i] = self._kept[i]
+            else:
+                todo.append(i)
+        spans = _consecutive(todo)
         ch = self._chunks
         data_start = self._head.data_start
         for i, j in spans:
@@ -208,6 +219,10 @@ class RangedObject:
                     ch.check(m, stored)
                     out[m] = ch.unpack(m, stored)
                 i = k
+        for i in todo[-_KEEP:]:
+            self._kept[i] = bytes(out[i])  # a copy: a view would keep its whole fetched span alive
+            if len(self._kept) > _KEEP:
+                self._kept.popitem(last=False)
         return out
 
     def read_box(self, name: str, offsets: Sequence[int], sizes: Sequence[int],

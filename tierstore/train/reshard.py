@@ -451,8 +451,8 @@ def adapt_document(doc: dict[str, Any], res: Any, view: StateView, only: Iterabl
             for gi, g in enumerate((e.get("meta") or {}).get("groups") or []):
                 if gi < len(saved):
                     saved[gi].update(g.get("params") or [])
-        for gi, names in enumerate(mine):
-            lost = [n for n in names if n not in saved[gi]]
+        for gi, names in enumerate(mine):  # a parameter of a layer the checkpoint lacks: prepare names the layer
+            lost = [n for n in names if n not in saved[gi] and m.layer_of.get(n) in res.layers]
             if lost:
                 where = [gj for gj, s in enumerate(saved) if lost[0] in s]
                 said = f"group {where[0]}" if where else "no group"
@@ -497,7 +497,9 @@ def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: in
     maps = view.maps(only)
     owner = {ln: m for m in maps.values() for ln in m.layers}
     holders: dict[str, list[int]] | None = None
-    for ln in sorted(layers):
+    wanted = set(layers)
+    order = [ln for ln in owner if ln in wanted] + sorted(wanted - set(owner))  # the modules' order, as prepare
+    for ln in order:
         sources = _Sources(store, model, ln, res)
         if not sources.ranks:
             continue

@@ -172,3 +172,33 @@ def test_box_runs_cover_the_box_in_order():
         assert np.array_equal(got, want), (shape, offs, sizes)
     with pytest.raises(InvalidValueError):
         box_runs([4, 4], [3, 0], [2, 4])
+
+
+def _tampered(blob: bytes, at: int, value: bytes) -> bytes:
+    b = bytearray(blob)
+    b[at : at + len(value)] = value
+    return codec.reseal(b)  # every checksum valid again: only the codec's own checks stand
+
+
+def test_forged_version_2_objects_fail_typed():
+    raw = codec.encode({"w": torch.randn(100_000), "z": torch.zeros(50_000)}, compress="never")
+    packed = codec.encode({"w": torch.randn(100_000), "z": torch.zeros(50_000)}, compress="lz4")
+    chunks_at, _data_at, n = _geometry(raw)
+    p_at, _, p_n = _geometry(packed)
+    p_flags = [CHUNK.unpack_from(packed, p_at + i * CHUNK.size)[2] for i in range(p_n)]
+    lz = p_flags.index(codec.FLAG_LZ4)
+    forged = [
+        _tampered(raw, 28, (3000).to_bytes(4, "little")),  # chunk size not a power of two
+        _tampered(raw, 28, (1 << 30).to_bytes(4, "little")),  # beyond 16 MiB
+        _tampered(raw, 32, (n + 1).to_bytes(4, "little")),  # a chunk count that does not cut raw_len
+        _tampered(raw, chunks_at + 16, (7).to_bytes(4, "little")),  # a raw chunk of another length
+        _tampered(raw, chunks_at + 20, (1).to_bytes(4, "little")),  # a codec in an uncompressed object
+        _tampered(packed, p_at + lz * CHUNK.size + 20, (2).to_bytes(4, "little")),  # another codec than the header's
+        _tampered(packed, p_at + lz * CHUNK.size + 16, (0).to_bytes(4, "little")),  # an empty compressed chunk
+        _tampered(packed, p_at + lz * CHUNK.size + 16, (2**32 - 1).to_bytes(4, "little")),  # lengths past the end
+    ]
+    for blob in forged:
+        for read in (codec.decode, codec.verify,
+                     lambda b: RangedObject(_fetcher(b), len(b)).read_box("z", (0,), (50_000,))):
+            with pytest.raises(CorruptObjectError):
+                read(blob)

@@ -75,7 +75,7 @@ from tierstore.codec.read import (
     open_object,
     verify,
 )
-from tierstore.codec.write import EncodePlan, encode, plan
+from tierstore.codec.write import EncodePlan, encode, plan, reseal
 
 __all__ = [
     "ALIGN",
@@ -105,5 +105,6 @@ __all__ = [
     "inspect",
     "open_object",
     "plan",
+    "reseal",
     "verify",
 ]

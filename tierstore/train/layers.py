@@ -30,6 +30,10 @@ shape, dtype and placement (and the param groups) *before* anything changes;
 a mismatch raises :class:`~tierstore.errors.RestoreMismatchError` naming the
 layer and tensor. :meth:`StateMap.apply` then loads through the objects' own
 ``load_state_dict`` (in place for the module). :meth:`StateMap.load` does both.
+What it is given is already shaped for this map: a checkpoint of another
+world size or sharding is resharded into this rank's shapes and placements
+first (:mod:`tierstore.train.reshard`), so a mismatch here is a different
+model.
 """
 
 from __future__ import annotations
@@ -295,8 +299,7 @@ class StateMap:
         mine = placement_of(want) if isinstance(want, DTensor) else None
         if stored != mine and not (stored and mine and {**stored, "stride": None} == {**mine, "stride": None}):
             raise RestoreMismatchError(
-                f"layer {layer!r} tensor {name!r}: stored placement {stored}, target {mine}"
-                " (restore with the same sharding, or reshard through the DCP adapter)",
+                f"layer {layer!r} tensor {name!r}: stored placement {stored}, target {mine}",
                 layer=layer, tensor=name,
             )
 

@@ -39,7 +39,7 @@ import numpy as np
 from tierstore.codec.chunks import Chunks
 from tierstore.codec.format import DTYPES, HEADER, ITEMSIZE, TRAILER_SIZE, TensorInfo
 from tierstore.codec.head import Head, parse_chunks, parse_head, parse_table, verify_head
-from tierstore.codec.read import EncodedObject
+from tierstore.codec.read import EncodedObject, _byte_view
 from tierstore.errors import CorruptObjectError, InvalidValueError
 
 if TYPE_CHECKING:
@@ -155,28 +155,34 @@ class RangedObject:
             raise InvalidValueError(f"the object holds no tensor {name!r}", entry=name)
         return e
 
-    def read_runs(self, name: str, starts: np.ndarray, length: int) -> memoryview:
+    def read_runs(self, name: str, starts: np.ndarray, length: int, into: memoryview | None = None) -> memoryview:
         """The bytes ``[s, s + length)`` of tensor ``name`` for each ``s`` of ``starts`` (ascending), concatenated.
 
+        Args:
+            into: a writable byte buffer of ``len(starts) * length`` bytes to fill (and return) instead of a new
+                one; it is written only once every chunk the runs need has verified.
+
         Raises:
-            CorruptObjectError: a chunk that does not match its digest (nothing is returned).
-            InvalidValueError: no such tensor, or runs outside it.
+            CorruptObjectError: a chunk that does not match its digest (nothing is returned, ``into`` unchanged).
+            InvalidValueError: no such tensor, runs outside it, or an ``into`` of another size.
         """
         e = self.info(name)
         n = len(starts)
-        out = bytearray(n * length)
+        if into is not None and len(into) != n * length:
+            raise InvalidValueError(f"into holds {len(into)} bytes, the runs {n * length}", entry=name)
+        out = memoryview(bytearray(n * length)) if into is None else into
         if n == 0 or length == 0:
-            return memoryview(out)
+            return out
         if int(starts[0]) < 0 or int(starts[-1]) + length > e.nbytes or (n > 1 and np.any(np.diff(starts) < length)):
             raise InvalidValueError(f"runs outside tensor {name!r} or not ascending", entry=name)
         if self._whole is not None:
             src = self._whole[name].numpy()
             idx = (starts[:, None] + np.arange(length, dtype=np.int64)[None, :]).reshape(-1)
             np.take(src, idx, out=np.frombuffer(out, dtype=np.uint8))
-            return memoryview(out)
+            return out
         chunks = self._loaded(e, starts, length)
         c = self._chunks.size
-        dst = memoryview(out)
+        dst = out
         pos = 0
         for s in starts.tolist():
             a = e.offset + s
@@ -240,6 +246,11 @@ class RangedObject:
             raise InvalidValueError(f"out is {out.dtype} {list(out.shape)}, the box {dtype} {sizes}", entry=name)
         starts, length = box_runs(e.shape, [int(o) for o in offsets], sizes)
         item = ITEMSIZE[e.dtype]
+        view = _byte_view(out) if out is not None else None
+        if out is not None and view is not None:  # straight into out's memory, once every chunk verified
+            with torch.no_grad():
+                self.read_runs(name, starts * item, length * item, into=view)
+            return out
         raw = self.read_runs(name, starts * item, length * item)
         t = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
         got = t.view(dtype).reshape(sizes)

@@ -29,11 +29,11 @@ from tierstore.codec.compression import max_raw_len as _max_raw_len
 from tierstore.codec.format import CHUNK, MAX_CHUNK_READ, MIN_CHUNK_READ, chunk_table_len, n_chunks
 from tierstore.errors import CorruptObjectError
 
-__all__ = ["Chunks", "check_geometry"]
+__all__ = ["ROW", "Chunks", "check_geometry"]
 
 _digest = xxhash.xxh3_128_digest
-_ROW = np.dtype([("digest", "V16"), ("stored", "<u4"), ("flag", "<u4")])
-assert _ROW.itemsize == CHUNK.size
+ROW = np.dtype([("digest", "V16"), ("stored", "<u4"), ("flag", "<u4")])
+assert ROW.itemsize == CHUNK.size
 
 
 def check_geometry(chunk_size: int, count: int, raw_len: int) -> None:
@@ -69,7 +69,7 @@ class Chunks:
             raise CorruptObjectError(f"chunk table of {len(mv)} bytes for {count} chunks", field="chunks")
         self._table = mv
         self.size, self.count, self.raw_len = chunk_size, count, raw_len
-        rows = np.frombuffer(mv, dtype=_ROW, count=count)
+        rows = np.frombuffer(mv, dtype=ROW, count=count)
         stored, flags = rows["stored"].astype(np.int64), rows["flag"].astype(np.int64)
         raw = np.full(count, chunk_size, dtype=np.int64)
         if count:

@@ -8,8 +8,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import xxhash
 
+from tierstore.codec.chunks import ROW as _ROW
 from tierstore.codec.compression import FLAG_LZ4, NAMES, PAYS_RATIO
 from tierstore.codec.compression import choose as _choose
 from tierstore.codec.compression import compress as _compress
@@ -49,8 +51,10 @@ def _raw_chunk_table(raw_len: int, chunk_size: int) -> bytes:
     """The chunk table of an uncompressed data section, digests left zero (:meth:`EncodePlan.seal` fills them)."""
     count = n_chunks(raw_len, chunk_size)
     table = bytearray(chunk_table_len(count))
-    for i in range(count):
-        CHUNK.pack_into(table, i * CHUNK.size, bytes(16), min(chunk_size, raw_len - i * chunk_size), 0)
+    rows = np.frombuffer(table, dtype=_ROW, count=count)
+    rows["stored"] = chunk_size
+    if count:
+        rows["stored"][-1] = raw_len - (count - 1) * chunk_size
     return bytes(table)
 
 

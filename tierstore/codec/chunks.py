@@ -61,7 +61,7 @@ class Chunks:
         starts: ``count + 1`` offsets of the stored chunks inside the data section.
     """
 
-    __slots__ = ("_table", "count", "flags", "raw_len", "size", "starts")
+    __slots__ = ("_table", "count", "digests", "flags", "raw_len", "size", "starts")
 
     def __init__(self, table: Any, chunk_size: int, count: int, raw_len: int, data_len: int, header_flags: int):
         mv = memoryview(table)
@@ -99,6 +99,8 @@ class Chunks:
                                      field="chunks")
         self.starts: list[int] = [0, *np.cumsum(stored).tolist()]
         self.flags: list[int] = flags.tolist()
+        raw_digests = rows["digest"].tobytes()
+        self.digests: list[bytes] = [raw_digests[o : o + 16] for o in range(0, 16 * count, 16)]
 
     def raw_size(self, i: int) -> int:
         """Uncompressed bytes of chunk ``i``."""
@@ -107,15 +109,21 @@ class Chunks:
     def stored_len(self, i: int) -> int:
         return self.starts[i + 1] - self.starts[i]
 
-    def digest(self, i: int) -> memoryview:
-        o = i * CHUNK.size
-        return self._table[o : o + 16]
-
     def check(self, i: int, stored: Any) -> None:
         """Raise :class:`CorruptObjectError` unless ``stored`` are chunk ``i``'s bytes."""
-        if _digest(stored) != self.digest(i):
-            raise CorruptObjectError(f"checksum mismatch in chunk {i} (bytes {self.starts[i]}.."
-                                     f"{self.starts[i + 1]} of the data section)", field="checksum", chunk=i)
+        if _digest(stored) != self.digests[i]:
+            raise self.mismatch(i)
+
+    def mismatch(self, i: int) -> CorruptObjectError:
+        return CorruptObjectError(f"checksum mismatch in chunk {i} (bytes {self.starts[i]}..{self.starts[i + 1]} "
+                                  "of the data section)", field="checksum", chunk=i)
+
+    def verify(self, data: memoryview) -> None:
+        """Check every chunk of the data section ``data`` (the stored bytes)."""
+        digest, digests, starts = _digest, self.digests, self.starts
+        for i in range(self.count):
+            if digest(data[starts[i] : starts[i + 1]]) != digests[i]:
+                raise self.mismatch(i)
 
     def unpack(self, i: int, stored: Any) -> Any:
         """Chunk ``i``'s uncompressed bytes from its verified ``stored`` bytes."""

@@ -240,10 +240,12 @@ class EncodePlan:
         """
         mv = self._check_buf(buf)
         start, end, size = self.data_offset, self.data_offset + self.raw_len, self.chunk_size
-        row = self._chunks_offset
-        for pos in range(start, end, size):
-            mv[row : row + 16] = _digest(mv[pos : min(pos + size, end)])
-            row += CHUNK.size
+        digest = _digest
+        digests = b"".join([digest(mv[pos : pos + size if pos + size < end else end])
+                            for pos in range(start, end, size)])
+        if digests:
+            rows = np.frombuffer(mv[self._chunks_offset : start], dtype=_ROW, count=len(digests) // 16)
+            rows["digest"] = np.frombuffer(digests, dtype="V16")
         h = xxhash.xxh3_128(mv[:start])
         mv[end : self.nbytes] = h.digest()
         return h.hexdigest()

@@ -327,8 +327,9 @@ class HostBackend(Backend):
                     os.close(fd)
         raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
 
-    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
-        """The bytes ``[offset, offset + length)`` of the object, read under its shared lock (only those bytes)."""
+    def get_range(self, name: str, offset: int, length: int) -> memoryview | bytes | None:
+        """A read-only view of the bytes ``[offset, offset + length)`` of the object, holding a shared lock on it
+        while alive (as :meth:`get`'s view does); only the pages of the range are touched."""
         check_range(offset, length)
         path = self._path(name)
         for _ in range(_OPEN_RETRIES):
@@ -350,7 +351,11 @@ class HostBackend(Backend):
                     return None
                 if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                     continue  # replaced between open and lock; look again
-                return os.pread(fd, max(0, min(length, st.st_size - offset)), offset)
+                stop = min(offset + length, st.st_size)
+                if stop <= offset:
+                    return b""
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)  # holds a dup of fd
+                return memoryview(mm)[offset:stop].toreadonly()
             except OSError as e:
                 raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
             finally:

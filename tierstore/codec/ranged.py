@@ -21,10 +21,10 @@ A version 1 object has no chunk digests: it is fetched whole once and
 verified whole (:mod:`tierstore.codec.read`), then ranges are served from it.
 
 Bytes fetched for one box: the box's bytes rounded out to whole chunks (128
-KiB as the writer cuts them), at most 16 MiB per fetch; the last 8 chunks
+KiB as the writer cuts them), at most 16 MiB per fetch; the last 2 chunks
 read stay verified in memory, so reads of neighbouring tensors that share a
 chunk fetch it once. Memory: the fetched chunks of one
-:meth:`RangedObject.read_runs` call, its result and the 8 kept chunks.
+:meth:`RangedObject.read_runs` call, its result and the 2 kept chunks.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ Fetch = Callable[[int, int], Any]
 
 _FIRST = 4096  # the first fetch: the header and, for most objects, the table and chunk table
 _SPAN = 16 << 20  # the most one fetch of chunks asks for
-_KEEP = 8  # verified chunks kept for the next reads (tensors share chunks; reads come in table order)
+_KEEP = 2  # verified chunks kept for the next reads (neighbouring tensors share a chunk; reads come in table order)
 
 
 def box_runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, int]:

@@ -41,7 +41,7 @@ param group, a placement other than ``Shard(d)`` / ``Replicate()``.
 
 Memory: the target's own tensors (new ones, handed to the usual load), plus
 the chunks of one read at a time (the box rounded out to whole chunks) and
-the last 8 chunks read of each open object (:mod:`tierstore.codec.ranged`).
+the last 2 chunks read of each object open for the layer (:mod:`tierstore.codec.ranged`).
 """
 
 from __future__ import annotations

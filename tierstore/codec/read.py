@@ -69,23 +69,14 @@ def _byte_view(t: torch.Tensor) -> Any:
     return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
-def _segments(mv: memoryview, h: Head, chunks: Chunks | None) -> Iterator[tuple[int, int]]:
-    """Yield ``(start, stop)`` spans of the data section of ``mv``, each verified before it is yielded.
-
-    Version 2: the trailer over header and tables first, then each chunk by its digest. Version 1: 1 MiB
-    spans of one running hash, compared with the trailer after the last span.
+def _v1_spans(mv: memoryview, h: Head) -> Iterator[tuple[int, int]]:
+    """Version 1: yield 1 MiB ``(start, stop)`` spans of the data section as one running hash takes them in;
+    the trailer is compared after the last span.
 
     Raises:
-        CorruptObjectError: a mismatch (version 1: after every span was yielded).
+        CorruptObjectError: a mismatch (after every span was yielded).
     """
     start, end = h.data_start, h.data_end
-    if chunks is not None:
-        verify_head(h, mv[:start], mv[end:])
-        for i in range(chunks.count):
-            a, b = start + chunks.starts[i], start + chunks.starts[i + 1]
-            chunks.check(i, mv[a:b])
-            yield a, b
-        return
     digest = xxhash.xxh3_128(mv[:start])
     for pos in range(start, end, _CHUNK):
         stop = min(pos + _CHUNK, end)
@@ -100,7 +91,7 @@ def _segments(mv: memoryview, h: Head, chunks: Chunks | None) -> Iterator[tuple[
 def _verify_all(mv: memoryview, h: Head, chunks: Chunks | None) -> str:
     """Verify the whole object; return its checksum (the trailer) as hex."""
     if chunks is None:
-        for _span in _segments(mv, h, chunks):
+        for _span in _v1_spans(mv, h):
             pass
     else:
         verify_head(h, mv[: h.data_start], mv[h.data_end :])
@@ -131,7 +122,7 @@ def _verify_and_copy(
         else:
             pieces.append((data_start + e.offset, data_start + e.offset + e.nbytes, view))
     i, n = 0, len(pieces)
-    spans = _segments(mv, h, chunks) if chunks is None else _chunk_spans(mv, h, chunks)
+    spans = _v1_spans(mv, h) if chunks is None else _chunk_spans(mv, h, chunks)
     for pos, stop in spans:
         while i < n and pieces[i][0] < stop:  # copy what of this span belongs to a tensor
             start, last, view = pieces[i]

@@ -155,11 +155,11 @@ class LayerSource:
 
 
 class Sources:
-    """The saved ranks' objects of one layer, opened on first use."""
+    """The saved ranks' objects of one layer (``keys``: saved rank -> key), opened on first use."""
 
-    def __init__(self, store: Any, model: str, layer: str, res: Any) -> None:
+    def __init__(self, store: Any, model: str, layer: str, keys: dict[int, ShardKey]) -> None:
         self.store, self.model, self.layer = store, model, layer
-        self.keys = {r: info.key for (ln, r), info in res.objects.items() if ln == layer}
+        self.keys = keys
         self.ranks = sorted(self.keys)
         self._open: dict[int, LayerSource] = {}
 

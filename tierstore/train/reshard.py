@@ -152,6 +152,7 @@ class _Layer:
                  holders: Mapping[str, list[int]]) -> None:
         self.m, self.layer, self.sources, self.src, self.rank, self.holders = m, layer, sources, src, rank, holders
         self.world = len(sources.ranks)
+        self._boxes: dict[tuple, dict[Box, list[int]]] = {}
 
     def read(self) -> tuple[dict[str, torch.Tensor], dict]:
         m, spec, base = self.m, self.m.layers[self.layer], self.sources.get(self.src)
@@ -205,15 +206,19 @@ class _Layer:
         """One saved rank per distinct box of ``name`` (replicas read once, spread over the target ranks)."""
         if name not in primary.dist:
             return [(primary.rank, primary.piece(name, self.world))]
-        by_box: dict[Box, list[int]] = {}
-        for r in self.sources.ranks:
-            spec = primary.dist[name]
-            mesh = [int(x) for x in spec["mesh"]]
+        spec = primary.dist[name]
+        mesh = [int(x) for x in spec["mesh"]]
+        shape, placements = [int(x) for x in spec["shape"]], [str(p) for p in spec["placements"]]
+        memo = (tuple(shape), tuple(mesh), tuple(placements))  # tensors sharded alike share their pieces
+        by_box = self._boxes.get(memo)
+        if by_box is None:
             if math.prod(mesh) != self.world:
                 primary.piece(name, self.world)  # raises, naming the mesh
-            off, size = shard_box(name, [int(x) for x in spec["shape"]], mesh,
-                                  [str(p) for p in spec["placements"]], mesh_coords(r, mesh))
-            by_box.setdefault(Box(tuple(off), tuple(size)), []).append(r)
+            by_box = {}
+            for r in self.sources.ranks:
+                off, size = shard_box(name, shape, mesh, placements, mesh_coords(r, mesh))
+                by_box.setdefault(Box(tuple(off), tuple(size)), []).append(r)
+            self._boxes[memo] = by_box
         out = []
         for box, ranks in by_box.items():
             r = self.rank if self.rank in ranks else ranks[self.rank % len(ranks)]
@@ -353,8 +358,12 @@ def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: in
     holders: dict[str, list[int]] | None = None
     wanted = set(layers)
     order = [ln for ln in owner if ln in wanted] + sorted(wanted - set(owner))  # the modules' order, as prepare
+    keys: dict[str, dict[int, ShardKey]] = {}
+    for (ln, r), info in res.objects.items():
+        if ln in wanted:
+            keys.setdefault(ln, {})[r] = info.key
     for ln in order:
-        sources = Sources(store, model, ln, res)
+        sources = Sources(store, model, ln, keys.get(ln, {}))
         if not sources.ranks:
             continue
         here = src if src in sources.keys else sources.ranks[rank % len(sources.ranks)]

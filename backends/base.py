@@ -7,8 +7,9 @@ A backend only moves bytes. It stores opaque objects under *object names*:
 Protocol (who calls what): the tier manager (:class:`tierstore.store.TierStore`)
 is the only caller in the library. It calls :meth:`Backend.put` (or, where
 ``reservable`` is true, :meth:`Backend.reserve` then ``commit``),
-:meth:`Backend.get`, :meth:`Backend.delete`, :meth:`Backend.exists`,
-:meth:`Backend.list`, and :meth:`Backend.close` once at the end.
+:meth:`Backend.get` (or :meth:`Backend.get_range` for a byte range),
+:meth:`Backend.delete`, :meth:`Backend.exists`, :meth:`Backend.list`, and
+:meth:`Backend.close` once at the end.
 
 Errors: a miss is ``None`` (``get``) or ``False`` (``delete``/``exists``);
 a failure is a typed :class:`~tierstore.errors.TierStoreError`
@@ -33,6 +34,7 @@ __all__ = [
     "Buffer",
     "Reservation",
     "as_buffers",
+    "check_range",
     "total_size",
     "validate_object_name",
 ]
@@ -88,6 +90,13 @@ def total_size(buffers: Sequence[memoryview]) -> int:
     return sum(b.nbytes for b in buffers)
 
 
+def check_range(offset: object, length: object) -> None:
+    """Raise :class:`InvalidValueError` unless ``offset`` and ``length`` are non-negative ints."""
+    for what, v in (("offset", offset), ("length", length)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise InvalidValueError(f"a range {what} must be a non-negative int, got {v!r}")
+
+
 class Reservation(ABC):
     """Space reserved in a tier for one object, written in place, then published.
 
@@ -130,6 +139,8 @@ class Backend(ABC):
     atomic_create_once: ClassVar[bool] = True
     #: reads come from this machine's memory or disks (whole objects are cheap to re-read and hash).
     local_reads: ClassVar[bool] = False
+    #: get_range() reads only the bytes asked for (without it, the default reads the whole object).
+    ranged_get: ClassVar[bool] = False
 
     # -- the interface -------------------------------------------------------------
     @abstractmethod
@@ -183,6 +194,28 @@ class Backend(ABC):
             return None
         try:
             return bytes(data[-nbytes:]) if nbytes else b""
+        finally:
+            if isinstance(data, memoryview):
+                data.release()
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes | memoryview | None:
+        """The object's bytes ``[offset, offset + length)``, or ``None`` if there is none.
+
+        Fewer bytes (possibly none) where the object ends before ``offset +
+        length``, as slicing does. Backends that read a range without the rest
+        set ``ranged_get`` and override this; the default reads the whole
+        object for each call, so a caller of such a backend reads it once and
+        slices it itself.
+
+        Raises:
+            InvalidValueError: a negative or non-int ``offset`` or ``length``.
+        """
+        check_range(offset, length)
+        data = self.get(name)
+        if data is None:
+            return None
+        try:
+            return bytes(data[offset : offset + length])
         finally:
             if isinstance(data, memoryview):
                 data.release()

@@ -43,6 +43,7 @@ from backends.base import (
     Buffer,
     Reservation,
     as_buffers,
+    check_range,
     total_size,
     validate_object_name,
 )
@@ -145,6 +146,7 @@ class HostBackend(Backend):
     zero_copy_get = True
     reservable = True
     atomic_create_once = True
+    ranged_get = True
 
     def __init__(
         self,
@@ -323,6 +325,41 @@ class HostBackend(Backend):
             finally:
                 if not pinned:
                     os.close(fd)
+        raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
+
+    def get_range(self, name: str, offset: int, length: int) -> memoryview | bytes | None:
+        """A read-only view of the bytes ``[offset, offset + length)`` of the object, holding a shared lock on it
+        while alive (as :meth:`get`'s view does); only the pages of the range are touched."""
+        check_range(offset, length)
+        path = self._path(name)
+        for _ in range(_OPEN_RETRIES):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a writer is claiming this segment: the object was deleted; look again
+                st = os.fstat(fd)
+                try:
+                    now = os.stat(path)
+                except FileNotFoundError:
+                    return None
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    continue  # replaced between open and lock; look again
+                stop = min(offset + length, st.st_size)
+                if stop <= offset:
+                    return b""
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)  # holds a dup of fd
+                return memoryview(mm)[offset:stop].toreadonly()
+            except OSError as e:
+                raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            finally:
+                os.close(fd)
         raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
 
     def size(self, name: str) -> int | None:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from backends.base import Backend, Buffer, as_buffers, validate_object_name
+from backends.base import Backend, Buffer, as_buffers, check_range, validate_object_name
 from tierstore.errors import (
     AccessDeniedError,
     InvalidKeyError,
@@ -85,6 +85,7 @@ class LocalFSBackend(Backend):
     reservable = False
     atomic_create_once = True
     local_reads = True
+    ranged_get = True
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.root = Path(root).absolute()
@@ -190,6 +191,17 @@ class LocalFSBackend(Backend):
             return None
         except OSError as e:
             raise _translate(e, "get", name, self._root_s) from e
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        check_range(offset, length)
+        path = self._path(name)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                return os.pread(f.fileno(), length, offset)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise _translate(e, "get_range", name, self._root_s) from e
 
     def tail(self, name: str, nbytes: int) -> bytes | None:
         path = self._path(name)

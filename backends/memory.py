@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 
-from backends.base import Backend, Buffer, Reservation, as_buffers, validate_object_name
+from backends.base import Backend, Buffer, Reservation, as_buffers, check_range, validate_object_name
 from tierstore.errors import InvalidValueError, KeyExistsError, TierFullError
 
 __all__ = ["MemoryBackend", "MemoryReservation"]
@@ -38,6 +38,7 @@ class MemoryBackend(Backend):
     zero_copy_get = True
     reservable = True
     atomic_create_once = True
+    ranged_get = True
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
@@ -86,6 +87,13 @@ class MemoryBackend(Backend):
         validate_object_name(name)
         with self._lock:
             return self._objects.get(name)
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        validate_object_name(name)
+        check_range(offset, length)
+        with self._lock:
+            data = self._objects.get(name)
+        return None if data is None else data[offset : offset + length]
 
     def delete(self, name: str) -> bool:
         validate_object_name(name)

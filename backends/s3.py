@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import Backend, Buffer, as_buffers, total_size, validate_object_name
+from backends.base import Backend, Buffer, as_buffers, check_range, total_size, validate_object_name
 from tierstore.errors import (
     ConfigError,
     InvalidKeyError,
@@ -159,6 +159,7 @@ class S3Backend(Backend):
     zero_copy_get = False
     reservable = False
     atomic_create_once = True
+    ranged_get = True
 
     def __init__(
         self,
@@ -326,6 +327,29 @@ class S3Backend(Backend):
             except _ObjectChanged:
                 continue  # overwritten mid-read: read the new version from the start
         raise TierUnavailableError(f"S3 object {self.bucket}/{key} kept changing while being read", key=key)
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        """The bytes ``[offset, offset + length)``: one ranged GET (``bytes=a-b``)."""
+        check_range(offset, length)
+        key = self._key(name)
+        if length == 0:
+            return b"" if self.exists(name) else None
+
+        def fetch() -> bytes:
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+            except ClientError as e:
+                if _code_status(e)[0] != "InvalidRange":  # 416: the object ends before offset
+                    raise
+                self.client.head_object(Bucket=self.bucket, Key=key)  # a miss raises here (NoSuchKey / 404)
+                return b""
+            body = r["Body"].read()
+            if len(body) > length:
+                raise _ShortRead(f"range at {offset} returned {len(body)} bytes, more than {length}")
+            return body
+
+        got = self._call("get range", key, fetch, miss_ok=True)
+        return None if got is _MISS else got
 
     def tail(self, name: str, nbytes: int) -> bytes | None:
         """The last ``nbytes`` bytes: one ranged GET (``bytes=-n``)."""

@@ -2,7 +2,10 @@
 
 Run: ``python bench/bench_codec.py [--mib 256] [--reps 5]``. Prints medians
 (min-max) in ms and GiB/s; the bound is a ``copy_`` of the same tensors into
-pre-allocated tensors. Standalone: needs only tierstore, torch, numpy, lz4.
+pre-allocated tensors. The ``v1`` / ``v2`` rows read the same object in format
+version 1 (one checksum over everything) and version 2 (a digest per chunk),
+alternated rep by rep so that both meet the same load. Standalone: needs only
+tierstore, torch, numpy, lz4.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import lz4.block
 import lz4.frame
 import numpy as np
 import torch
+import xxhash
 
 from tierstore import codec
 from tierstore.delta import apply_xor_delta, xor_delta
@@ -51,6 +55,40 @@ def adamw_weights(hidden: int, steps: int = 3) -> tuple[torch.Tensor, torch.Tens
         torch.nn.functional.mse_loss(layer(x), y).backward()
         opt.step()
     return layer.weight.detach().clone(), prev
+
+
+def version_1(blob: bytes) -> bytes:
+    """The same object in format version 1 (one xxh3-128 over everything, no chunk table), as it was written."""
+    info = codec.inspect(blob, verify=False)
+    table_at, data_at = codec.HEADER.size, len(blob) - codec.TRAILER_SIZE - info.data_len
+    body = (codec.HEADER.pack(codec.MAGIC, 1, 0, info.table_len, info.data_len, info.raw_len)
+            + blob[table_at : table_at + info.table_len] + blob[data_at : len(blob) - codec.TRAILER_SIZE])
+    return body + xxhash.xxh3_128_digest(body)
+
+
+def ab_versions(blob: bytes, dst: dict, p: codec.EncodePlan, buf: memoryview, reps: int, nbytes: int,
+                bound: float) -> None:
+    """Full reads and the seal of version 1 against version 2, alternated rep by rep (same noise for both)."""
+    v1 = version_1(blob)
+    assert codec.inspect(v1).version == 1 and codec.inspect(blob).version == 2
+    end = p.data_offset + p.raw_len
+    pairs = [
+        ("verify", lambda: codec.verify(v1), lambda: codec.verify(blob)),
+        ("decode(out=pre-allocated)", lambda: codec.decode(v1, out=dst), lambda: codec.decode(blob, out=dst)),
+        ("decode(copy=False)", lambda: codec.decode(v1, copy=False), lambda: codec.decode(blob, copy=False)),
+        ("seal", lambda: xxhash.xxh3_128(buf[:end]).digest(), lambda: p.seal(buf)),
+    ]
+    for label, f1, f2 in pairs:
+        t1, t2 = [], []
+        f1(), f2()
+        for _ in range(max(reps, 9)):
+            for fn, ts in ((f1, t1), (f2, t2)):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        m1, m2 = statistics.median(t1), statistics.median(t2)
+        row(f"  v1 {label}", (m1, min(t1), max(t1)), nbytes, bound)
+        row(f"  v2 {label} ({m2 / m1:.2f}x v1)", (m2, min(t2), max(t2)), nbytes, bound)
 
 
 def lz4_row(label: str, data: bytes, reps: int) -> None:
@@ -105,6 +143,7 @@ def main() -> None:
     row("decode(copy=False) (verify + alias)", timeit(lambda: codec.decode(blob, copy=False), a.reps),
         nbytes, bound[0])
     row("decode(out=pre-allocated)", timeit(lambda: codec.decode(blob, out=dst), a.reps), nbytes, bound[0])
+    ab_versions(blob, dst, p, buf, a.reps, nbytes, bound[0])
     row("digest_many xxh3 (AdaCheck)", timeit(lambda: digest_many(state), a.reps), nbytes, bound[0])
     row("digest_many blake2s", timeit(lambda: digest_many(state, "blake2s"), 1), nbytes, bound[0])
     del blob, buf, p

@@ -4,8 +4,8 @@
 
 Feeds ``n`` inputs to each of ``codec.decode`` and ``parse_manifest``:
 mutated valid objects (byte flips, truncations, insertions, deletions, header
-field overwrites; half of them re-sealed with a valid xxh3 trailer so the
-checks behind the checksum run too) and random bytes. Every input must end in
+field overwrites; half of them re-sealed with valid checksums, ``codec.reseal``,
+so the checks behind the checksum run too) and random bytes. Every input must end in
 a decoded object or a typed error (``CorruptObjectError`` /
 ``RestoreMismatchError`` / ``ManifestError``); anything else is a failure,
 printed with the input, and the exit status is 1. Prints the counts.
@@ -20,7 +20,6 @@ import time
 from collections import Counter
 
 import torch
-import xxhash
 
 from consistency.manifest import parse_manifest
 from tierstore import codec
@@ -42,10 +41,7 @@ def _seeds() -> list[bytes]:
 
 
 def _reseal(b: bytearray) -> bytes:
-    if len(b) < TRAILER:
-        return bytes(b)
-    b[-TRAILER:] = xxhash.xxh3_128(bytes(b[:-TRAILER])).digest()
-    return bytes(b)
+    return codec.reseal(b)  # valid checksums (chunk digests and trailer) over the mutated bytes
 
 
 def _mutate(rng: random.Random, blob: bytes) -> bytes:
@@ -63,8 +59,8 @@ def _mutate(rng: random.Random, blob: bytes) -> bytes:
             i = rng.randrange(len(b))
             del b[i:i + rng.randint(1, 16)]
         elif op == 4 and len(b) >= codec.HEADER.size:
-            off = rng.choice([6, 8, 12, 20])  # flags, table_len, data_len, raw_len
-            width = 2 if off == 6 else (4 if off == 8 else 8)
+            off = rng.choice([6, 8, 12, 20, 28, 32])  # flags, table_len, data_len, raw_len, chunk_size, n_chunks
+            width = 2 if off == 6 else (4 if off in (8, 28, 32) else 8)
             b[off:off + width] = rng.choice([b"\xff" * width, b"\x00" * width, rng.randbytes(width)])
         elif op == 5:
             i = rng.randrange(max(1, len(b)))

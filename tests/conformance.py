@@ -80,7 +80,7 @@ class BackendConformance:
     def test_capabilities_declared(self, backend):
         assert backend.tier in ("device", "host", "peer", "durable")
         assert backend.survives in ("step", "process", "node", "cluster")
-        for attr in ("zero_copy_get", "reservable", "atomic_create_once"):
+        for attr in ("zero_copy_get", "reservable", "atomic_create_once", "local_reads", "ranged_get"):
             assert isinstance(getattr(type(backend), attr), bool)
 
     def test_starts_empty(self, backend):
@@ -135,6 +135,31 @@ class BackendConformance:
         backend.put("alias", buf)
         buf[:] = b"mutated!"
         assert _as_bytes(backend.get("alias")) == b"original"
+
+    # -- ranged reads --------------------------------------------------------------
+    def test_get_range_is_a_slice(self, backend):
+        data = _payload(300_001, seed=5)
+        backend.put("r/obj", data)
+        n = len(data)
+        for off, length in [(0, 1), (0, n), (1, 64), (4095, 4099), (n - 16, 16), (n - 1, 1), (123_456, 100_000),
+                            (0, 0), (n, 0), (n - 10, 100), (n, 5), (n + 1000, 3)]:
+            assert _as_bytes(backend.get_range("r/obj", off, length)) == data[off : off + length], (off, length)
+        backend.put("r/empty", b"")
+        assert _as_bytes(backend.get_range("r/empty", 0, 10)) == b""
+
+    def test_get_range_sees_the_current_object(self, backend):
+        backend.put("r/k", b"first version")
+        backend.put("r/k", b"second")
+        assert _as_bytes(backend.get_range("r/k", 1, 100)) == b"econd"
+        backend.delete("r/k")
+        assert backend.get_range("r/k", 0, 4) is None
+
+    def test_get_range_miss_and_bad_ranges(self, backend):
+        assert backend.get_range("no/such/object", 0, 10) is None
+        backend.put("r/x", b"abc")
+        for off, length in [(-1, 2), (0, -1), (1.5, 2), (0, None), (True, 1)]:
+            with pytest.raises(InvalidValueError):
+                backend.get_range("r/x", off, length)
 
     # -- misses --------------------------------------------------------------------
     def test_get_miss_is_none(self, backend):
@@ -219,6 +244,8 @@ class BackendConformance:
             backend.delete(name)
         with pytest.raises(InvalidKeyError):
             backend.exists(name)
+        with pytest.raises(InvalidKeyError):
+            backend.get_range(name, 0, 1)
 
     def test_non_str_name_rejected(self, backend):
         with pytest.raises(InvalidKeyError):

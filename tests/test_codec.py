@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierstore import codec
-from tierstore.codec import HEADER, MAGIC, TRAILER_SIZE, decode, encode
+from tierstore.codec import HEADER, HEADER2, MAGIC, TRAILER_SIZE, decode, encode
 from tierstore.errors import CorruptObjectError, InvalidValueError, RestoreMismatchError
 
 FUZZ_EXAMPLES = int(os.environ.get("TIERSTORE_FUZZ_EXAMPLES", "1500"))
@@ -86,7 +86,8 @@ def test_roundtrip(tensors, metadata, compress, copy):
     assert shard.metadata == metadata
     info = codec.inspect(blob)
     assert info.nbytes == len(blob)
-    assert info.checksum == codec.checksum(blob) == codec.verify(blob) == xxhash.xxh3_128(blob[:-16]).hexdigest()
+    data_start = len(blob) - TRAILER_SIZE - info.data_len  # version 2: the trailer covers what precedes the data
+    assert info.checksum == codec.checksum(blob) == codec.verify(blob) == xxhash.xxh3_128(blob[:data_start]).hexdigest()
     assert info.compressed == bool(info.flags & (codec.FLAG_LZ4 | codec.FLAG_ZSTD))
     if compress == "always":
         assert info.compressed
@@ -178,15 +179,20 @@ def test_invalid_inputs(tensors, metadata):
 
 
 def test_header_pack_unpack_roundtrip():
-    fields = (MAGIC, codec.FORMAT_VERSION, codec.FLAG_LZ4, 128, 2**40 + 3, 2**41 + 5)
+    fields = (MAGIC, 1, codec.FLAG_LZ4, 128, 2**40 + 3, 2**41 + 5)
     packed = HEADER.pack(*fields)
     assert len(packed) == 64 == HEADER.size and packed[28:] == bytes(36)
     assert HEADER.unpack(packed) == fields
     assert packed[:4] == b"TSOB" and struct.unpack_from("<H", packed, 4)[0] == 1
+    fields2 = (MAGIC, codec.FORMAT_VERSION, codec.FLAG_LZ4, 128, 2**40 + 3, 2**41 + 5, 1 << 16, 2**32 - 1)
+    packed2 = HEADER2.pack(*fields2)
+    assert len(packed2) == 64 == HEADER2.size and packed2[36:] == bytes(28) and packed2[:28] == HEADER.pack(
+        MAGIC, codec.FORMAT_VERSION, *fields2[2:6])[:28]
+    assert HEADER2.unpack(packed2) == fields2
     blob = encode({"x": torch.zeros(3)}, compress="never")
-    magic, version, flags, table_len, data_len, raw_len = HEADER.unpack_from(blob)
-    assert (magic, version, flags) == (MAGIC, 1, 0)
-    assert len(blob) == 64 + table_len + data_len + TRAILER_SIZE and raw_len == data_len
+    magic, version, flags, table_len, data_len, raw_len, chunk_size, n_chunks = HEADER2.unpack_from(blob)
+    assert (magic, version, flags, chunk_size, n_chunks) == (MAGIC, 2, 0, codec.CHUNK_SIZE, 1)
+    assert len(blob) == 64 + table_len + 64 + data_len + TRAILER_SIZE and raw_len == data_len  # one chunk row
     assert table_len % 64 == 0 and data_len % 64 == 0
 
 
@@ -290,7 +296,7 @@ def row(**kw):
     _forge([], table_text=b"\xff\xfe not utf8"),
     _forge([], table_text=b'{"tensors": [], "meta": NaN}'),
     _reseal((MAGIC, 1, 0, 64, 64, 64), b"{}" + b" " * 62, bytes(64)),
-    _reseal((MAGIC, 2, 0, 64, 64, 64), b" " * 64, bytes(64)),
+    _reseal((MAGIC, 3, 0, 64, 64, 64), b" " * 64, bytes(64)),
     _reseal((MAGIC, 1, 2, 64, 64, 64), b" " * 64, bytes(64)),
     _reseal((MAGIC, 1, 1, 64, 64, 2**60), b'{"tensors":[],"meta":{}}' + b" " * 40, bytes(64)),
     _reseal((MAGIC, 1, 1, 64, 64, 64), b'{"tensors":[],"meta":{}}' + b" " * 40, bytes(64)),
@@ -345,8 +351,7 @@ def test_fuzz_mutated_valid_blobs(which, edits, reseal):
         elif i < len(blob):
             blob[i] = value
     if reseal and len(blob) >= TRAILER_SIZE:
-        blob[-TRAILER_SIZE:] = xxhash.xxh3_128(bytes(blob[:-TRAILER_SIZE])).digest()
-        _decode_only_corrupt(bytes(blob))
+        _decode_only_corrupt(codec.reseal(blob))
     elif bytes(blob) != _VALID[which]:
         with pytest.raises(CorruptObjectError):
             decode(bytes(blob))
@@ -373,4 +378,4 @@ def test_dtype_table_and_constants():
     for name in ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
                  "bool", "complex64"]:
         assert codec.DTYPES[name] == getattr(torch, name)
-    assert codec.MAGIC == b"TSOB" and codec.FORMAT_VERSION == 1 and codec.TRAILER_SIZE == 16
+    assert codec.MAGIC == b"TSOB" and codec.FORMAT_VERSION == 2 and codec.TRAILER_SIZE == 16

@@ -13,6 +13,11 @@ Protocol::
     d = xor_delta(new, base)            # same shape and dtype
     restored = apply_xor_delta(base, d)  # or apply_xor_delta(base, d, out=t)
 
+A part of a delta: the elements ``s .. s + n`` of each run ``s`` of a box hold
+their bytes at :func:`shuffled_starts` (one run per byte plane); those bytes,
+read in that order, are the delta of the box on its own (its elements in
+row-major order), so ``apply_xor_delta(base_box, part)`` rebuilds the box.
+
 On CPU both directions run in cache-sized chunks with numpy (one pass over
 the inputs, one over the output); on other devices they use torch ops there.
 """
@@ -24,7 +29,7 @@ import torch
 
 from tierstore.errors import CorruptObjectError, RestoreMismatchError
 
-__all__ = ["apply_xor_delta", "delta_nbytes", "xor_delta"]
+__all__ = ["apply_xor_delta", "delta_nbytes", "shuffled_starts", "xor_delta"]
 
 # Elements per chunk: 256 Ki elements keep a chunk's intermediate in L2.
 _CHUNK = 1 << 18
@@ -35,6 +40,13 @@ _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def delta_nbytes(t: torch.Tensor) -> int:
     """Size in bytes of the delta of a tensor shaped like ``t``."""
     return t.numel() * t.element_size()
+
+
+def shuffled_starts(starts: np.ndarray, numel: int, itemsize: int) -> np.ndarray:
+    """Where runs of elements (``starts``, ascending) lie in the delta of a ``numel``-element tensor: plane ``k``
+    of run ``s`` at byte ``k * numel + s``; every plane's runs, planes in order (ascending)."""
+    return (np.arange(itemsize, dtype=np.int64)[:, None] * numel + np.asarray(starts, dtype=np.int64)[None, :]
+            ).reshape(-1)
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,12 @@ else:  # torch is imported on first use: verifying, inspecting and checksumming 
 
 __all__ = [
     "ALIGN",
+    "CHUNK",
+    "CHUNK_SIZE",
     "DTYPES",
     "FORMAT_VERSION",
     "HEADER",
+    "HEADER2",
     "ITEMSIZE",
     "MAGIC",
     "MAX_METADATA_LEN",
@@ -29,25 +32,54 @@ __all__ = [
     "MAX_NDIM",
     "MAX_TABLE_LEN",
     "TRAILER_SIZE",
+    "VERSIONS",
     "BlobInfo",
     "Shard",
     "TensorInfo",
     "compute_checksum",
 ]
 
-# magic, version, flags, table_len, data_len, raw_len, reserved (zero) to 64 bytes.
+# Version 1: magic, version, flags, table_len, data_len, raw_len, reserved (zero) to 64 bytes. Its first 28
+# bytes are every version's: a reader unpacks them with HEADER to learn the version.
 HEADER = struct.Struct("<4sHHIQQ36x")
+# Version 2 adds chunk_size (bytes, a power of two) and n_chunks: the data section in chunks, each with its digest.
+HEADER2 = struct.Struct("<4sHHIQQII28x")
+# One row of a version 2 chunk table: xxh3-128 of the chunk's stored bytes, their length, their codec (0: raw).
+CHUNK = struct.Struct("<16sII")
 MAGIC = b"TSOB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+VERSIONS = (1, 2)
 TRAILER_SIZE = 16
 ALIGN = 64
 KNOWN_FLAGS = FLAGS
+
+CHUNK_SIZE = 128 << 10  # what the writer cuts the data section into (a range read reads whole chunks)
+MIN_CHUNK_READ = 1 << 12  # what a reader accepts (a hostile header is bounded by these)
+MAX_CHUNK_READ = 1 << 24
 
 MAX_TABLE_LEN = 16 << 20
 MAX_METADATA_LEN = 1 << 20
 MAX_NAME_LEN = 1024
 MAX_NDIM = 64
-assert HEADER.size == 64
+assert HEADER.size == HEADER2.size == 64 and CHUNK.size == 24
+
+
+def chunk_size_for(raw_len: int) -> int:
+    """The chunk size the writer gives an object of ``raw_len`` data bytes: :data:`CHUNK_SIZE`.
+
+    128 KiB: small enough that a range read rounds out by little, large enough that hashing chunk by
+    chunk costs what one hash over the object does (measured: ``bench/bench_codec.py``).
+    """
+    return CHUNK_SIZE
+
+
+def n_chunks(raw_len: int, chunk_size: int) -> int:
+    return -(-raw_len // chunk_size)
+
+
+def chunk_table_len(n: int) -> int:
+    """Bytes of a chunk table of ``n`` rows (padded to 64)."""
+    return align(n * CHUNK.size)
 
 
 # The supported dtype names and their sizes in bytes, known without torch (reading a table needs no torch).
@@ -139,6 +171,8 @@ class BlobInfo:
     checksum: str
     metadata: dict
     tensors: tuple[TensorInfo, ...] = field(default_factory=tuple)
+    chunk_size: int = 0  # version 2: bytes per chunk of the data section (0 in version 1)
+    n_chunks: int = 0
 
 
 def align(n: int) -> int:

@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import ctypes
-import json
-import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
-from tierstore.codec.compression import FLAG_LZ4, FLAG_ZSTD, FLAGS
+from tierstore.codec.chunks import Chunks
+from tierstore.codec.compression import FLAGS
 from tierstore.codec.compression import check_frame as _check_frame
 from tierstore.codec.compression import decompress as _decompress
-from tierstore.codec.compression import max_raw_len as _max_raw_len
 from tierstore.codec.format import (
-    ALIGN,
     DTYPES,
-    FORMAT_VERSION,
     HEADER,
-    ITEMSIZE,
-    KNOWN_FLAGS,
-    MAGIC,
-    MAX_NAME_LEN,
-    MAX_NDIM,
-    MAX_TABLE_LEN,
     TRAILER_SIZE,
     BlobInfo,
     Shard,
@@ -33,7 +23,8 @@ from tierstore.codec.format import (
     align,
     typed_view,
 )
-from tierstore.errors import CorruptObjectError, InvalidValueError, RestoreMismatchError
+from tierstore.codec.head import Head, bytes_view, parse_chunks, parse_head, parse_table, verify_head
+from tierstore.errors import CorruptObjectError, RestoreMismatchError
 
 if TYPE_CHECKING:
     import torch
@@ -42,106 +33,7 @@ else:  # torch is imported on first use (see tierstore.lazytorch)
 
 __all__ = ["EncodedObject", "checksum", "decode", "inspect", "open_object", "verify"]
 
-_CHUNK = 1 << 20  # verify-and-copy granularity: hashed, then copied while in the cache
-
-
-def _bytes_view(blob: Any) -> memoryview:
-    try:
-        mv = memoryview(blob)
-    except TypeError as e:
-        raise InvalidValueError(f"cannot decode a {type(blob).__name__}: not a buffer", entry="blob") from e
-    if mv.format != "B" or mv.ndim != 1:
-        try:
-            mv = mv.cast("B")
-        except TypeError as e:
-            raise InvalidValueError("blob must be a contiguous byte buffer", entry="blob") from e
-    return mv
-
-
-def _parse_header(mv: memoryview) -> tuple[int, int, int, int]:
-    """Check the header against the blob's length; return flags, table_len, data_len, raw_len."""
-    n = len(mv)
-    if n < HEADER.size + TRAILER_SIZE:
-        raise CorruptObjectError(f"object of {n} bytes is shorter than header and trailer", size=n)
-    magic, version, flags, table_len, data_len, raw_len = HEADER.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise CorruptObjectError(f"bad magic {bytes(magic)!r}, not a tierstore object", field="magic")
-    if version != FORMAT_VERSION:
-        raise CorruptObjectError(f"unknown format version {version}", field="version")
-    if flags & ~KNOWN_FLAGS or flags == FLAG_LZ4 | FLAG_ZSTD:
-        raise CorruptObjectError(f"unknown flags 0x{flags:04x}", field="flags")
-    if table_len > MAX_TABLE_LEN or table_len % ALIGN:
-        raise CorruptObjectError(f"table_len {table_len} is not a multiple of 64 within 16 MiB", field="table_len")
-    expected = HEADER.size + table_len + data_len + TRAILER_SIZE
-    if expected != n:
-        raise CorruptObjectError(
-            f"object is {n} bytes but its header describes {expected} (truncated or padded)", field="data_len"
-        )
-    if flags:
-        if raw_len > _max_raw_len(flags, data_len):
-            raise CorruptObjectError(f"raw_len {raw_len} impossible for {data_len} compressed bytes", field="raw_len")
-    elif raw_len != data_len:
-        raise CorruptObjectError(f"raw_len {raw_len} != data_len {data_len} in an uncompressed object", field="raw_len")
-    return flags, table_len, data_len, raw_len
-
-
-def _verify_trailer(mv: memoryview) -> str:
-    end = len(mv) - TRAILER_SIZE
-    h = xxhash.xxh3_128(mv[:end])
-    if h.digest() != mv[end:]:
-        raise CorruptObjectError(
-            f"checksum mismatch: stored {bytes(mv[end:]).hex()}, computed {h.hexdigest()}", field="checksum"
-        )
-    return h.hexdigest()
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _parse_table(raw: memoryview, raw_len: int) -> tuple[tuple[TensorInfo, ...], dict]:
-    try:
-        table = json.loads(bytes(raw).decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise CorruptObjectError(f"table is not valid JSON: {e}", field="table") from e
-    if not isinstance(table, dict) or set(table) != {"tensors", "meta"}:
-        raise CorruptObjectError("table must be an object with exactly 'tensors' and 'meta'", field="table")
-    rows, meta = table["tensors"], table["meta"]
-    if not isinstance(rows, list) or not isinstance(meta, dict):
-        raise CorruptObjectError("table 'tensors' must be a list and 'meta' an object", field="table")
-    infos: list[TensorInfo] = []
-    names: set[str] = set()
-    for r in rows:
-        if not isinstance(r, dict) or set(r) != {"name", "dtype", "shape", "offset", "nbytes"}:
-            raise CorruptObjectError(f"malformed table row {str(r)[:80]}", field="table")
-        name, dtype, shape, offset, nbytes = r["name"], r["dtype"], r["shape"], r["offset"], r["nbytes"]
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or name in names:
-            raise CorruptObjectError(f"bad or duplicate tensor name {str(name)[:80]!r}", field="name")
-        names.add(name)
-        if dtype not in ITEMSIZE:
-            raise CorruptObjectError(f"tensor {name!r}: unknown dtype {str(dtype)[:40]!r}", field="dtype", name=name)
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(_is_int(d) and d >= 0 for d in shape)):
-            raise CorruptObjectError(f"tensor {name!r}: bad shape {str(shape)[:80]}", field="shape", name=name)
-        if not (_is_int(offset) and _is_int(nbytes) and offset >= 0 and offset % ALIGN == 0):
-            raise CorruptObjectError(f"tensor {name!r}: bad offset/nbytes", field="offset", name=name)
-        if math.prod(shape) * ITEMSIZE[dtype] != nbytes:
-            raise CorruptObjectError(
-                f"tensor {name!r}: shape {shape} x {dtype} != {nbytes} bytes", field="nbytes", name=name
-            )
-        if offset + nbytes > raw_len:
-            raise CorruptObjectError(
-                f"tensor {name!r}: bytes [{offset}, {offset + nbytes}) outside the {raw_len}-byte data section",
-                field="offset", name=name,
-            )
-        infos.append(TensorInfo(name, dtype, tuple(shape), offset, nbytes))
-    end = 0
-    for row in sorted(infos, key=lambda r: r.offset):
-        if row.nbytes and row.offset < end:
-            raise CorruptObjectError(f"tensor {row.name!r} overlaps the tensor before it", field="offset",
-                                     name=row.name)
-        end = max(end, row.offset + row.nbytes)
-    return tuple(infos), meta
+_CHUNK = 1 << 20  # verify-and-copy granularity: hashed (version 2: chunk by chunk), then copied while in the cache
 
 
 def _torch_buffer(data: memoryview) -> Any:
@@ -177,18 +69,48 @@ def _byte_view(t: torch.Tensor) -> Any:
     return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
+def _v1_spans(mv: memoryview, h: Head) -> Iterator[tuple[int, int]]:
+    """Version 1: yield 1 MiB ``(start, stop)`` spans of the data section as one running hash takes them in;
+    the trailer is compared after the last span.
+
+    Raises:
+        CorruptObjectError: a mismatch (after every span was yielded).
+    """
+    start, end = h.data_start, h.data_end
+    digest = xxhash.xxh3_128(mv[:start])
+    for pos in range(start, end, _CHUNK):
+        stop = min(pos + _CHUNK, end)
+        digest.update(mv[pos:stop])
+        yield pos, stop
+    if digest.digest() != mv[end:]:
+        raise CorruptObjectError(
+            f"checksum mismatch: stored {bytes(mv[end:]).hex()}, computed {digest.hexdigest()}", field="checksum"
+        )
+
+
+def _verify_all(mv: memoryview, h: Head, chunks: Chunks | None) -> str:
+    """Verify the whole object; return its checksum (the trailer) as hex."""
+    if chunks is None:
+        for _span in _v1_spans(mv, h):
+            pass
+    else:
+        verify_head(h, mv[: h.data_start], mv[h.data_end :])
+        chunks.verify(mv[h.data_start : h.data_end])
+    return bytes(mv[h.data_end:]).hex()
+
+
 def _verify_and_copy(
-    mv: memoryview, data_start: int, infos: tuple[TensorInfo, ...], dests: dict[str, torch.Tensor]
+    mv: memoryview, h: Head, chunks: Chunks | None, infos: tuple[TensorInfo, ...], dests: dict[str, torch.Tensor]
 ) -> list[TensorInfo]:
-    """Hash ``mv`` in chunks and copy each chunk into the byte views of ``dests`` while it is hot.
+    """Verify ``mv`` span by span and copy each verified span into the byte views of ``dests`` while it is hot.
 
     Returns the entries whose destination has no byte view (device, strided):
     the caller copies those once the checksum matched.
 
     Raises:
-        CorruptObjectError: the trailer does not match (after the copies).
+        CorruptObjectError: a span does not match (version 1: after the copies).
     """
-    end = len(mv) - TRAILER_SIZE
+    data_start = h.data_start
     pieces: list[tuple[int, int, memoryview]] = []  # (start, end) in mv, destination bytes
     later: list[TensorInfo] = []
     for e in sorted(infos, key=lambda e: e.offset):
@@ -199,44 +121,68 @@ def _verify_and_copy(
             later.append(e)
         else:
             pieces.append((data_start + e.offset, data_start + e.offset + e.nbytes, view))
-    h = xxhash.xxh3_128(mv[:data_start])
-    i = 0
-    for pos in range(data_start, end, _CHUNK):
-        stop = min(pos + _CHUNK, end)
-        h.update(mv[pos:stop])
-        while i < len(pieces) and pieces[i][0] < stop:  # copy what of this chunk belongs to a tensor
+    i, n = 0, len(pieces)
+    spans = _v1_spans(mv, h) if chunks is None else _chunk_spans(mv, h, chunks)
+    for pos, stop in spans:
+        while i < n and pieces[i][0] < stop:  # copy what of this span belongs to a tensor
             start, last, view = pieces[i]
             a, b = max(start, pos), min(last, stop)
             view[a - start : b - start] = mv[a:b]
             if last > stop:
                 break
             i += 1
-    if h.digest() != mv[end:]:
-        raise CorruptObjectError(
-            f"checksum mismatch: stored {bytes(mv[end:]).hex()}, computed {h.hexdigest()}", field="checksum"
-        )
     return later
 
 
+def _chunk_spans(mv: memoryview, h: Head, chunks: Chunks) -> Iterator[tuple[int, int]]:
+    """Version 2's spans for :func:`_verify_and_copy`: the trailer first, then about 1 MiB of chunks at a time,
+    once each of them verified (still in the cache for the copy; as few copy steps as version 1's)."""
+    start = h.data_start
+    verify_head(h, mv[:start], mv[h.data_end :])
+    digest, digests, starts, count = xxhash.xxh3_128_digest, chunks.digests, chunks.starts, chunks.count
+    group = max(1, _CHUNK // chunks.size)
+    for first in range(0, count, group):
+        last = min(first + group, count)
+        for i in range(first, last):
+            if digest(mv[start + starts[i] : start + starts[i + 1]]) != digests[i]:
+                raise chunks.mismatch(i)
+        yield start + starts[first], start + starts[last]
+
+
+def _unpack_chunks(chunks: Chunks, data: memoryview) -> bytearray:
+    """The uncompressed data section of a compressed version 2 object, chunk by chunk."""
+    raw = bytearray(chunks.raw_len)
+    for i in range(chunks.count):
+        piece = chunks.unpack(i, data[chunks.starts[i] : chunks.starts[i + 1]])
+        raw[i * chunks.size : i * chunks.size + len(piece)] = piece
+    return raw
+
+
 class EncodedObject:
-    """An object opened for reading: header and table parsed and bounded, the checksum not yet verified.
+    """An object opened for reading: header and tables parsed and bounded, the checksum not yet verified.
 
     Protocol: ``obj = open_object(blob)``; read ``obj.metadata``, ``obj.tensors``
     or ``obj.stored_checksum`` (unverified); then ``obj.decode(...)``, which
     verifies (see :func:`decode`). ``blob`` must stay alive and unchanged
-    meanwhile.
+    meanwhile. Objects of format versions 1 and 2 are read.
     """
 
     def __init__(self, blob: Any) -> None:
-        self._mv = _bytes_view(blob)
-        self.flags, self.table_len, _data_len, self.raw_len = _parse_header(self._mv)
-        self.tensors, self.metadata = _parse_table(self._mv[HEADER.size : HEADER.size + self.table_len],
-                                                   self.raw_len)
+        self._mv = bytes_view(blob)
+        self.head = parse_head(self._mv[: HEADER.size], len(self._mv))
+        self.flags, self.table_len, self.raw_len = self.head.flags, self.head.table_len, self.head.raw_len
+        self.tensors, self.metadata = parse_table(self._mv[HEADER.size : HEADER.size + self.table_len],
+                                                  self.raw_len)
+        self.chunks = parse_chunks(self.head, self._mv[self.head.chunks_at : self.head.data_start])
 
     @property
     def stored_checksum(self) -> str:
         """The trailer, as 32 hex chars (not verified)."""
         return bytes(self._mv[len(self._mv) - TRAILER_SIZE :]).hex()
+
+    def verify(self) -> str:
+        """Verify the whole object; return its checksum (hex)."""
+        return _verify_all(self._mv, self.head, self.chunks)
 
     def decode(
         self,
@@ -247,11 +193,11 @@ class EncodedObject:
         verify: bool = True,
     ) -> Shard:
         """Verify and decode the object; see :func:`decode`."""
-        mv, flags, table_len, raw_len = self._mv, self.flags, self.table_len, self.raw_len
+        mv, flags, raw_len, h = self._mv, self.flags, self.raw_len, self.head
         infos, meta = self.tensors, self.metadata
         one_pass = verify and copy and not flags
         if verify and not one_pass:
-            _verify_trailer(mv)
+            _verify_all(mv, h, self.chunks)
         targets = dict(out) if out is not None else {}
         by_name = {e.name: e for e in infos}
         for name, t in targets.items():
@@ -267,14 +213,13 @@ class EncodedObject:
                     f"tensor {name!r}: stored {e.dtype}{list(e.shape)}, target {t.dtype}{list(t.shape)}",
                     name=name, stored_dtype=e.dtype, stored_shape=e.shape,
                 )
-        data_start = HEADER.size + table_len
-        data = mv[data_start : len(mv) - TRAILER_SIZE]
+        data = mv[h.data_start : h.data_end]
         tensors: dict[str, torch.Tensor] = {}
         if one_pass:
             dests = {e.name: targets[e.name] if e.name in targets else torch.empty(e.shape, dtype=DTYPES[e.dtype])
                      for e in infos}
             with torch.no_grad():
-                later = _verify_and_copy(mv, data_start, infos, dests)
+                later = _verify_and_copy(mv, h, self.chunks, infos, dests)
                 if later:
                     tdata = _torch_buffer(data)
                     for e in later:
@@ -283,12 +228,14 @@ class EncodedObject:
         if flags:
             # the layout the encoder writes: the data section ends with the last tensor (aligned), so the
             # decompressed size is what the table's tensors need, checked before anything is allocated
-            _check_frame(flags, data, raw_len)
+            if self.chunks is None:
+                _check_frame(flags, data, raw_len)
             needed = align(max((e.offset + e.nbytes for e in infos), default=0))
             if raw_len != needed:
                 raise CorruptObjectError(f"raw_len {raw_len} is not the {needed} bytes the table's tensors span",
                                          field="raw_len")
-            data = memoryview(_decompress(flags, data, raw_len))
+            data = memoryview(_decompress(flags, data, raw_len) if self.chunks is None
+                              else _unpack_chunks(self.chunks, data))
         tdata = _torch_buffer(data) if (targets or not copy) else None
         with torch.no_grad():
             for e in infos:
@@ -309,7 +256,7 @@ class EncodedObject:
 
 
 def open_object(blob: Any) -> EncodedObject:
-    """Parse and bound ``blob``'s header and table (no checksum pass); see :class:`EncodedObject`.
+    """Parse and bound ``blob``'s header and tables (no checksum pass); see :class:`EncodedObject`.
 
     Raises:
         CorruptObjectError: a malformed header or table.
@@ -325,15 +272,15 @@ def decode(
     strict: bool = True,
     verify: bool = True,
 ) -> Shard:
-    """Verify and decode an object.
+    """Verify and decode an object (format version 1 or 2).
 
     The header, every length and the table's shapes, dtypes and offsets are
     checked before anything is allocated or copied. The checksum covers the
     whole object: for a compressed object, or with ``copy=False``, it is
     checked before any tensor byte is read; for an uncompressed object read
     with copies (into ``out`` or new tensors) it is computed in the same pass
-    as the copies (1 MiB chunks, each hashed and then copied while in the
-    cache), so it is checked when the copies are done.
+    as the copies (chunk by chunk, each hashed and then copied while in the
+    cache), so a bad chunk raises when some copies are done.
 
     Args:
         blob: the encoded object (bytes, bytearray, memoryview, mmap, ...).
@@ -370,26 +317,27 @@ def inspect(blob: Any, *, verify: bool = True) -> BlobInfo:
     ``verify=False`` skips the checksum pass (see :func:`decode`).
     """
     obj = EncodedObject(blob)
-    mv = obj._mv
-    digest = _verify_trailer(mv) if verify else obj.stored_checksum
+    h = obj.head
+    digest = obj.verify() if verify else obj.stored_checksum
     return BlobInfo(
-        version=FORMAT_VERSION, flags=obj.flags, compressed=bool(obj.flags & FLAGS), table_len=obj.table_len,
-        data_len=len(mv) - HEADER.size - obj.table_len - TRAILER_SIZE, raw_len=obj.raw_len, nbytes=len(mv),
-        checksum=digest, metadata=obj.metadata, tensors=obj.tensors,
+        version=h.version, flags=obj.flags, compressed=bool(obj.flags & FLAGS), table_len=obj.table_len,
+        data_len=h.data_len, raw_len=obj.raw_len, nbytes=h.size, checksum=digest, metadata=obj.metadata,
+        tensors=obj.tensors, chunk_size=h.chunk_size, n_chunks=h.n_chunks,
     )
 
 
 def checksum(blob: Any) -> str:
     """Return the stored trailer checksum (hex) after checking the header only (cheap)."""
-    mv = _bytes_view(blob)
-    _parse_header(mv)
+    mv = bytes_view(blob)
+    parse_head(mv[: HEADER.size], len(mv))
     return bytes(mv[len(mv) - TRAILER_SIZE :]).hex()
 
 
 def verify(blob: Any) -> str:
-    """Fully verify ``blob`` (header, checksum, table bounds); return its checksum hex."""
-    mv = _bytes_view(blob)
-    _flags, table_len, _data_len, raw_len = _parse_header(mv)
-    digest = _verify_trailer(mv)
-    _parse_table(mv[HEADER.size : HEADER.size + table_len], raw_len)
+    """Fully verify ``blob`` (header, checksum, tables' bounds); return its checksum hex."""
+    mv = bytes_view(blob)
+    h = parse_head(mv[: HEADER.size], len(mv))
+    chunks = parse_chunks(h, mv[h.chunks_at : h.data_start])
+    digest = _verify_all(mv, h, chunks)
+    parse_table(mv[HEADER.size : HEADER.size + h.table_len], h.raw_len)
     return digest

@@ -8,16 +8,20 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import xxhash
 
+from tierstore.codec.chunks import ROW as _ROW
 from tierstore.codec.compression import FLAG_LZ4, NAMES, PAYS_RATIO
 from tierstore.codec.compression import choose as _choose
 from tierstore.codec.compression import compress as _compress
 from tierstore.codec.format import (
     ALIGN,
+    CHUNK,
     DTYPE_NAMES,
     FORMAT_VERSION,
     HEADER,
+    HEADER2,
     MAGIC,
     MAX_METADATA_LEN,
     MAX_NAME_LEN,
@@ -25,6 +29,9 @@ from tierstore.codec.format import (
     TRAILER_SIZE,
     TensorInfo,
     align,
+    chunk_size_for,
+    chunk_table_len,
+    n_chunks,
     typed_view,
 )
 from tierstore.errors import InvalidValueError
@@ -34,9 +41,21 @@ if TYPE_CHECKING:
 else:  # torch is imported on first use (see tierstore.lazytorch)
     from tierstore.lazytorch import torch
 
-__all__ = ["EncodePlan", "encode", "plan"]
+__all__ = ["EncodePlan", "encode", "plan", "reseal"]
 
 _ZEROS = bytes(ALIGN)  # the longest padding after a tensor
+_digest = xxhash.xxh3_128_digest
+
+
+def _raw_chunk_table(raw_len: int, chunk_size: int) -> bytes:
+    """The chunk table of an uncompressed data section, digests left zero (:meth:`EncodePlan.seal` fills them)."""
+    count = n_chunks(raw_len, chunk_size)
+    table = bytearray(chunk_table_len(count))
+    rows = np.frombuffer(table, dtype=_ROW, count=count)
+    rows["stored"] = chunk_size
+    if count:
+        rows["stored"][-1] = raw_len - (count - 1) * chunk_size
+    return bytes(table)
 
 
 def _check_metadata(metadata: dict | None) -> bytes:
@@ -100,9 +119,14 @@ class _Layout:
             TensorInfo(r["name"], r["dtype"], tuple(r["shape"]), r["offset"], r["nbytes"]) for r in rows
         )
         self.index = {e.name: i for i, e in enumerate(self.entries)}
-        self.data_offset = HEADER.size + len(self.table)
+        self.chunk_size = chunk_size_for(self.raw_len)
+        self.n_chunks = n_chunks(self.raw_len, self.chunk_size)
+        self.chunks_offset = HEADER.size + len(self.table)
+        self.chunk_table = _raw_chunk_table(self.raw_len, self.chunk_size)
+        self.data_offset = self.chunks_offset + len(self.chunk_table)
         self.nbytes = self.data_offset + self.raw_len + TRAILER_SIZE
-        self.header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(self.table), self.raw_len, self.raw_len)
+        self.header = HEADER2.pack(MAGIC, FORMAT_VERSION, 0, len(self.table), self.raw_len, self.raw_len,
+                                   self.chunk_size, self.n_chunks)
         self.slots: list[tuple[int, int, int]] = []  # (start, nbytes, zero padding after) per tensor
         for i, e in enumerate(self.entries):
             start = self.data_offset + e.offset
@@ -112,7 +136,7 @@ class _Layout:
 
 _LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
 _LAYOUTS_MAX = 1024  # a trainer saves the same layers with the same metadata every step
-_LAYOUT_CACHED_TABLE = 16 << 10  # larger tables are not kept: the cache stays within 16 MiB
+_LAYOUT_CACHED_TABLE = 16 << 10  # larger tables (and chunk tables) are not kept: the cache stays within 32 MiB
 _LAYOUTS_LOCK = threading.Lock()
 
 
@@ -124,7 +148,7 @@ def _layout(meta_json: bytes, sig: tuple[tuple[str, str, tuple[int, ...], int], 
             _LAYOUTS.move_to_end(key)
             return layout
     layout = _Layout(meta_json, sig)
-    if len(layout.table) > _LAYOUT_CACHED_TABLE:
+    if len(layout.table) > _LAYOUT_CACHED_TABLE or len(layout.chunk_table) > _LAYOUT_CACHED_TABLE:
         return layout
     with _LAYOUTS_LOCK:
         _LAYOUTS[key] = layout
@@ -140,6 +164,7 @@ class EncodePlan:
         nbytes: total encoded size of the uncompressed layout, trailer included.
         data_offset: where the data section starts in the encoded object.
         raw_len: size of the data section.
+        chunk_size: bytes per chunk of the data section (each gets its digest at :meth:`seal`).
         entries: the table rows, in order.
     """
 
@@ -156,6 +181,9 @@ class EncodePlan:
         self.entries = layout.entries
         self._index = layout.index
         self.data_offset = layout.data_offset
+        self.chunk_size = layout.chunk_size
+        self._chunks_offset = layout.chunks_offset
+        self._chunk_table = layout.chunk_table
         self.nbytes = layout.nbytes
         self._header = layout.header
         # per tensor: where its bytes go and the zero padding after them (precomputed: write() is the stall)
@@ -170,10 +198,14 @@ class EncodePlan:
         return mv
 
     def write_header(self, buf: memoryview) -> None:
-        """Write the header and table into ``buf`` (the first ``data_offset`` bytes)."""
+        """Write the header, table and chunk table (digests to come) into ``buf`` (the first ``data_offset`` bytes)."""
         mv = self._check_buf(buf)
+        self._write_head(mv)
+
+    def _write_head(self, mv: memoryview) -> None:
         mv[: HEADER.size] = self._header
-        mv[HEADER.size : self.data_offset] = self._table
+        mv[HEADER.size : self._chunks_offset] = self._table
+        mv[self._chunks_offset : self.data_offset] = self._chunk_table
 
     @staticmethod
     def _write_slot(mv: memoryview, t: torch.Tensor, start: int, nbytes: int, pad: int) -> None:
@@ -196,17 +228,25 @@ class EncodePlan:
         device) tensor into ``buf``; the trailer is left to :meth:`seal`.
         """
         mv = self._check_buf(buf)
-        mv[: HEADER.size] = self._header
-        mv[HEADER.size : self.data_offset] = self._table
+        self._write_head(mv)
         with torch.no_grad():
             for slot in self._slots:
                 self._write_slot(mv, *slot)
 
     def seal(self, buf: memoryview) -> str:
-        """Write the xxh3-128 trailer over ``buf[:nbytes - 16]``; return it as 32 hex chars."""
+        """Write each chunk's digest, then the trailer (xxh3-128 of everything before the data); return it as hex.
+
+        One pass over the data section, as one xxh3-128 over the whole object would be.
+        """
         mv = self._check_buf(buf)
-        end = self.nbytes - TRAILER_SIZE
-        h = xxhash.xxh3_128(mv[:end])
+        start, end, size = self.data_offset, self.data_offset + self.raw_len, self.chunk_size
+        digest = _digest
+        digests = b"".join([digest(mv[pos : pos + size if pos + size < end else end])
+                            for pos in range(start, end, size)])
+        if digests:
+            rows = np.frombuffer(mv[self._chunks_offset : start], dtype=_ROW, count=len(digests) // 16)
+            rows["digest"] = np.frombuffer(digests, dtype="V16")
+        h = xxhash.xxh3_128(mv[:start])
         mv[end : self.nbytes] = h.digest()
         return h.hexdigest()
 
@@ -225,6 +265,29 @@ def plan(tensors: Mapping[str, torch.Tensor], metadata: dict | None = None) -> E
 
 
 _COMPRESS_MODES = ("auto", "always", "never", *NAMES)
+
+
+def _compressed(p: EncodePlan, data: memoryview, flag: int, *, force: bool) -> bytes | None:
+    """The object with each chunk compressed by ``flag`` (stored raw where that is not smaller); ``None`` when
+    not ``force`` and the data section does not shrink below :data:`PAYS_RATIO`."""
+    size, count = p.chunk_size, n_chunks(p.raw_len, p.chunk_size)
+    table = bytearray(chunk_table_len(count))
+    pieces: list[Any] = []
+    stored = 0
+    for i in range(count):
+        raw = data[i * size : (i + 1) * size]
+        comp = _compress(flag, raw)
+        piece, piece_flag = (comp, flag) if len(comp) < len(raw) else (raw, 0)
+        CHUNK.pack_into(table, i * CHUNK.size, _digest(piece), len(piece), piece_flag)
+        pieces.append(piece)
+        stored += len(piece)
+        if not force and stored >= PAYS_RATIO * p.raw_len:
+            return None
+    head = HEADER2.pack(MAGIC, FORMAT_VERSION, flag, len(p._table), stored, p.raw_len, size, count)
+    h = xxhash.xxh3_128(head)
+    h.update(p._table)
+    h.update(table)
+    return b"".join((head, p._table, table, *pieces, h.digest()))
 
 
 def encode(
@@ -257,14 +320,43 @@ def encode(
     elif compress == "auto" and p.raw_len:
         flag = _choose(data)
     if flag is not None:
-        comp = _compress(flag, data)
-        if compress != "auto" or len(comp) < PAYS_RATIO * p.raw_len:
-            head = HEADER.pack(MAGIC, FORMAT_VERSION, flag, len(p._table), len(comp), p.raw_len)
-            h = xxhash.xxh3_128(head)
-            h.update(p._table)
-            h.update(comp)
-            return b"".join((head, p._table, comp, h.digest()))
+        blob = _compressed(p, data, flag, force=compress != "auto")
+        if blob is not None:
+            return blob
     del data
     p.seal(mv)
     del mv
     return bytes(buf)
+
+
+def reseal(blob: Any) -> bytes:
+    """``blob`` with its checksums recomputed after a deliberate change (fuzzing, forging hostile objects).
+
+    Version 2: each chunk's digest, over the stored lengths its row gives
+    (as far as they lie inside the object), then the trailer over what
+    precedes the data. Anything else (version 1, a header that does not
+    parse): the trailer over everything before it. Nothing is checked: the
+    result is what a reader must refuse or decode safely.
+    """
+    b = bytearray(blob)
+    if len(b) < TRAILER_SIZE:
+        return bytes(b)
+    end = len(b) - TRAILER_SIZE
+    if len(b) >= HEADER2.size and bytes(b[:4]) == MAGIC and int.from_bytes(b[4:6], "little") >= 2:
+        _m, _v, _f, table_len, _data, _raw, _size, count = HEADER2.unpack_from(b)
+        rows = HEADER.size + table_len
+        data = min(rows + chunk_table_len(count), end)
+        if data > rows:
+            pos = data
+            for i in range(count):
+                at = rows + i * CHUNK.size
+                if at + CHUNK.size > data:
+                    break
+                _d, stored, _flag = CHUNK.unpack_from(b, at)
+                stop = min(pos + stored, end)
+                b[at : at + 16] = _digest(bytes(b[pos:stop]))
+                pos = stop
+            b[end:] = xxhash.xxh3_128_digest(bytes(b[:data]))
+            return bytes(b)
+    b[end:] = xxhash.xxh3_128_digest(bytes(b[:end]))
+    return bytes(b)

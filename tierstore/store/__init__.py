@@ -16,7 +16,8 @@ refs and delta chains are resolved into full tensors.
 :class:`TierStore` is the facade: it owns the tiers, the index client and the
 background threads, and combines the write path (:mod:`tierstore.store.writing`:
 snapshot, seal, publish, ``finish_async``) with the read path
-(:mod:`tierstore.store.reading`: ``get``, ``get_many``, refs and deltas).
+(:mod:`tierstore.store.reading`: ``get``, ``get_many``, refs and deltas) and the
+ranged reads (:mod:`tierstore.store.ranged`: ``open_ranged``, parts of tensors).
 With ``StoreConfig.device_tier`` on (the default ``"auto"``, where CUDA tensors
 are saved), snapshots land in reused device buffers first and are drained into
 the host tier by ``finish()``; a rollback reads them back
@@ -56,17 +57,18 @@ from tierstore.placement import Placement
 from tierstore.readpath import Resolution, resolve
 from tierstore.store.common import check_key
 from tierstore.store.device_tier import DeviceTier
+from tierstore.store.ranged import RangedReadPath, RangedShard
 from tierstore.store.reading import ReadPath
 from tierstore.store.writing import PendingObject, WritePath
 
-__all__ = ["KINDS", "ObjectRecord", "PendingObject", "TierStore"]
+__all__ = ["KINDS", "ObjectRecord", "PendingObject", "RangedShard", "TierStore"]
 
 log = logging.getLogger(__name__)
 _DELETE_ATTEMPTS = 8  # records of one key replaced by concurrent puts while a delete runs
 TEMP_MAX_AGE_S = 3600.0  # gc removes temp files of the durable tier older than this (interrupted writes)
 
 
-class TierStore(WritePath, ReadPath):
+class TierStore(WritePath, ReadPath, RangedReadPath):
     """Tiered, versioned storage of checkpoint shards. Build it with :func:`open`.
 
     Thread-safe. Owns its index client, backends and migration threads;

@@ -255,6 +255,7 @@ class FaultyBackend(Backend):
         self.reservable = inner.reservable  # type: ignore[misc]
         self.atomic_create_once = inner.atomic_create_once  # type: ignore[misc]
         self.local_reads = inner.local_reads  # type: ignore[misc]
+        self.ranged_get = inner.ranged_get  # type: ignore[misc]
 
     def __getattr__(self, name: str) -> Any:  # backend extras (root, drain_pool, cleanup_temp, ...)
         if name == "inner":
@@ -288,6 +289,19 @@ class FaultyBackend(Backend):
             return out
         self.plan.act(rule, "backend.get", self.tier, name)
         return self.inner.get(name)
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes | memoryview | None:
+        """As ``inner``'s, with the faults of ``backend.get`` (``corrupt`` flips a byte of the range)."""
+        rule = self.plan.decide("backend.get", self.tier)
+        if rule is None:
+            return self.inner.get_range(name, offset, length)
+        if rule.kind in ("corrupt", "partial"):
+            data = self.inner.get_range(name, offset, length)
+            if data is None or not len(data):
+                return data
+            return flip_byte(data, self.plan.seed) if rule.kind == "corrupt" else bytes(data[: len(data) // 2])
+        self.plan.act(rule, "backend.get", self.tier, name)
+        return self.inner.get_range(name, offset, length)
 
     def delete(self, name: str) -> bool:
         rule = self.plan.decide("backend.delete", self.tier)

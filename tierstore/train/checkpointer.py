@@ -89,13 +89,13 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey, validate_name
 from tierstore.train.dedup import DedupPlanner
-from tierstore.train.gather import read_shards
 from tierstore.train.gradlog import ReplayLog
 from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
 from tierstore.train.layers import PARAM
 from tierstore.train.lazy import UpdateGate, clone_eager
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
+from tierstore.train.reshard import adapt_document, read_for_restore
 from tierstore.train.stagger import balanced_slots, shifted
 from tierstore.train.view import Collected, Restored, RestoreReport, StateView
 from tierstore.train.writing import SaveStats, Snapshot, nbytes, retain, write_layer
@@ -503,9 +503,17 @@ class Checkpointer:
     def _src(self, world: int) -> int:
         return self.rank if self.rank < world else self.rank % world
 
-    def read(self, res: Any, layers: Iterable[str] | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
-        """This rank's shards of a resolution (``layer -> (tensors, metadata)``), refs of parts resolved."""
-        return read_shards(self.store, self.model, res, self._src(res.world_size), layers)
+    def read(self, res: Any, layers: Iterable[str] | None = None, only: Iterable[str] | None = None,
+             ) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
+        """This rank's shards of a resolution (``layer -> (tensors, metadata)``), refs of parts resolved, each
+        layer shaped for this rank's state: read whole where its layout matches the saved one, else resharded
+        (:mod:`tierstore.train.reshard`)."""
+        got = read_for_restore(self.store, self.model, res, self.view, self.rank, self._src(res.world_size),
+                               res.layers if layers is None else layers, only)
+        self.report.resharded = sorted({*self.report.resharded, *got.resharded})
+        self.report.bytes_read += got.bytes_read + got.whole_bytes
+        self.report.bad_copies += got.bad_copies
+        return got.shards
 
     def doc(self, res: Any) -> dict[str, Any]:
         """This rank's JSON document of a resolution's step."""
@@ -528,8 +536,11 @@ class Checkpointer:
 
         Raises:
             RestoreMismatchError: the stored state does not fit (missing entry,
-                layer or tensor, shape, dtype, placement); modules and
-                optimizers are unchanged.
+                layer or tensor, a global shape or dtype, a placement that
+                cannot be resharded); modules and optimizers are unchanged.
+                Another world size or sharding is not a mismatch: each rank
+                reads the parts of the saved shards its own shard holds
+                (:mod:`tierstore.train.reshard`).
             NoValidCopyError: ``step`` is not committed, or a needed object
                 has no valid copy in any tier.
         """
@@ -613,10 +624,11 @@ class Checkpointer:
         if res is None:  # nothing committed yet: a fresh job
             return Restored(None, None)
         doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
-        shards = self.read(res, self.view.layers_for(res.layers, doc, only))
-        plan = self.view.prepare(shards, doc, only)
+        shards = self.read(res, self.view.layers_for(res.layers, doc, only), only)
+        plan = self.view.prepare(shards, adapt_document(doc, res, self.view, only), only)
         self.view.apply(plan)
-        self._seeds = import_seeds(doc, res, shards, self.rank, self.world_size) if self._dedup is None else {}
+        whole = {ln: v for ln, v in shards.items() if ln not in self.report.resharded}
+        self._seeds = import_seeds(doc, res, whole, self.rank, self.world_size) if self._dedup is None else {}
         self.report.base_s = time.perf_counter() - t0
         return Restored(res.step, plan.get("user"))
 

@@ -9,6 +9,9 @@ reference to another rank's object (``"_refs"``).
 
 * :func:`read_object` and :func:`read_shards` read one rank's view of layers
   (references resolved); the Checkpointer's restore reads through them.
+* :func:`shard_box` is torch's chunking rule (which part of a tensor a mesh
+  coordinate holds), the one copy of it: export reassembles with it and
+  :mod:`tierstore.train.reshard` reshards with it.
 * :func:`assemble_layer` rebuilds one layer's full tensors from every rank:
   plain tensors from the lowest rank (replicas), DTensors by placing each
   rank's local shard at its offset. Placements ``Shard(d)`` (``S(d)``) and
@@ -36,7 +39,7 @@ from tierstore.errors import InvalidValueError, NoValidCopyError
 from tierstore.keys import ShardKey
 from tierstore.train.dedup import part_of
 
-__all__ = ["Meter", "assemble_layer", "nbytes", "read_object", "read_shards"]
+__all__ = ["Meter", "assemble_layer", "mesh_coords", "nbytes", "read_object", "read_shards", "shard_box"]
 
 _SHARD = re.compile(r"^(?:S|Shard)\((?:dim=)?(\d+)\)$")
 _REPLICATE = ("R", "Replicate()")
@@ -98,12 +101,41 @@ class Meter:
         self.held -= n
 
 
-def _coords(rank: int, mesh: list[int]) -> list[int]:
+def mesh_coords(rank: int, mesh: list[int]) -> list[int]:
+    """The coordinates of ``rank`` on a mesh laid out as ``arange(world).reshape(mesh)``."""
     out = []
     for size in reversed(mesh):
         out.append(rank % size)
         rank //= size
     return out[::-1]
+
+
+def shard_box(name: str, shape: list[int], mesh: list[int], placements: list[str],
+              coords: list[int]) -> tuple[list[int], list[int]]:
+    """(offset, size) per dim of the local shard at mesh ``coords`` of a tensor of global ``shape``.
+
+    torch's chunking rule, mesh dim by mesh dim: ``Shard(d)`` cuts what is
+    left of dim ``d`` into ``ceil(n / mesh[i])`` pieces (the last ones
+    shorter or empty); ``Replicate()`` keeps it.
+
+    Raises:
+        InvalidValueError: a placement other than ``Shard(d)`` and ``Replicate()`` (``Partial``, strided
+            shards), or a dim the tensor does not have.
+    """
+    off, size = [0] * len(shape), list(shape)
+    for i, p in enumerate(placements):
+        if p in _REPLICATE:
+            continue
+        m = _SHARD.match(str(p))
+        if m is None or int(m.group(1)) >= len(shape):
+            raise InvalidValueError(f"tensor {name!r}: placement {p} cannot be reassembled or resharded (Shard(d) "
+                                    "and Replicate() can)", key=name)
+        d = int(m.group(1))
+        chunk = -(-size[d] // mesh[i])
+        start = min(coords[i] * chunk, size[d])
+        off[d] += start
+        size[d] = max(0, min(size[d], start + chunk) - start)
+    return off, size
 
 
 def _slice_of(name: str, spec: Mapping[str, Any], rank: int, world: int) -> tuple[list[int], list[int]]:
@@ -112,22 +144,8 @@ def _slice_of(name: str, spec: Mapping[str, Any], rank: int, world: int) -> tupl
     if math.prod(mesh) != world:
         raise InvalidValueError(f"tensor {name!r}: mesh {mesh} does not span the step's {world} ranks "
                                 "(export reads meshes over the whole world only)", key=name)
-    shape = [int(x) for x in spec["shape"]]
-    off, size = [0] * len(shape), list(shape)
-    for i, p in enumerate(spec["placements"]):
-        if p in _REPLICATE:
-            continue
-        m = _SHARD.match(str(p))
-        if m is None:
-            raise InvalidValueError(f"tensor {name!r}: placement {p} cannot be reassembled (Shard and Replicate "
-                                    "can); reshard through the DCP adapter", key=name)
-        d = int(m.group(1))
-        c = _coords(rank, mesh)[i]
-        chunk = -(-size[d] // mesh[i])
-        start = min(c * chunk, size[d])
-        off[d] += start
-        size[d] = max(0, min(size[d], start + chunk) - start)
-    return off, size
+    return shard_box(name, [int(x) for x in spec["shape"]], mesh, [str(p) for p in spec["placements"]],
+                     mesh_coords(rank, mesh))
 
 
 def assemble_layer(read: Callable[[int], tuple[dict[str, torch.Tensor], dict]], ranks: list[int],

@@ -30,6 +30,10 @@ shape, dtype and placement (and the param groups) *before* anything changes;
 a mismatch raises :class:`~tierstore.errors.RestoreMismatchError` naming the
 layer and tensor. :meth:`StateMap.apply` then loads through the objects' own
 ``load_state_dict`` (in place for the module). :meth:`StateMap.load` does both.
+What it is given is already shaped for this map: a checkpoint of another
+world size or sharding is resharded into this rank's shapes and placements
+first (:mod:`tierstore.train.reshard`), so a mismatch here is a different
+model.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ __all__ = [
     "LayerSpec",
     "StateMap",
     "default_layer_fn",
+    "placement_of",
     "sanitize_layer_name",
 ]
 
@@ -106,7 +111,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _placement(t: DTensor) -> dict[str, Any]:
+def placement_of(t: DTensor) -> dict[str, Any]:
+    """The ``dist`` metadata of a DTensor: its mesh shape, placements, global shape and stride."""
     return {"mesh": list(t.device_mesh.shape), "placements": [str(p) for p in t.placements],
             "shape": list(t.shape), "stride": list(t.stride())}
 
@@ -226,10 +232,10 @@ class StateMap:
         for n in spec.params + spec.buffers:
             t = self.tensors[n]
             if isinstance(t, DTensor):
-                dist_meta[(PARAM if n in spec.params else BUFFER) + n] = _placement(t)
+                dist_meta[(PARAM if n in spec.params else BUFFER) + n] = placement_of(t)
             for k, v in self.opt_state.get(n, {}).items():
                 if isinstance(v, DTensor):
-                    dist_meta[f"{OPTIM}{n}/{k}"] = _placement(v)
+                    dist_meta[f"{OPTIM}{n}/{k}"] = placement_of(v)
         meta: dict[str, Any] = {"optim_scalars": scalars}
         if dist_meta:
             meta["dist"] = dist_meta
@@ -290,11 +296,10 @@ class StateMap:
                 layer=layer, tensor=name,
             )
         stored = ((meta or {}).get("dist") or {}).get(name)
-        mine = _placement(want) if isinstance(want, DTensor) else None
+        mine = placement_of(want) if isinstance(want, DTensor) else None
         if stored != mine and not (stored and mine and {**stored, "stride": None} == {**mine, "stride": None}):
             raise RestoreMismatchError(
-                f"layer {layer!r} tensor {name!r}: stored placement {stored}, target {mine}"
-                " (restore with the same sharding, or reshard through the DCP adapter)",
+                f"layer {layer!r} tensor {name!r}: stored placement {stored}, target {mine}",
                 layer=layer, tensor=name,
             )
 

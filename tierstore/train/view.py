@@ -65,6 +65,10 @@ class RestoreReport:
         fell_back: ``step`` is older than ``newest``, and ``reason`` says why.
         base_step, replayed: gradient-log replay: the base and the log steps replayed.
         base_s, replay_s: seconds spent loading the state (the base) and replaying.
+        resharded: layers read by ranges because this rank's layout differs from the saved one
+            (another world size or sharding; :mod:`tierstore.train.reshard`).
+        bytes_read: bytes this rank read from the tiers for its layers (objects read whole count whole).
+        bad_copies: copies that a ranged read found corrupt or unreachable (it read another tier's instead).
     """
 
     step: int | None = None
@@ -77,6 +81,9 @@ class RestoreReport:
     replayed: list[int] = field(default_factory=list)
     base_s: float = 0.0
     replay_s: float = 0.0
+    resharded: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    bad_copies: list[str] = field(default_factory=list)
 
 
 @dataclass

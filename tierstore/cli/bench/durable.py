@@ -46,7 +46,7 @@ def _plain_copy(state: dict[str, torch.Tensor], root: Path) -> float:
         d.mkdir(parents=True, exist_ok=True)
         tmp, final = d / ".tmp~copy", d / "0"
         with open(tmp, "wb") as f:
-            f.write(memoryview(t.numpy()).cast("B"))
+            t.numpy().tofile(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -176,9 +176,10 @@ class EncodePlan:
         mv[HEADER.size : self.data_offset] = self._table
 
     @staticmethod
-    def _write_slot(mv: memoryview, t: torch.Tensor, start: int, nbytes: int, pad: int) -> None:
+    def _write_slot(mv: memoryview, t: torch.Tensor, start: int, nbytes: int, pad: int,
+                    non_blocking: bool = False) -> None:
         if nbytes:
-            typed_view(mv, t.dtype, nbytes, start).view(t.shape).copy_(t)
+            typed_view(mv, t.dtype, nbytes, start).view(t.shape).copy_(t, non_blocking=non_blocking)
         if pad:
             end = start + nbytes
             mv[end : end + pad] = _ZEROS[:pad]
@@ -189,18 +190,20 @@ class EncodePlan:
         with torch.no_grad():
             self._write_slot(mv, *self._slots[self._index[name]])
 
-    def write(self, buf: memoryview) -> None:
+    def write(self, buf: memoryview, *, non_blocking: bool = False) -> None:
         """Write header, table and every tensor's bytes into ``buf[:nbytes]``: the stall.
 
         One copy per tensor, straight from the (possibly non-contiguous or
         device) tensor into ``buf``; the trailer is left to :meth:`seal`.
+        ``non_blocking``: device tensors are copied asynchronously on the
+        current stream (the caller waits for it before sealing or reading ``buf``).
         """
         mv = self._check_buf(buf)
         mv[: HEADER.size] = self._header
         mv[HEADER.size : self.data_offset] = self._table
         with torch.no_grad():
             for slot in self._slots:
-                self._write_slot(mv, *slot)
+                self._write_slot(mv, *slot, non_blocking)
 
     def seal(self, buf: memoryview) -> str:
         """Write the xxh3-128 trailer over ``buf[:nbytes - 16]``; return it as 32 hex chars."""

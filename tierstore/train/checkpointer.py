@@ -88,12 +88,13 @@ from tierstore.errors import (
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
+from tierstore.store.copies import DeviceCopies
 from tierstore.train.dedup import DedupPlanner
 from tierstore.train.gather import read_shards
 from tierstore.train.gradlog import ReplayLog
 from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
 from tierstore.train.layers import PARAM
-from tierstore.train.lazy import UpdateGate, clone_eager
+from tierstore.train.lazy import InPlaceChanges, LazySave, UpdateGate, changed_error, clone_eager
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
 from tierstore.train.stagger import balanced_slots, shifted
@@ -184,10 +185,12 @@ class Checkpointer:
         self._lw = LayerwiseTracker(pol.tau, pol.max_staleness) if pol.tau is not None else None
         self._diff = DiffTracker(pol.base_every, pol.chain_limit, pol.payoff) if pol.base_every else None
         self._dedup = None
-        # the gate's hooks go on before replay's gradient capture, so they run first
-        self._gate = UpdateGate(self.stats) if lazy else None
-        if self._gate is not None:
-            self._gate.watch(self._optimizers())
+        # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
+        # whose copies verify after they returned hold the next update back
+        self.lazy = lazy
+        self._gate = UpdateGate(self.stats)
+        self._gate.watch(self._optimizers())
+        self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()
         self._undecided: list[int] = []  # steps this rank voted for that were still preparing
         if pol.dedup and self.group is not None:
             self._dedup = DedupPlanner(pol.dedup_group or self.group, pol.dedup_algo)
@@ -263,43 +266,63 @@ class Checkpointer:
         if self.epoch is None:
             self.epoch = self.ranks.join()
         self._begin(step, layout)
+        job = None
         try:
             self.ranks.note(step, self.epoch)
-            if self._gate is not None:
-                self._gate.watch(self._optimizers())
-                clone_eager(col)  # what a forward pass may change is copied now; the rest waits for the update
+            self._gate.watch(self._optimizers())
+            ptrs = self.in_forward.pointers(col) if self.lazy or self._replay is not None else set()
+            if self._replay is not None:
+                self._replay.at_save(ptrs)
+            if self.lazy:
+                versions = clone_eager(col, ptrs)  # what a forward pass may change is copied now; the rest waits
+                copies = DeviceCopies.after_current(t for ts in col.layers.values() for t in ts.values())
+                job = self._gate.begin(step, versions, copies)
         except BaseException as e:
             self._vote_down(step, e)
             raise self._typed(step, e) from e
         self._last_step, self._last_t = step, t0
         self.stats.saves += 1
-        if self._gate is not None:
-            job = self._gate.begin(step)
+        if job is not None:
             self._future = self._pool.submit(self._lazy, job, step, col, base, layout["layers"], t0)
             return
         snap = self._prepare(step, col, base, layout["layers"], t0)
         self._future = self._pool.submit(self._finish, snap)
 
-    def _prepare(self, step: int, col: Collected, base: bool, layers: list[str], t0: float) -> Snapshot:
+    def _prepare(self, step: int, col: Collected, base: bool, layers: list[str], t0: float,
+                 copies: Any = None) -> Snapshot:
         """*select* and *snapshot*: on the caller's thread, or the background one when lazy."""
         try:
             self._forget_aborted()
             if self._lw is not None:
                 self.ranks.await_ranks(step, self.epoch, t0)
             selected = self._select(step, col) if base else layers
-            snap = self._snapshot(step, col, selected, base)
+            snap = self._snapshot(step, col, selected, base, copies)
         except BaseException as e:
             self._vote_down(step, e)
             raise self._typed(step, e) from e
         snap.vote_extra = {"state": col.doc, "policy": self.policy.name, **snap.vote_extra}
         return snap
 
-    def _lazy(self, job: Any, step: int, col: Collected, base: bool, layers: list[str], t0: float) -> str:
-        """The background part of a lazy save: copy, release the gate, then the rest."""
+    def _lazy(self, job: LazySave, step: int, col: Collected, base: bool, layers: list[str], t0: float) -> str:
+        """The background part of a lazy save: copy, check the versions, release the gate, then the rest."""
         try:
-            snap = self._prepare(step, col, base, layers, t0)
+            snap = self._prepare(step, col, base, layers, t0, job.copies)
+            if job.copies is not None:
+                job.copies.enqueued()
+            else:
+                job.settle()  # the copies are complete, the update still held back (tierstore.train.lazy)
         finally:
             job.release()
+        if job.copies is not None:
+            job.copies.synchronize()
+            job.settle()  # unless the update's gate did it first
+        if job.changed:  # never committed with values the model did not have at save()
+            snap.abort()
+            self.stats.changed_in_forward += 1
+            self.in_forward.learn(job.changed)
+            err = changed_error(step, job.changed, self.rank)
+            self._vote_down(step, err)
+            raise err
         return self._finish(snap)
 
     def before_update(self) -> float:
@@ -307,10 +330,8 @@ class Checkpointer:
 
         Every optimizer of the state calls it from its step pre-hook; call it
         yourself before changing parameters or optimizer state in place any
-        other way. A no-op without ``lazy`` or without a save in flight.
+        other way. A no-op without ``lazy`` or without a save in flight (or a restore verifying).
         """
-        if self._gate is None:
-            return 0.0
         return self._gate.wait()
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
@@ -343,7 +364,7 @@ class Checkpointer:
         self.ranks.all_max_(want)
         return [ln for ln, w in zip(layers, want.tolist()) if w]
 
-    def _snapshot(self, step: int, col: Collected, selected: list[str], base: bool) -> Snapshot:
+    def _snapshot(self, step: int, col: Collected, selected: list[str], base: bool, copies: Any = None) -> Snapshot:
         """Copy what the save writes (the part training waits for): host-tier objects or staging copies."""
         if not base:
             return self._replay.snapshot(step, col)
@@ -354,7 +375,8 @@ class Checkpointer:
                 # payoff: a layer whose deltas do not pay is written like exact's (tierstore.train.payoff)
                 if self._dedup is None and (self._diff is None or self._diff.direct(ln)):
                     key = ShardKey(self.model, ln, step, self.rank)
-                    snap.pendings.append((ln, self.store.snapshot(key, live, col.metas[ln], epoch=self.epoch)))
+                    snap.pendings.append((ln, self.store.snapshot(key, live, col.metas[ln], epoch=self.epoch,
+                                                                  **({"copies": copies} if copies else {}))))
                 else:
                     snap.staged[ln] = {n: t.clone() for n, t in live.items()}
                     snap.metas[ln] = col.metas[ln]
@@ -615,8 +637,7 @@ class Checkpointer:
         try:
             self._drain()
         finally:
-            if self._gate is not None:
-                self._gate.close()
+            self._gate.close()
             if self._replay is not None:
                 self._replay.close()
             self._pool.shutdown(wait=True)

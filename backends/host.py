@@ -361,6 +361,39 @@ class HostBackend(Backend):
                     os.close(fd)
         raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
 
+    def tail(self, name: str, nbytes: int) -> bytes | None:
+        """The last ``nbytes`` of the object, read without mapping it (a trailer check).
+
+        Under a shared lock, as :meth:`get`: a segment being recycled is never read.
+        """
+        path = self._path(name)
+        for _ in range(_OPEN_RETRIES):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a writer is claiming this segment: the object was deleted; look again
+                st = os.fstat(fd)
+                try:
+                    now = os.stat(path)
+                except FileNotFoundError:
+                    return None
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    continue
+                n = min(nbytes, st.st_size)
+                return os.pread(fd, n, st.st_size - n) if n else b""
+            except OSError as e:
+                raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            finally:
+                os.close(fd)
+        raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
+
     def size(self, name: str) -> int | None:
         try:
             return self._path(name).stat().st_size

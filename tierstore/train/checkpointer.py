@@ -83,6 +83,7 @@ from tierstore import codec
 from tierstore.errors import (
     CommitError,
     ConfigError,
+    CorruptObjectError,
     NoValidCopyError,
     StepCommittedError,
     TierStoreError,
@@ -97,6 +98,7 @@ from tierstore.train.layers import PARAM
 from tierstore.train.lazy import InPlaceChanges, LazySave, UpdateGate, changed_error, clone_eager
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
+from tierstore.train.restoring import IN_PASS, PendingRestore, read_unverified, refuse_until_restored, verify_mode
 from tierstore.train.stagger import balanced_slots, shifted
 from tierstore.train.view import Collected, Restored, RestoreReport, StateView
 from tierstore.train.writing import SaveStats, Snapshot, nbytes, retain, write_layer
@@ -191,6 +193,7 @@ class Checkpointer:
         self._gate = UpdateGate(self.stats)
         self._gate.watch(self._optimizers())
         self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()
+        self._restoring: PendingRestore | None = None  # a restore whose copies are still being verified
         self._undecided: list[int] = []  # steps this rank voted for that were still preparing
         if pol.dedup and self.group is not None:
             self._dedup = DedupPlanner(pol.dedup_group or self.group, pol.dedup_algo)
@@ -255,6 +258,8 @@ class Checkpointer:
             self.stats.save_s += time.perf_counter() - t_in
 
     def _save(self, step: int, extra: Any) -> None:
+        self._gate.run_hold()  # a restore still verifying: nothing unverified is saved
+        self._restoring = None
         self._drain()
         self._check_pending()
         col = self.view.collect(extra)
@@ -529,7 +534,7 @@ class Checkpointer:
         return extra.get("state") or {}
 
     def restore(self, step: int | None = None, *, read_only: bool = False,
-                only: Iterable[str] | None = None) -> Restored:
+                only: Iterable[str] | None = None, verify: str | None = None) -> Restored:
         """Load the newest consistent state (or committed ``step``) in place: ``(step, extra)``.
 
         A writer's restore (the default) first joins the job incarnation's
@@ -541,23 +546,38 @@ class Checkpointer:
         Returns ``(None, None)`` when nothing of this model is committed
         (and ``step`` is not given). ``ckpt.report`` tells more.
 
+        The copies are loaded at the copy's speed and their checksums verified
+        beside it (:mod:`tierstore.train.restoring`): ``verify="before_update"``
+        holds the first ``optimizer.step()`` (or ``save()``) back until every
+        copy verified, and raises :class:`~tierstore.errors.RestoreVerifyError`
+        there, refusing the update, if one failed (the state is then restored
+        again, verified first); ``"before_return"`` verifies before returning
+        (and returns the second restore's result if a copy failed). Default:
+        ``"before_update"`` for a writer's restore with an optimizer in the
+        state, ``"before_return"`` for ``read_only`` and optimizer-less states.
+
         Raises:
             RestoreMismatchError: the stored state does not fit (missing entry,
                 layer or tensor, shape, dtype, placement); modules and
                 optimizers are unchanged.
             NoValidCopyError: ``step`` is not committed, or a needed object
                 has no valid copy in any tier.
+            ConfigError: an unknown ``verify``.
         """
+        mode = verify_mode(verify, read_only, self.state)
         self._drain()
+        self._abandon_restore()
         if not read_only:
             self.epoch = self.ranks.join()
         committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
         self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
         self._seeds: dict[str, Any] = {}
+        self.report.verify = mode if self._replay is None else IN_PASS
+        pending = None
         if self._replay is not None:
             got = Restored(*self._replay.restore(step, read_only=read_only, only=only))
         else:
-            got = self._restore(step, only)
+            got, pending = self._restore(step, only, mode, read_only)
         if not read_only:
             self._reset_trackers()
             seed_trackers(self._seeds, self._lw, self._diff)  # an imported base: first saves are deltas against it
@@ -568,7 +588,26 @@ class Checkpointer:
         self._lost = ({s for s in committed if s > got.step}
                       if not read_only and step is None and got.step is not None else set())
         self.report.fell_back = got.step != self.report.newest if got.step is not None else False
+        if pending is not None:
+            if mode == "before_update":
+                self._restoring = pending
+                self._gate.hold(pending.before_update)
+            else:
+                try:
+                    again = pending.settle()
+                except TierStoreError as e:
+                    refuse_until_restored(self, e)
+                    raise
+                if again is not None:
+                    return again
         return got
+
+    def _abandon_restore(self) -> None:
+        """Drop the hold of a restore still verifying (the state is about to be replaced, or closed)."""
+        self._gate.hold(None)
+        pending, self._restoring = self._restoring, None
+        if pending is not None:
+            pending.abandon()
 
     def _begin(self, step: int, layout: dict[str, Any]) -> None:
         """Begin ``step``; a committed step that this incarnation's restore fell back past (it could not
@@ -590,27 +629,49 @@ class Checkpointer:
         finally:
             self._lost.discard(step)
 
-    def _restore(self, step: int | None, only: Iterable[str] | None) -> Restored:
+    def _restore(self, step: int | None, only: Iterable[str] | None, mode: str,
+                 read_only: bool) -> tuple[Restored, PendingRestore | None]:
+        """Resolve, read and load (:mod:`tierstore.train.restoring`); the copies' verification, unless in pass."""
         t0 = time.perf_counter()
-        res = self._agreed_resolution(step)
+        deferred = mode != IN_PASS
+        res = self._agreed_resolution(step, verify="trailer" if deferred else None)
         if res is None:  # nothing committed yet: a fresh job
-            return Restored(None, None)
+            return Restored(None, None), None
         doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
-        shards = self.read(res, self.view.layers_for(res.layers, doc, only))
-        plan = self.view.prepare(shards, doc, only)
-        self.view.apply(plan)
+        layers = self.view.layers_for(res.layers, doc, only)
+        if deferred:
+            try:
+                shards, v = read_unverified(self, res, layers, eager=mode == "before_return")
+                failed: TierStoreError | None = None
+            except (NoValidCopyError, CorruptObjectError) as e:  # no copy read had a valid trailer and table
+                shards, v, failed = {}, None, e
+            if self.ranks.all_min(0 if failed else 1) == 0:  # collective: every rank reads again, verified
+                log.warning("restore of %s: %s; reading again with every copy verified first", self.model,
+                            failed or "another rank could not read its copies")
+                return self._restore(step, only, IN_PASS, read_only)
+        else:
+            shards, v = self.read(res, layers), None
+        pending = PendingRestore(self, v, step, read_only, only, t0) if v is not None else None
+        try:
+            plan = self.view.prepare(shards, doc, only)
+            self.view.apply(plan)
+        except BaseException:
+            if pending is not None:
+                pending.abandon()
+            raise
         self._seeds = import_seeds(doc, res, shards, self.rank, self.world_size) if self._dedup is None else {}
         self.report.base_s = time.perf_counter() - t0
-        return Restored(res.step, plan.get("user"))
+        return Restored(res.step, plan.get("user")), pending
 
-    def _agreed_resolution(self, step: int | None) -> Any:
+    def _agreed_resolution(self, step: int | None, verify: str | None = None) -> Any:
         """The step every rank restores: each resolves the newest it can verify, and they take the
         oldest of those (collective in a group), so a rank that cannot read the newest step (a node lost
         with its copies) never resumes from another step than the others. ``None``: nothing committed."""
         err: NoValidCopyError | None = None
         res = None
         try:
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
+            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step,
+                                     **({"verify": verify} if verify else {}))
             mine = res.step
         except NoValidCopyError as e:
             fresh = step is None and "reason" not in e.fields
@@ -629,7 +690,8 @@ class Checkpointer:
         if agreed != mine:
             log.warning("restore of %s: rank %d resolved step %d, another rank only step %d: all restore %d",
                         self.model, self.rank, mine, agreed, agreed)
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=agreed)
+            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=agreed,
+                                     **({"verify": verify} if verify else {}))
         return res
 
     def close(self) -> None:
@@ -637,6 +699,7 @@ class Checkpointer:
         try:
             self._drain()
         finally:
+            self._abandon_restore()
             self._gate.close()
             if self._replay is not None:
                 self._replay.close()

@@ -244,12 +244,16 @@ class UpdateGate:
         """Run ``until()`` before the next update (a restore's verification; it raises to refuse the update)."""
         self._held = until
 
-    def wait(self) -> float:
-        """Block until the save in flight released the live state (and a held restore verified); return the
-        seconds blocked."""
+    def run_hold(self) -> None:
+        """Run (once) what :meth:`hold` set; it raises to refuse what was about to happen."""
         held, self._held = self._held, None
         if held is not None:
             held()
+
+    def wait(self) -> float:
+        """Block until the save in flight released the live state (and a held restore verified); return the
+        seconds blocked."""
+        self.run_hold()
         job = self._current
         if job is None:
             return 0.0

@@ -65,6 +65,10 @@ class RestoreReport:
         fell_back: ``step`` is older than ``newest``, and ``reason`` says why.
         base_step, replayed: gradient-log replay: the base and the log steps replayed.
         base_s, replay_s: seconds spent loading the state (the base) and replaying.
+        verify: how the copies were verified (``"before_update"``, ``"before_return"``, ``"in_pass"``:
+            :mod:`tierstore.train.restoring`).
+        verified_s: seconds from the start of the restore until every copy had verified (``None``: not
+            yet known, or verified as it was copied).
     """
 
     step: int | None = None
@@ -77,6 +81,8 @@ class RestoreReport:
     replayed: list[int] = field(default_factory=list)
     base_s: float = 0.0
     replay_s: float = 0.0
+    verify: str | None = None
+    verified_s: float | None = None
 
 
 @dataclass

@@ -156,6 +156,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         S.barrier()
         if cls.restores:
             system.restore()
+            system.verified()
         S.barrier()
         system.cleanup()
         S.barrier()
@@ -184,7 +185,10 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
             if system.restores:
                 t0 = time.perf_counter()
                 system.restore()
-                rec["restore_s"].append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                tv = system.verified()  # a restore that verifies beside the copy: when it had
+                rec["restore_s"].append(t1 - t0)
+                rec.setdefault("verified_s", []).append(None if tv is None else max(t1, tv) - t0)
                 S.barrier()
             system.cleanup()
             S.barrier()

@@ -66,6 +66,9 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             fig[field] = _stats(per_round)
         nr = min(len(r["restore_s"]) for r in recs)
         fig["restore_s"] = _stats([max(r["restore_s"][i] for r in recs) for i in range(nr)])
+        nv = min(len(r.get("verified_s", [])) for r in recs)
+        fig["verified_s"] = _stats([max(r["verified_s"][i] for r in recs) for i in range(nv)
+                                    if all(r["verified_s"][i] is not None for r in recs)])
         standing = max(r["standing_bytes"] for r in recs)
         transient = max(max(r["transient_bytes"], default=0) for r in recs)
         fig["extra_rss_bytes"] = max(max(r["first_peak_extra_bytes"] for r in recs), standing + transient)
@@ -91,6 +94,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         f["stall_vs_best_peer"] = s["median"] / best if s and best else None
         f["restore_vs_copy"] = r["median"] / bound_r["median"] if r and bound_r else None
         f["restore_vs_best_peer"] = r["median"] / best_r if r and best_r else None
+        v = f.get("verified_s")
+        f["verified_vs_copy"] = v["median"] / bound_r["median"] if v and bound_r else None
     return out
 
 
@@ -133,6 +138,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         if f.get("returns_s"):
             stall += f" (returns at {_ms(f['returns_s'], spread=False)})"
         restore = "—" if not f["restore_s"] else f"{_ms(f['restore_s'])} ({_x(f['restore_vs_copy'])})"
+        if f.get("verified_s"):
+            restore += f"; verified {_ms(f['verified_s'], spread=False)} ({_x(f['verified_vs_copy'])})"
         sd = "—" if f["slowdown"] is None else f"{f['slowdown'] * 100:+.0f}%"
         lines.append(
             f"| `{name}` | {stall} | {_x(f['stall_vs_copy'])} | {_x(f['stall_vs_best_peer'])} | "
@@ -163,7 +170,9 @@ def render_markdown(res: dict[str, Any]) -> str:
         "/dev/shm = bytes the system holds there per rank after a save. Training slowdown = median "
         f"{cfg['matmul_n']}x{cfg['matmul_n']} matmul step while saving / idle − 1, overlap mode: "
         + "; ".join(sorted(modes)) + ". Restore is in-process (no process start-up), into the live "
-        "tensors; `torch_save_disk` restores through the page cache.",
+        "tensors; `torch_save_disk` restores through the page cache; \"verified\": where a restore "
+        "verifies its checksums beside the copy, when every one had matched (what the first update "
+        "after a restore waits for).",
     ]
     if res["skipped"]:
         lines += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in res["skipped"].items()]

@@ -123,6 +123,13 @@ class System:
     def restore(self) -> None:
         """Load the last saved state back into ``ctx.work`` in place."""
 
+    def verified(self) -> float | None:
+        """After :meth:`restore`: block until what it loaded is verified; the ``perf_counter`` time it was.
+
+        ``None``: the system verifies as it copies (or not at all): its restore time is all there is.
+        """
+        return None
+
     def extras(self) -> dict[str, Any]:
         """Extra figures for the report (measured once, outside the timed rounds)."""
         return {}

@@ -7,8 +7,10 @@ background thread seals (xxh3-128), publishes and indexes each shard keyed
 thread, at its background priority); it is *committed* when the last one is.
 Segments are pre-allocated in setup and recycled after each round's cleanup,
 as the Checkpointer does. Restore gets every shard back into
-the live tensors (``store.get_many(keys, outs=...)``: one index round trip,
-each shard verified in the same pass that copies it). The
+the live tensors at the copy's speed (``store.get_many_deferred(keys, outs=...)``:
+one index round trip, the checksums hashed beside the copies on a thread of
+their own); its ``verified`` mark is when every checksum matched (what the
+first optimizer update waits for after a Checkpointer's restore). The
 store is opened with ``home`` in the run's disk directory, ``host_root`` in its
 /dev/shm directory and ``durable="none"`` unless ``options["tierstore_open"]``
 says otherwise; rank 0 opens first, and stops the embedded server it started at
@@ -172,6 +174,13 @@ if _open is not None:
 
         def restore(self) -> None:
             groups = list(self.ctx.work.layers.values())
+            deferred = getattr(self.store, "get_many_deferred", None)
+            if deferred is not None:  # copied at the copy's speed, each shard's checksum verified beside it
+                shards, self._verification = deferred(self.keys, outs=groups)
+                for key, got in zip(self.keys, shards):
+                    if got is None:
+                        raise RuntimeError(f"tierstore lost shard {key}")
+                return
             get_many = getattr(self.store, "get_many", None)
             if get_many is not None:  # one index round trip for every shard, each verified as it is copied
                 for key, got in zip(self.keys, get_many(self.keys, outs=groups)):
@@ -189,6 +198,16 @@ if _open is not None:
                 got = shard_tensors(shard)
                 for k, t in group.items():
                     t.copy_(got[k])
+
+        def verified(self) -> float | None:
+            """Block until the last restore's copies verified; when they had (``None``: verified as copied)."""
+            v, self._verification = getattr(self, "_verification", None), None
+            if v is None:
+                return None
+            failures = v.wait()
+            if failures:
+                raise RuntimeError(f"tierstore restore: {len(failures)} copies failed verification: {failures[0]}")
+            return v.t_done
 
         def shm_bytes(self) -> int | None:
             return None

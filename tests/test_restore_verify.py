@@ -19,25 +19,27 @@ from tierstore import codec
 from tierstore.errors import ConfigError, NoValidCopyError, RestoreVerifyError
 from tierstore.train.checkpointer import Checkpointer, load
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+
+def _model(seed: int, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
     return m, torch.optim.AdamW(m.parameters(), lr=0.01)
 
 
 def _step(m: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     opt.zero_grad()
-    m(torch.randn(5, 8, generator=g)).square().mean().backward()
+    m(torch.randn(5, 8, generator=g).to(next(m.parameters()).device)).square().mean().backward()
     opt.step()
 
 
 def _snapshot(m: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"m.{k}": v.detach().clone() for k, v in m.state_dict().items()}
+    out = {f"m.{k}": v.detach().cpu().clone() for k, v in m.state_dict().items()}
     for i, st in opt.state_dict()["state"].items():
         for k, v in st.items():
-            out[f"o.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+            out[f"o.{i}.{k}"] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
     return out
 
 
@@ -45,8 +47,8 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _train_and_save(store, name: str, steps: int) -> dict[int, dict]:
-    m, opt = _model(0)
+def _train_and_save(store, name: str, steps: int, device: str = "cpu") -> dict[int, dict]:
+    m, opt = _model(0, device)
     ck = Checkpointer(store, name, m, opt, keep_last=None)
     saved = {}
     for s in range(steps):
@@ -218,3 +220,25 @@ def test_the_store_reads_at_copy_speed_and_verifies_beside(store):
     assert v.drop_bad_copies(store) == 1
     good = store.get(f.key)  # the verified path: the durable tier's copy
     assert good is not None
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_a_flipped_host_byte_never_reaches_an_update(store):
+    """The same attack with the module and optimizer on the GPU (host-to-device copies from the host tier)."""
+    saved = _train_and_save(store, "cuda-flip", 2, "cuda")
+    _flip_data(store, "cuda-flip", 1)
+    m, opt = _model(7, "cuda")
+    ck = Checkpointer(store, "cuda-flip", m, opt)
+    try:
+        assert ck.restore().step == 1
+        assert not _same(_snapshot(m, opt), saved[1])
+        x = torch.randn(5, 8, device="cuda")
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        with pytest.raises(RestoreVerifyError):
+            opt.step()
+        assert _same(_snapshot(m, opt), saved[1])
+        _step(m, opt, 2)
+    finally:
+        ck.close()

@@ -37,7 +37,18 @@ def machine_info() -> dict[str, Any]:
     return {
         "platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
         "cpus": os.cpu_count(), "cpu_model": cpu, "mem_bytes": mem, "loadavg": list(os.getloadavg()),
+        **_gpu(),
     }
+
+
+def _gpu() -> dict[str, Any]:
+    try:
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            return {"gpu": f"{p.name} ({p.total_memory / 2**30:.0f} GiB)", "cuda": torch.version.cuda}
+    except Exception:  # noqa: BLE001, S110 - a record, not a requirement
+        pass
+    return {}
 
 
 def _stats(xs: list[float]) -> dict[str, float] | None:
@@ -75,6 +86,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         fig["standing_rss_bytes"] = standing
         fig["transient_rss_bytes"] = transient
         fig["shm_bytes"] = max(r["shm_bytes"] for r in recs)
+        gpu = [r["gpu_extra_bytes"] for r in recs if "gpu_extra_bytes" in r]
+        fig["gpu_extra_bytes"] = max(gpu) if gpu else None
         fig["shm_method"] = first["shm_method"]
         sl = [r.get("slowdown") for r in recs if r.get("slowdown")]
         vals = [s["slowdown"] for s in sl if s["slowdown"] is not None]
@@ -119,6 +132,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     """The results table plus notes, as markdown."""
     cfg, summ = res["config"], res["summary"]
     gib = res["state_bytes_per_rank"] / 2**30
+    gpu = any(f.get("gpu_extra_bytes") is not None for f in summ.values())
     lines = [
         f"# tierstore bench, {res['date']}",
         "",
@@ -130,9 +144,12 @@ def render_markdown(res: dict[str, Any]) -> str:
         "Times in ms, median (min–max) of the slowest rank per round. Memory per rank in GiB.",
         "",
         ("| system | stall | × copy | × best peer | complete | committed | durable | restore (× copy) "
-         "| extra RSS (private) | /dev/shm | training slowdown |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+         "| extra RSS (private) | /dev/shm | training slowdown |" + (" extra GPU |" if gpu else "")),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if gpu else ""),
     ]
+    if gpu:
+        lines[2] += (f" State on {res['machine'].get('gpu', 'the GPU')}; the bound is a copy_ into pinned host "
+                     "memory (restore: back from it).")
     for name, f in summ.items():
         stall = _ms(f["stall_s"])
         if f.get("returns_s"):
@@ -145,6 +162,7 @@ def render_markdown(res: dict[str, Any]) -> str:
             f"| `{name}` | {stall} | {_x(f['stall_vs_copy'])} | {_x(f['stall_vs_best_peer'])} | "
             f"{_ms(f['complete_s'])} | {_ms(f['committed_s'])} | {_ms(f['durable_s'])} | {restore} | "
             f"{_gib(f['extra_rss_bytes'])} | {_gib(f['shm_bytes'])} | {sd} |"
+            + (f" {_gib(f.get('gpu_extra_bytes'))} |" if gpu else "")
         )
     lines += ["", "Systems:"]
     for name, f in summ.items():

@@ -59,6 +59,7 @@ class BenchContext:
         pg: a gloo process group reserved for the systems' own collectives
             (the harness barriers on the default group).
         options: free-form options from the command line.
+        device: where the state lives (``"cpu"``, or ``"cuda"``: ``bench/gpu_check.sh``).
     """
 
     rank: int
@@ -68,6 +69,16 @@ class BenchContext:
     disk_dir: str
     pg: Any = None
     options: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+
+    @property
+    def cuda(self) -> bool:
+        return self.device != "cpu"
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (a no-op on the CPU): timings end when the bytes moved."""
+        if self.cuda:
+            torch.cuda.synchronize()
 
 
 class SystemUnavailable(Exception):
@@ -176,7 +187,10 @@ class LazySystem(System):
     ``before_update``. Marks: ``returns`` (``start`` done), ``fwd_bwd`` (the
     stand-in step's seconds, slowed by the copy running beside it) and
     ``update_wait``. In the slowdown pass ``begin`` is ``start`` alone: the
-    training steps then run while the copy and the rest run.
+    training steps then run while the copy and the rest run. On CUDA the
+    stand-in runs on the GPU, and the device is synchronised after it and
+    after ``before_update()``: a copy the update's stream waits for (an event,
+    no host block) counts in the wait as it would delay the real update.
     """
 
     background = True
@@ -213,8 +227,10 @@ class LazySystem(System):
         t_ret = time.perf_counter()
         for _ in range(self.fwd_bwd_steps):
             matmul_step(self.matmul_n)
+        self.ctx.sync()
         t_fb = time.perf_counter()
         self.before_update()
+        self.ctx.sync()
         t_safe = time.perf_counter()
         events = self.finish()
         out = timings(t0, t_ret, {}, events)

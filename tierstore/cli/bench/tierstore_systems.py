@@ -17,6 +17,15 @@ says otherwise; rank 0 opens first, and stops the embedded server it started at
 teardown. Where tierstore cannot be imported or opened,
 the system is skipped and the reason lands in :data:`tierstore.cli.bench.systems.SKIPPED`.
 
+``tierstore_device`` (CUDA only): as ``tierstore_host`` with the device tier
+on: the snapshot lands in reused GPU buffers, drained into the host tier by
+the sealing thread; restore is the rollback from device memory.
+
+On CUDA (``tierstore bench --device cuda``, ``bench/gpu_check.sh``) the host
+tier's segments are page-locked (``pin_host_bytes``); ``tierstore_host``
+copies device to host synchronously into them; ``tierstore_lazy`` enqueues the
+copies on a side stream after ``save()`` (:mod:`tierstore.store.copies`).
+
 ``tierstore_lazy``: the trainer-facing path, lazily: a
 :class:`~tierstore.train.checkpointer.Checkpointer` with ``lazy=True`` (exact
 policy, ``keep_last=1``, host tier pre-allocated for two generations) over the
@@ -49,7 +58,7 @@ from tierstore.keys import ShardKey
 from tierstore.train.checkpointer import Checkpointer
 from tierstore.train.policies import exact
 
-__all__ = ["TierstoreHost", "TierstoreLazy", "shard_tensors"]
+__all__ = ["TierstoreDevice", "TierstoreHost", "TierstoreLazy", "shard_tensors"]
 
 MODEL = "bench"
 
@@ -122,6 +131,7 @@ if _open is not None:
                 "home": os.path.join(self.ctx.disk_dir, "tierstore"),
                 "host_root": os.path.join(self.ctx.shm_dir, "tierstore-host"),
                 "durable": "none",
+                "device_tier": "off",  # straight into the host tier (page-locked on CUDA); tierstore_device stages
             }
 
         def _layer(self, layer: str) -> str:
@@ -231,6 +241,28 @@ if _open is not None:
                 if self.ctx.rank == 0 and self._own_home is not None:
                     stop_server(self._own_home)
 
+    @register("tierstore_device")
+    class TierstoreDevice(TierstoreHost):
+        """With the device tier: the snapshot is a device-to-device copy into reused GPU buffers (two sets
+        per layer: extra GPU memory), drained into the host tier in the background; restore is the
+        rollback from those buffers. CUDA only."""
+
+        describe = ("tierstore with the device tier: snapshot into reused GPU buffers, drained into the host "
+                    "tier in background; restore from device memory")
+
+        def setup(self) -> None:
+            if not self.ctx.cuda:
+                raise SystemUnavailable("the device tier stages CUDA tensors: run with --device cuda")
+            super().setup()
+
+        def default_open_kwargs(self) -> dict[str, Any]:
+            return {
+                "home": os.path.join(self.ctx.disk_dir, "tierstore-device"),
+                "host_root": os.path.join(self.ctx.shm_dir, "tierstore-device-host"),
+                "durable": "none",
+                "device_tier": "cuda",
+            }
+
     def _as_module(layers: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The workload as a module (one submodule per layer, its ``param``) and AdamW holding its state.
 
@@ -271,6 +303,7 @@ if _open is not None:
                 "home": os.path.join(self.ctx.disk_dir, "tierstore-lazy"),
                 "host_root": os.path.join(self.ctx.shm_dir, "tierstore-lazy-host"),
                 "durable": "none",
+                "device_tier": "off",
             }
 
         def start(self, step: int) -> None:

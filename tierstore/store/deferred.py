@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from consistency.index import ObjectRecord
 from tierstore import codec
+from tierstore.background import lower_priority
 from tierstore.errors import CorruptObjectError, InvalidValueError, TierStoreError
 from tierstore.keys import ShardKey
 from tierstore.store.common import INTERNAL, check_key
@@ -80,10 +81,14 @@ class Verification:
             where a core is idle); ``False`` (default): at :meth:`close`, once the copies are done, so
             they run at full speed and the hashing overlaps what the caller does next (a trainer's first
             forward/backward) instead.
+        nice: the hashing thread runs this much nicer than the caller (``StoreConfig.background_nice``:
+            on a node whose cores are all busy, the copies and the trainer come first; a caller waiting
+            for the verdict leaves its core to it).
     """
 
-    def __init__(self, *, eager: bool = False) -> None:
+    def __init__(self, *, eager: bool = False, nice: int = 0) -> None:
         self.eager = eager
+        self.nice = nice
         self._todo: deque[tuple[ShardKey, str, str, str, Any]] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -121,6 +126,8 @@ class Verification:
                     self._done.set()
 
     def _run(self) -> None:
+        if self.nice:
+            lower_priority(self.nice)
         while True:
             with self._cond:
                 while not self._todo and not self._closed:
@@ -247,7 +254,7 @@ class DeferredReads:
         store._check_open()
         self.store = store
         self.copy = copy
-        self.verification = Verification(eager=eager)
+        self.verification = Verification(eager=eager, nice=store.config.background_nice)
 
     def get(self, key: ShardKey | str, *, out: Mapping[str, torch.Tensor] | None = None,
             rec: Any = None) -> codec.Shard | None:
@@ -289,7 +296,7 @@ def get_many_deferred(
     if len(targets) != len(parsed):
         raise InvalidValueError(f"outs has {len(targets)} entries for {len(parsed)} keys")
     records = store.index.get_objects(parsed)
-    v = Verification(eager=eager)
+    v = Verification(eager=eager, nice=store.config.background_nice)
     # objects are opened (and their tables parsed) one ahead on a thread of their own, while the caller's
     # thread copies the previous one: the per-object overhead hides behind the copies
     try:

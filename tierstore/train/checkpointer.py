@@ -65,7 +65,9 @@ incarnation are fenced; a writer that never restores joins at its first save.
 Constructing a Checkpointer takes no epoch, and ``restore(read_only=True)``
 never does: an evaluator can read the newest or a named step while the
 trainer runs, without fencing it.
-Collectives and rank discovery: :mod:`tierstore.train.ranks`.
+Collectives and rank discovery: :mod:`tierstore.train.ranks`. The restore side
+(``restore``, ``read``, ``doc``): :mod:`tierstore.train.restore_side`, its
+verification protocol: :mod:`tierstore.train.restoring`.
 """
 
 from __future__ import annotations
@@ -83,22 +85,19 @@ from tierstore import codec
 from tierstore.errors import (
     CommitError,
     ConfigError,
-    CorruptObjectError,
-    NoValidCopyError,
     StepCommittedError,
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
 from tierstore.store.copies import DeviceCopies
 from tierstore.train.dedup import DedupPlanner
-from tierstore.train.gather import read_shards
 from tierstore.train.gradlog import ReplayLog
-from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
 from tierstore.train.layers import PARAM
 from tierstore.train.lazy import InPlaceChanges, LazySave, UpdateGate, changed_error, clone_eager
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
-from tierstore.train.restoring import IN_PASS, PendingRestore, read_unverified, refuse_until_restored, verify_mode
+from tierstore.train.restore_side import RestoreSide
+from tierstore.train.restoring import PendingRestore
 from tierstore.train.stagger import balanced_slots, shifted
 from tierstore.train.view import Collected, Restored, RestoreReport, StateView
 from tierstore.train.writing import SaveStats, Snapshot, nbytes, retain, write_layer
@@ -108,7 +107,7 @@ __all__ = ["Checkpointer", "RestoreReport", "Restored", "SaveStats", "rank_from_
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
+class Checkpointer(RestoreSide):
     """Saves the trainer ``state`` of this rank into ``store`` under ``model_name``; see the module docstring.
 
     Args:
@@ -518,97 +517,6 @@ class Checkpointer:
             self._reset_trackers()
         return "committed" if state in ("committed", "durable") else state
 
-    # ---- restoring ---------------------------------------------------------------
-
-    def _src(self, world: int) -> int:
-        return self.rank if self.rank < world else self.rank % world
-
-    def read(self, res: Any, layers: Iterable[str] | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
-        """This rank's shards of a resolution (``layer -> (tensors, metadata)``), refs of parts resolved."""
-        return read_shards(self.store, self.model, res, self._src(res.world_size), layers)
-
-    def doc(self, res: Any) -> dict[str, Any]:
-        """This rank's JSON document of a resolution's step."""
-        src = self._src(res.world_size)
-        extra = res.extra.get(src) or res.extra.get(str(src)) or {}
-        return extra.get("state") or {}
-
-    def restore(self, step: int | None = None, *, read_only: bool = False,
-                only: Iterable[str] | None = None, verify: str | None = None) -> Restored:
-        """Load the newest consistent state (or committed ``step``) in place: ``(step, extra)``.
-
-        A writer's restore (the default) first joins the job incarnation's
-        epoch, so writes of a previous incarnation are fenced, and the next
-        save continues from it; every rank calls it. ``read_only=True`` takes
-        no epoch and writes nothing: an evaluator can read while the trainer
-        runs. ``only`` loads a subset of the state's keys (``["model"]``:
-        weights only); entries of the checkpoint not loaded are skipped.
-        Returns ``(None, None)`` when nothing of this model is committed
-        (and ``step`` is not given). ``ckpt.report`` tells more.
-
-        The copies are loaded at the copy's speed and their checksums verified
-        beside it (:mod:`tierstore.train.restoring`): ``verify="before_update"``
-        holds the first ``optimizer.step()`` (or ``save()``) back until every
-        copy verified, and raises :class:`~tierstore.errors.RestoreVerifyError`
-        there, refusing the update, if one failed (the state is then restored
-        again, verified first); ``"before_return"`` verifies before returning
-        (and returns the second restore's result if a copy failed). Default:
-        ``"before_update"`` for a writer's restore with an optimizer in the
-        state, ``"before_return"`` for ``read_only`` and optimizer-less states.
-
-        Raises:
-            RestoreMismatchError: the stored state does not fit (missing entry,
-                layer or tensor, shape, dtype, placement); modules and
-                optimizers are unchanged.
-            NoValidCopyError: ``step`` is not committed, or a needed object
-                has no valid copy in any tier.
-            ConfigError: an unknown ``verify``.
-        """
-        mode = verify_mode(verify, read_only, self.state)
-        self._drain()
-        self._abandon_restore()
-        if not read_only:
-            self.epoch = self.ranks.join()
-        committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
-        self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
-        self._seeds: dict[str, Any] = {}
-        self.report.verify = mode if self._replay is None else IN_PASS
-        pending = None
-        if self._replay is not None:
-            got = Restored(*self._replay.restore(step, read_only=read_only, only=only))
-        else:
-            got, pending = self._restore(step, only, mode, read_only)
-        if not read_only:
-            self._reset_trackers()
-            seed_trackers(self._seeds, self._lw, self._diff)  # an imported base: first saves are deltas against it
-            if self._replay is not None and got.step is not None:
-                self._replay.continue_from(got.step, self.report.base_step)
-        self.report.step, self.report.epoch = got.step, self.epoch
-        self._manifests.clear()  # a step of an older incarnation may have been superseded
-        self._lost = ({s for s in committed if s > got.step}
-                      if not read_only and step is None and got.step is not None else set())
-        self.report.fell_back = got.step != self.report.newest if got.step is not None else False
-        if pending is not None:
-            if mode == "before_update":
-                self._restoring = pending
-                self._gate.hold(pending.before_update)
-            else:
-                try:
-                    again = pending.settle()
-                except TierStoreError as e:
-                    refuse_until_restored(self, e)
-                    raise
-                if again is not None:
-                    return again
-        return got
-
-    def _abandon_restore(self) -> None:
-        """Drop the hold of a restore still verifying (the state is about to be replaced, or closed)."""
-        self._gate.hold(None)
-        pending, self._restoring = self._restoring, None
-        if pending is not None:
-            pending.abandon()
-
     def _begin(self, step: int, layout: dict[str, Any]) -> None:
         """Begin ``step``; a committed step that this incarnation's restore fell back past (it could not
         be read: its copies were lost with a node, or corrupt in every tier) is superseded first, so
@@ -628,71 +536,6 @@ class Checkpointer:
             self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
         finally:
             self._lost.discard(step)
-
-    def _restore(self, step: int | None, only: Iterable[str] | None, mode: str,
-                 read_only: bool) -> tuple[Restored, PendingRestore | None]:
-        """Resolve, read and load (:mod:`tierstore.train.restoring`); the copies' verification, unless in pass."""
-        t0 = time.perf_counter()
-        deferred = mode != IN_PASS
-        res = self._agreed_resolution(step, verify="trailer" if deferred else None)
-        if res is None:  # nothing committed yet: a fresh job
-            return Restored(None, None), None
-        doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
-        layers = self.view.layers_for(res.layers, doc, only)
-        if deferred:
-            try:
-                shards, v = read_unverified(self, res, layers, eager=mode == "before_return")
-                failed: TierStoreError | None = None
-            except (NoValidCopyError, CorruptObjectError) as e:  # no copy read had a valid trailer and table
-                shards, v, failed = {}, None, e
-            if self.ranks.all_min(0 if failed else 1) == 0:  # collective: every rank reads again, verified
-                log.warning("restore of %s: %s; reading again with every copy verified first", self.model,
-                            failed or "another rank could not read its copies")
-                return self._restore(step, only, IN_PASS, read_only)
-        else:
-            shards, v = self.read(res, layers), None
-        pending = PendingRestore(self, v, step, read_only, only, t0) if v is not None else None
-        try:
-            plan = self.view.prepare(shards, doc, only)
-            self.view.apply(plan)
-        except BaseException:
-            if pending is not None:
-                pending.abandon()
-            raise
-        self._seeds = import_seeds(doc, res, shards, self.rank, self.world_size) if self._dedup is None else {}
-        self.report.base_s = time.perf_counter() - t0
-        return Restored(res.step, plan.get("user")), pending
-
-    def _agreed_resolution(self, step: int | None, verify: str | None = None) -> Any:
-        """The step every rank restores: each resolves the newest it can verify, and they take the
-        oldest of those (collective in a group), so a rank that cannot read the newest step (a node lost
-        with its copies) never resumes from another step than the others. ``None``: nothing committed."""
-        err: NoValidCopyError | None = None
-        res = None
-        try:
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step,
-                                     **({"verify": verify} if verify else {}))
-            mine = res.step
-        except NoValidCopyError as e:
-            fresh = step is None and "reason" not in e.fields
-            mine, err = (-1, None) if fresh else (-2, e)
-        agreed = self.ranks.all_min(mine) if step is None else mine
-        if err is not None:
-            raise err
-        if agreed == -2:
-            raise NoValidCopyError(f"{self.model}: another rank found no committed step it can restore",
-                                   model=self.model, reason="another rank could not resolve")
-        if agreed == -1:
-            if mine != -1:  # a step committed between this rank's resolve and another's
-                raise NoValidCopyError(f"{self.model}: the ranks saw different committed steps; restore again",
-                                       model=self.model, reason="ranks disagree")
-            return None
-        if agreed != mine:
-            log.warning("restore of %s: rank %d resolved step %d, another rank only step %d: all restore %d",
-                        self.model, self.rank, mine, agreed, agreed)
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=agreed,
-                                     **({"verify": verify} if verify else {}))
-        return res
 
     def close(self) -> None:
         """Wait for the background work, then stop its thread (the store stays open)."""

@@ -80,6 +80,11 @@ class BenchContext:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def sync_stream(self) -> None:
+        """Wait for the trainer's stream only (a no-op on the CPU): what a training step itself waits for."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
 
 class SystemUnavailable(Exception):
     """Raised by ``setup()`` when a system cannot run here; the harness skips it with the reason."""
@@ -188,9 +193,11 @@ class LazySystem(System):
     stand-in step's seconds, slowed by the copy running beside it) and
     ``update_wait``. In the slowdown pass ``begin`` is ``start`` alone: the
     training steps then run while the copy and the rest run. On CUDA the
-    stand-in runs on the GPU, and the device is synchronised after it and
-    after ``before_update()``: a copy the update's stream waits for (an event,
-    no host block) counts in the wait as it would delay the real update.
+    stand-in runs on the GPU, and the trainer's stream (not the device) is
+    synchronised after it and after ``before_update()``: copies on a side
+    stream overlap the stand-in, and a copy the update's stream was ordered
+    after (an event, no host block) counts in the wait, as it would delay the
+    real update.
     """
 
     background = True
@@ -227,10 +234,10 @@ class LazySystem(System):
         t_ret = time.perf_counter()
         for _ in range(self.fwd_bwd_steps):
             matmul_step(self.matmul_n)
-        self.ctx.sync()
+        self.ctx.sync_stream()
         t_fb = time.perf_counter()
         self.before_update()
-        self.ctx.sync()
+        self.ctx.sync_stream()  # the update's stream: it waits for the copies it was ordered after
         t_safe = time.perf_counter()
         events = self.finish()
         out = timings(t0, t_ret, {}, events)

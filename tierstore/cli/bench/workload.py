@@ -200,8 +200,8 @@ _MM = _MatmulState()
 
 
 def set_step_device(device: str) -> None:
-    """Where :func:`matmul_step` runs (``"cuda"``: on the GPU, each step synchronised, as a real step's
-    ``loss.item()`` would)."""
+    """Where :func:`matmul_step` runs (``"cuda"``: on the GPU, each step's stream synchronised, as a real
+    step's ``loss.item()`` would; other streams, such as a checkpoint's copies, are not waited for)."""
     _MM.device = device
     _MM.a = _MM.b = None
 
@@ -214,9 +214,9 @@ def matmul_step(n: int = 384) -> float:
         _MM.c = torch.empty(n, n, device=_MM.device)
     t0 = time.perf_counter()
     if _MM.device != "cpu":  # into a standing buffer: GPU memory figures see no temporaries of the stand-in
-        torch.mm(_MM.a, _MM.b, out=_MM.c)
-        _MM.a.add_(_MM.c, alpha=1e-9)
-        torch.cuda.synchronize()
+        c = torch.mm(_MM.a, _MM.b, out=_MM.c)  # type: ignore[arg-type]
+        _MM.a.add_(c, alpha=1e-9)
+        torch.cuda.current_stream().synchronize()  # the trainer's stream only: a side stream's copies run on
         return time.perf_counter() - t0
     c = _MM.a @ _MM.b  # type: ignore[operator]
     _MM.a.add_(c, alpha=1e-9)

@@ -51,12 +51,12 @@ def cuda_device_of(tensors: Iterable[torch.Tensor]) -> torch.device | None:
     """The one CUDA device of ``tensors`` (CPU ones beside them allowed); ``None``: none, or several."""
     dev = None
     for t in tensors:
-        d = t.device
-        if d.type == "cuda":
+        if t.is_cuda:  # (is_cuda / is_cpu: no device object per tensor; this runs in save())
+            d = t.device
             if dev is not None and d != dev:
                 return None
             dev = d
-        elif d.type != "cpu":
+        elif not t.is_cpu:
             return None
     return dev
 

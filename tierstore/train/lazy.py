@@ -141,27 +141,29 @@ class InPlaceChanges:
         return ptrs
 
 
-Versions = dict[tuple[str, str], tuple[torch.Tensor, int]]
+Versions = list[tuple[str, str, torch.Tensor, int]]  # (layer, name, tensor, its version counter at save())
 
 
 def clone_eager(col: Collected, in_forward: set[int] | None = None) -> Versions:
     """Replace, in ``col.layers``, every tensor that is not :func:`lazily_copied` (or whose data pointer is in
     ``in_forward``) by a copy; return the version counters of the tensors left to copy lazily."""
-    versions: Versions = {}
+    versions: Versions = []
     eager = in_forward or set()
+    add = versions.append
     with torch.no_grad():
         for ln, ts in col.layers.items():
+            state = ln == STATE_LAYER
             for n, t in ts.items():
-                if not lazily_copied(ln, n) or (eager and _ptr(t) in eager):
+                if state or not n.startswith((PARAM, OPTIM)) or (eager and _ptr(t) in eager):
                     ts[n] = t.detach().clone()
                 else:
-                    versions[(ln, n)] = (t, t._version)
+                    add((ln, n, t, t._version))
     return versions
 
 
 def changed(versions: Versions) -> list[tuple[str, str]]:
     """The ``(layer, name)`` of ``versions`` whose tensor changed in place since they were recorded."""
-    return sorted(k for k, (t, v) in versions.items() if t._version != v)
+    return sorted((ln, n) for ln, n, t, v in versions if t._version != v)
 
 
 def changed_error(step: int, names: list[tuple[str, str]], rank: int) -> SnapshotChangedError:
@@ -186,7 +188,7 @@ class LazySave:
     def __init__(self, step: int, versions: Versions | None = None, copies: Any = None) -> None:
         self.step = step
         self.copies = copies
-        self._versions = versions or {}
+        self._versions = versions or []
         self._released = threading.Event()
         self._lock = threading.Lock()
         self.changed: list[tuple[str, str]] | None = None
@@ -206,7 +208,7 @@ class LazySave:
         with self._lock:
             if self.changed is None:
                 self.changed = changed(self._versions)
-                self._versions = {}
+                self._versions = []
             return self.changed
 
 

@@ -242,3 +242,87 @@ def test_cuda_a_flipped_host_byte_never_reaches_an_update(store):
         _step(m, opt, 2)
     finally:
         ck.close()
+
+
+# ---- two real gloo ranks: one rank's bad copy, every rank refuses its update and restores again ----------------
+
+
+def worker(rank: int, port: int, home: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = tierstore.open(home=home)
+    m, opt = _model(0)
+    ck = Checkpointer(store, "two", m, opt, keep_last=None)
+    for s in range(2):
+        _step(m, opt, s)
+        ck.save(s)
+        assert ck.wait() == "committed"
+    saved = _snapshot(m, opt)
+    ck.close()
+    store.flush()
+    dist.barrier()
+    if rank == 0:
+        key = next(k for k in store.list("two", step=1) if k.layer != "_state" and k.rank == 0)
+        path = live_path(store.host.root, store, key)
+        obj = codec.open_object(path.read_bytes())
+        e = max(obj.tensors, key=lambda t: t.nbytes)
+        at = codec.HEADER.size + obj.table_len + e.offset + e.nbytes // 2
+        with open(path, "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x40]))
+    dist.barrier()
+    m2, o2 = _model(5)
+    ck2 = Checkpointer(store, "two", m2, o2)
+    result = {"restored": ck2.restore().step}
+    o2.zero_grad()
+    m2(torch.randn(5, 8)).square().mean().backward()
+    try:
+        o2.step()
+        result["refused"] = False
+    except RestoreVerifyError as e:
+        result["refused"] = True
+        result["again"] = e.fields["step"]
+    result["verified_state"] = _same(_snapshot(m2, o2), saved)
+    _step(m2, o2, 2)  # the step run again goes through on both ranks
+    ck2.save(2)
+    result["next"] = ck2.wait()
+    ck2.close()
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    store.close()
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_one_bad_copy_every_rank_refuses_the_update(tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_restore_verify", str(r), str(port),
+                               str(tmp_path / "home"), str(tmp_path / "out")], cwd=root, env=env)
+             for r in range(2)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    res = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    for r in res:  # rank 1's copies were fine: it refuses its update too (the ranks act alike) and reloads
+        assert r == {"restored": 1, "refused": True, "again": 1, "verified_state": True, "next": "committed"}, r
+
+
+if __name__ == "__main__":
+    import sys
+
+    a = sys.argv[1:]
+    worker(int(a[0]), int(a[1]), a[2], a[3])

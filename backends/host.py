@@ -21,6 +21,12 @@ An object this process wrote is read through its kept mapping (no page
 faults); any other is mapped with ``MAP_POPULATE`` (page tables filled once,
 not page by page). Views pin shared memory: release them when done.
 
+Page-locking: a CUDA process's writes call :meth:`HostBackend.pin` on the
+reservation's buffer first, which registers the segment's mapping with the
+CUDA driver once, within ``pin_bytes`` (:mod:`backends.pinning`), so
+device-to-host copies into it run at the copy engine's rate; nothing is
+registered otherwise.
+
 Capacity: ``capacity_bytes`` bounds the bytes of published objects and
 reservations; a write past it raises :class:`TierFullError` (the tier manager
 evicts and retries). Pooled segments count against the budget too, and are
@@ -37,6 +43,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from backends.base import (
     Backend,
@@ -48,14 +55,23 @@ from backends.base import (
     validate_object_name,
 )
 from backends.host_pool import DEFAULT_SEGMENTS, SegmentPool
+from backends.pinning import Pinner
 from tierstore.errors import KeyExistsError, TierFullError, TierUnavailableError
 
-__all__ = ["HostBackend"]
+__all__ = ["HostBackend", "default_pin_bytes"]
 
 _POOL = ".pool"
 _TMPDIR = ".tmp"  # reservations are written here, then renamed into place by commit
 _TMP = ".tmp-"
 _OPEN_RETRIES = 8
+
+
+def default_pin_bytes() -> int:
+    """A quarter of the machine's physical memory (0 where it cannot be told)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):
+        return 0
 
 
 class _ReadPin:
@@ -139,6 +155,9 @@ class HostBackend(Backend):
         recycle_grace_s: a deleted segment is reused only after this many seconds (readers are protected
             by their locks whatever this is; a grace only spreads reuse).
         populate: pre-fault new segments' pages when mapping them (faster writes).
+        pin_bytes: at most this many bytes of segments page-locked by this process for CUDA copies
+            (:meth:`pin`); ``None``: a quarter of the machine's memory; 0: never.
+        pin_calls: the registration calls (:class:`backends.pinning.Pinner`); ``None``: CUDA's.
     """
 
     tier = "host"
@@ -157,8 +176,13 @@ class HostBackend(Backend):
         pool_segments: int = DEFAULT_SEGMENTS,
         recycle_grace_s: float = 0.0,
         populate: bool = True,
+        pin_bytes: int | None = None,
+        pin_calls: Any = None,
     ) -> None:
         self.root = Path(root)
+        if pin_bytes is None:
+            pin_bytes = default_pin_bytes()
+        self.pinner = Pinner(pin_bytes, pin_calls)
         self.capacity_bytes = capacity_bytes
         self.pool_bytes = pool_bytes
         self.pool_segments = pool_segments
@@ -259,6 +283,18 @@ class HostBackend(Backend):
             self._reserved += nbytes
         return _HostReservation(self, name, tmp, view, nbytes, ident)
 
+    def pin(self, buffer: memoryview) -> bool:
+        """Page-lock the segment under a reservation's ``buffer`` (a CUDA process writes into it next).
+
+        Returns whether it is page-locked; ``False`` (over the budget, no CUDA, a
+        failed registration, not a view of a segment) leaves it pageable: copies
+        into it are ordinary ones. See :mod:`backends.pinning`.
+        """
+        mapping = getattr(buffer.obj, "_tierstore_mapping", None) if isinstance(buffer, memoryview) else None
+        if mapping is None or len(buffer) == 0:
+            return False
+        return self.pinner.pin(mapping, len(buffer))
+
     def _segment(self, tmp: str, nbytes: int, name: str) -> int:
         """An open fd of a segment of exactly ``nbytes`` at ``tmp``: a pooled one, else fresh."""
         fd = self._pool.take(nbytes, tmp)
@@ -356,6 +392,39 @@ class HostBackend(Backend):
                     return b""
                 mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)  # holds a dup of fd
                 return memoryview(mm)[offset:stop].toreadonly()
+            except OSError as e:
+                raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            finally:
+                os.close(fd)
+        raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
+
+    def tail(self, name: str, nbytes: int) -> bytes | None:
+        """The last ``nbytes`` of the object, read without mapping it (a trailer check).
+
+        Under a shared lock, as :meth:`get`: a segment being recycled is never read.
+        """
+        path = self._path(name)
+        for _ in range(_OPEN_RETRIES):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a writer is claiming this segment: the object was deleted; look again
+                st = os.fstat(fd)
+                try:
+                    now = os.stat(path)
+                except FileNotFoundError:
+                    return None
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    continue
+                n = min(nbytes, st.st_size)
+                return os.pread(fd, n, st.st_size - n) if n else b""
             except OSError as e:
                 raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
             finally:

@@ -30,6 +30,13 @@ another process freed would keep its memory alive unseen, so mappings whose
 file is no longer where this process left it are dropped every
 ``_SWEEP_EVERY`` new mappings.
 
+Page-locked mappings (:mod:`backends.pinning`): a kept mapping stays
+registered while its segment waits in the pool and is reused by this
+process at the same size; a segment claimed at another size, or last pooled
+by another process (which may have resized it meanwhile), has its
+registration undone first (it would hold stale pages); a mapping is
+unregistered before it is unmapped.
+
 Protocol: :class:`HostBackend` calls :meth:`SegmentPool.take` to claim a
 segment into a reservation's temporary path, :meth:`SegmentPool.mapping` to
 map it (reusing a kept mapping), :meth:`SegmentPool.give` when an object is
@@ -252,10 +259,14 @@ class SegmentPool:
                 e = _parse(name)
                 if e is None or now - e.t_ns < self.grace_ns:
                     continue
-                self._forget_own(e)
+                own = self._forget_own(e)
                 fd = self._claim(name, tmp)
                 if fd is None:
                     continue
+                if not own or e.size != nbytes:
+                    # another process may have resized it since this one's mapping was page-locked (the
+                    # registration would hold stale pages), or it is resized now: the registration goes first
+                    self._unpin(fd)
                 if e.size != nbytes:
                     try:
                         os.ftruncate(fd, nbytes)
@@ -280,13 +291,25 @@ class SegmentPool:
             if (e.size == exact) if exact is not None else (size_class(e.size) == cls):
                 yield e.name
 
-    def _forget_own(self, e: _Entry) -> None:
+    def _forget_own(self, e: _Entry) -> bool:
+        """Forget that this process pooled ``e``; whether it had."""
         with self._lock:
             names = self._own.get(e.size)
             if names and e.name in names:
                 names.remove(e.name)
                 if not names:
                     del self._own[e.size]
+                return True
+            return False
+
+    def _unpin(self, fd: int) -> None:
+        """Undo the page-locking of this process's kept mapping of the file ``fd``, if any (backends.pinning)."""
+        st = os.fstat(fd)
+        with self._lock:
+            kept = self._maps.get((st.st_dev, st.st_ino))
+        m = kept[0] if kept is not None else None
+        if m is not None and m.pinned and m.pinner is not None:
+            m.pinner.unpin(m)
 
     def give(self, path: Path, size: int) -> bool:
         """Move the deleted object at ``path`` into the pool; ``False`` if it does not fit (caller unlinks).

@@ -12,6 +12,10 @@ reference to its :class:`Mapping`, and memoryviews, numpy arrays and torch
 tensors made from a view keep that array alive. ``munmap`` runs only when the
 last of them is gone; there is no explicit close. Linux and other POSIX
 systems with a C library ``mmap``.
+
+A mapping a CUDA process writes into may be page-locked (``pinned``:
+:mod:`backends.pinning`); its registration is undone before ``munmap`` and
+before :func:`release_pages` gives its pages back.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class Mapping:
         OSError: ``mmap(2)`` failed.
     """
 
-    __slots__ = ("addr", "length")
+    __slots__ = ("addr", "length", "pinned", "pinner")
 
     def __init__(self, fd: int, length: int, *, populate: bool = False) -> None:
         if length <= 0:
@@ -61,6 +65,8 @@ class Mapping:
             raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
         self.addr: int = addr
         self.length = length
+        self.pinned = 0  # bytes page-locked from addr (backends.pinning); 0: pageable
+        self.pinner: Any = None  # the Pinner that registered them
 
     def view(self, nbytes: int, *, keep: Any = None) -> memoryview:
         """A writable byte view of the first ``nbytes``; it (and ``keep``) keep the mapping alive."""
@@ -78,6 +84,8 @@ class Mapping:
     def __del__(self) -> None:
         addr = getattr(self, "addr", None)  # unset if mmap(2) failed in __init__
         if addr is not None:
+            if getattr(self, "pinned", 0) and self.pinner is not None:
+                self.pinner.unpin(self)  # unregistered before the memory is unmapped
             _munmap(addr, self.length)
 
 
@@ -99,6 +107,8 @@ def release_pages(buf: memoryview) -> None:
     mapping = getattr(obj, "_tierstore_mapping", None)
     if not isinstance(mapping, Mapping):
         raise ValueError(f"not a view of a shared mapping: {type(obj).__name__}")
+    if mapping.pinned and mapping.pinner is not None:
+        mapping.pinner.unpin(mapping)  # page-locked pages must not be given back while registered
     if _madvise(mapping.addr, mapping.length, mmap.MADV_REMOVE) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise(MADV_REMOVE) failed: {os.strerror(err)}")

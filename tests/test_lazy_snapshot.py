@@ -104,7 +104,8 @@ def _check_objects(store, name: str, refs: dict[int, dict], rank: int = 0) -> in
 
 
 CASES = [(p, "cpu") for p in POLICIES] + [
-    pytest.param("exact", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    pytest.param("exact", "cuda", marks=[pytest.mark.cuda,
+                                         pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
 ]
 
 

@@ -59,6 +59,7 @@ _ENV = {
     "background_nice": "TIERSTORE_BACKGROUND_NICE",
     "device_tier": "TIERSTORE_DEVICE_TIER",
     "device_capacity_bytes": "TIERSTORE_DEVICE_CAPACITY",
+    "pin_host_bytes": "TIERSTORE_PIN_HOST_BYTES",
 }
 _VERIFY = ("auto", "full", "trailer")
 _DEVICE_TIERS = ("auto", "off", "cpu", "cuda")
@@ -142,6 +143,13 @@ class StoreConfig:
             a quarter of a CUDA device's memory and at most half of what is free
             at the first snapshot staged there; unbounded on ``"cpu"``. A
             snapshot that does not fit takes the host path.
+        pin_host_bytes: host-tier segments a CUDA process writes into are
+            page-locked (``cudaHostRegister``) once and stay so while reused,
+            up to this many bytes per process (:mod:`backends.pinning`), so
+            device-to-host copies into them run at the copy engine's rate;
+            past it (or where registration fails) copies are pageable.
+            ``None`` (default): a quarter of the machine's memory; 0: never.
+            Nothing is page-locked in a process that saves no CUDA tensor.
     """
 
     home: str = ".tierstore"
@@ -172,6 +180,7 @@ class StoreConfig:
     background_nice: int = 10
     device_tier: str = "auto"
     device_capacity_bytes: int | None = None
+    pin_host_bytes: int | None = None
 
     @property
     def retry(self) -> RetryPolicy:
@@ -204,6 +213,8 @@ class StoreConfig:
                               field="device_tier")
         if self.device_capacity_bytes is not None and self.device_capacity_bytes <= 0:
             raise ConfigError("device_capacity_bytes must be positive", field="device_capacity_bytes")
+        if self.pin_host_bytes is not None and self.pin_host_bytes < 0:
+            raise ConfigError("pin_host_bytes must be >= 0 (or None: auto)", field="pin_host_bytes")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:
@@ -225,7 +236,7 @@ class StoreConfig:
             except ValueError as e:
                 raise ConfigError(f"{_ENV['index_ack_timeout_s']} must be a number: {e}") from e
         for name in ("host_capacity_bytes", "peer_replicas", "index_replicas", "background_nice",
-                     "device_capacity_bytes"):
+                     "device_capacity_bytes", "pin_host_bytes"):
             if name in values:
                 try:
                     values[name] = int(values[name])

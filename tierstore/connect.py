@@ -157,7 +157,7 @@ def open(
             raise ConfigError("no host tier directory", field="host_root")
         if create:
             host = _HeldHost(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes,
-                             pool_segments=cfg.host_pool_segments)
+                             pool_segments=cfg.host_pool_segments, pin_bytes=cfg.pin_host_bytes)
         elif Path(cfg.host_root).is_dir():  # a read-only tool neither holds the tier nor frees its pool
             host = HostBackend(cfg.host_root, capacity_bytes=cfg.host_capacity_bytes, pool_bytes=cfg.host_pool_bytes,
                              pool_segments=cfg.host_pool_segments)

@@ -34,6 +34,8 @@ __all__ = [
     "ProtocolError",
     "ReplicaAckError",
     "RestoreMismatchError",
+    "RestoreVerifyError",
+    "SnapshotChangedError",
     "StepAbortedError",
     "StepBusyError",
     "StepCommittedError",
@@ -135,6 +137,15 @@ class StepBusyError(CommitError):
     """
 
 
+class SnapshotChangedError(StepAbortedError):
+    """A lazy snapshot's tensor changed in place between ``save()`` and its copy (not by the optimizer's update).
+
+    The step was voted down, never committed with the changed values; ``tensors`` names them (shard names,
+    ``param/<name>``), ``layers`` their layers, ``step`` the step. The Checkpointer copies them at ``save()``
+    from then on, so the next save commits the state of its ``save()``.
+    """
+
+
 class StepCommittedError(CommitError):
     """The step is already committed: a committed step is immutable, it cannot be saved (or written) again.
 
@@ -169,6 +180,16 @@ class ManifestError(TierStoreError, ValueError):
 
 class RestoreMismatchError(TierStoreError, ValueError):
     """Stored tensors do not fit the restore target (shape, dtype, missing layer)."""
+
+
+class RestoreVerifyError(CorruptObjectError):
+    """A copy loaded into the state by a restore failed its checksum once verified, after the restore returned.
+
+    Raised before any optimizer update used it (by the first ``optimizer.step()`` after the restore, or the
+    next ``save()``); by then the state was restored again with every copy verified first, so it no longer
+    holds the bad bytes. ``keys``: the objects whose copy failed; ``step``: the step now loaded (the restore's
+    fallback: another tier's copy of the same step, or an older step).
+    """
 
 
 class ProtocolError(TierStoreError):

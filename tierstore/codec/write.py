@@ -208,9 +208,10 @@ class EncodePlan:
         mv[self._chunks_offset : self.data_offset] = self._chunk_table
 
     @staticmethod
-    def _write_slot(mv: memoryview, t: torch.Tensor, start: int, nbytes: int, pad: int) -> None:
+    def _write_slot(mv: memoryview, t: torch.Tensor, start: int, nbytes: int, pad: int,
+                    non_blocking: bool = False) -> None:
         if nbytes:
-            typed_view(mv, t.dtype, nbytes, start).view(t.shape).copy_(t)
+            typed_view(mv, t.dtype, nbytes, start).view(t.shape).copy_(t, non_blocking=non_blocking)
         if pad:
             end = start + nbytes
             mv[end : end + pad] = _ZEROS[:pad]
@@ -221,17 +222,19 @@ class EncodePlan:
         with torch.no_grad():
             self._write_slot(mv, *self._slots[self._index[name]])
 
-    def write(self, buf: memoryview) -> None:
+    def write(self, buf: memoryview, *, non_blocking: bool = False) -> None:
         """Write header, table and every tensor's bytes into ``buf[:nbytes]``: the stall.
 
         One copy per tensor, straight from the (possibly non-contiguous or
         device) tensor into ``buf``; the trailer is left to :meth:`seal`.
+        ``non_blocking``: device tensors are copied asynchronously on the
+        current stream (the caller waits for it before sealing or reading ``buf``).
         """
         mv = self._check_buf(buf)
         self._write_head(mv)
         with torch.no_grad():
             for slot in self._slots:
-                self._write_slot(mv, *slot)
+                self._write_slot(mv, *slot, non_blocking)
 
     def seal(self, buf: memoryview) -> str:
         """Write each chunk's digest, then the trailer (xxh3-128 of everything before the data); return it as hex.

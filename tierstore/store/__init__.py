@@ -36,7 +36,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Self
+from typing import Any, Self
 
 from backends.base import Backend
 from backends.host import HostBackend
@@ -56,6 +56,7 @@ from tierstore.migration import Migrator, Skipped
 from tierstore.placement import Placement
 from tierstore.readpath import Resolution, resolve
 from tierstore.store.common import check_key
+from tierstore.store.deferred import Verification, get_many_deferred
 from tierstore.store.device_tier import DeviceTier
 from tierstore.store.ranged import RangedReadPath, RangedShard
 from tierstore.store.reading import ReadPath
@@ -282,15 +283,28 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
     def wait_step(self, model: str, step: int, timeout: float | None = None) -> str:
         return self.steps.wait(model, step, timeout=timeout)
 
-    def resolve(self, model: str, max_staleness: int = 0, *, step: int | None = None) -> Resolution:
+    def resolve(self, model: str, max_staleness: int = 0, *, step: int | None = None,
+                verify: str | None = None) -> Resolution:
         """The freshest consistent layer set of ``model`` that verifies; see :mod:`tierstore.readpath`.
 
         Args:
             step: resolve this committed step (no fallback to another).
+            verify: how copies are checked (default ``config.restore_verify``); ``"trailer"`` for a
+                reader that hashes the copies it reads itself (:mod:`tierstore.store.deferred`).
         """
         c = self.config
         return resolve(self.steps, self.tiers, model, max_staleness=max_staleness, max_chain=c.max_delta_chain,
-                       step=step, verify=c.restore_verify, retry=c.retry)
+                       step=step, verify=verify or c.restore_verify, retry=c.retry)
+
+    def get_many_deferred(self, keys: builtins.list[ShardKey | str], *, outs: Any = None,
+                          copy: bool = True, eager: bool = False) -> tuple[builtins.list[Any], Verification]:
+        """:meth:`get_many` with the checksum pass after the copy, on a thread of its own.
+
+        Returns the shards and a :class:`~tierstore.store.deferred.Verification`:
+        nothing read may be used for anything permanent (an update, a save)
+        before ``verification.wait()`` returned ``[]``. See :mod:`tierstore.store.deferred`.
+        """
+        return get_many_deferred(self, keys, outs=outs, copy=copy, eager=eager)
 
     def rebuild_index(self, model: str | None = None) -> RebuildReport:
         """Rebuild a lost index from the durable manifests; see :mod:`consistency.rebuild`."""

@@ -13,6 +13,14 @@ With a device tier (:mod:`tierstore.store.device_tier`), ``snapshot`` copies a
 full object into reused device buffers instead, and ``finish`` first drains
 them into the host reservation.
 
+CUDA tensors: the host reservation they are copied into (by ``snapshot`` or by
+a device tier's drain) is page-locked first where ``pin_host_bytes`` allows
+(:meth:`backends.host.HostBackend.pin`). With ``copies=`` (a lazy save's
+:class:`~tierstore.store.copies.DeviceCopies`), ``snapshot`` skips the device
+tier (no GPU memory) and enqueues the copies on the save's side stream,
+``non_blocking``; ``finish`` and ``abort`` wait for them before sealing or
+letting the reservation go.
+
 :class:`WritePath` is a mixin of :class:`tierstore.store.TierStore` (the facade
 that owns the tiers, index and threads it uses).
 """
@@ -75,6 +83,7 @@ class PendingObject:
     name: str = ""
     staged: StagedCopy | None = None  # in the device tier; drained into a host reservation by finish()
     attempt: str | None = None  # the writer's attempt token (see consistency.attempts)
+    copied: Any = None  # DeviceCopies still writing into the reservation (tierstore.store.copies)
     _done: bool = field(default=False, repr=False)
 
     def finish(self) -> ObjectRecord:
@@ -86,6 +95,8 @@ class PendingObject:
     def abort(self) -> None:
         if not self._done:
             self._done = True
+            if self.copied is not None:
+                self.copied.synchronize()  # no copy may still write into a reservation let go
             if self.reservation is not None:
                 self.reservation.abort()
             if self.staged is not None:
@@ -142,11 +153,17 @@ class WritePath:
         epoch: int | None = None,
         compress: str = "auto",
         attempt: str | None = None,
+        copies: Any = None,
     ) -> PendingObject:
         """Copy ``tensors`` into the host tier (the only part a trainer waits for).
 
         Returns a :class:`PendingObject`; the tensors may change as soon as
-        this returns. Nothing is visible to readers until ``finish()``.
+        this returns (with ``copies``: once the copies' event completed, which
+        the caller orders). Nothing is visible to readers until ``finish()``.
+
+        ``copies``: a :class:`~tierstore.store.copies.DeviceCopies`: CUDA
+        tensors are copied asynchronously on its side stream into page-locked
+        host memory, never through the device tier.
 
         ``compress``: ``"auto"`` copies full objects raw (dense floats do not
         compress; the copy is the whole stall) and compresses other kinds with
@@ -192,17 +209,25 @@ class WritePath:
         name = object_name(key, _tag(epoch))
         if compress == "never" or (compress == "auto" and kind == "full"):
             plan = codec.plan(tensors, meta)
-            staged = self.device_tier.stage(key, tensors) if self.device_tier is not None else None
+            staged = (self.device_tier.stage(key, tensors)
+                      if self.device_tier is not None and copies is None else None)
             if staged is not None:  # in device buffers: the host reservation and its copy are finish()'s
                 return PendingObject(self, key, codec.plan(staged.tensors, meta), None, kind, base, target, epoch,
                                      name, staged, attempt=attempt)
             res = self._reserve(key, name, plan.nbytes)
             try:
-                plan.write(res.buffer)
+                self._pin_for(res, tensors)
+                if copies is not None:
+                    with copies.stream_context():
+                        plan.write(res.buffer, non_blocking=True)
+                else:
+                    plan.write(res.buffer)
             except BaseException:
+                if copies is not None:
+                    copies.synchronize()
                 res.abort()
                 raise
-            return PendingObject(self, key, plan, res, kind, base, target, epoch, name, attempt=attempt)
+            return PendingObject(self, key, plan, res, kind, base, target, epoch, name, attempt=attempt, copied=copies)
         # deltas (byte-shuffled XOR) compress; dense full objects rarely do, so they skip the sampling
         blob = codec.encode(tensors, meta, compress="always" if compress == "always" else "auto")
         res = self._reserve(key, name, len(blob))
@@ -232,6 +257,13 @@ class WritePath:
                 raise InvalidValueError(f"{key}: delta tensor {name!r} does not fit its base {base}", entry=name)
         return full, {k: v for k, v in meta.items() if k != "_delta"}
 
+    def _pin_for(self, res: Any, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Page-lock ``res``'s segment if CUDA tensors are copied into it (within the budget; best effort)."""
+        pin = getattr(self.host, "pin", None)
+        if pin is None or not any(t.device.type == "cuda" for t in tensors.values()):
+            return False
+        return bool(pin(res.buffer))
+
     def _reserve(self, key: ShardKey, name: str, nbytes: int):
         try:
             return self.host.reserve(name, nbytes)
@@ -248,6 +280,7 @@ class WritePath:
             res = self._reserve(p.key, p.name, p.plan.nbytes)  # the drain: device buffers into the host tier
             try:
                 staged.wait()
+                self._pin_for(res, staged.tensors)
                 p.plan.write(res.buffer)
             except BaseException:
                 res.abort()
@@ -265,6 +298,8 @@ class WritePath:
         return record
 
     def _publish_host(self, p: PendingObject) -> ObjectRecord:
+        if p.copied is not None:
+            p.copied.synchronize()  # the device-to-host copies into the reservation are done
         checksum = p.plan.seal(p.reservation.buffer)
         size = p.plan.nbytes
         if p.epoch is not None and p.epoch >= 0:

@@ -65,7 +65,9 @@ incarnation are fenced; a writer that never restores joins at its first save.
 Constructing a Checkpointer takes no epoch, and ``restore(read_only=True)``
 never does: an evaluator can read the newest or a named step while the
 trainer runs, without fencing it.
-Collectives and rank discovery: :mod:`tierstore.train.ranks`.
+Collectives and rank discovery: :mod:`tierstore.train.ranks`. The restore side
+(``restore``, ``read``, ``doc``): :mod:`tierstore.train.restore_side`, its
+verification protocol: :mod:`tierstore.train.restoring`.
 """
 
 from __future__ import annotations
@@ -88,14 +90,15 @@ from tierstore.errors import (
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
+from tierstore.store.copies import DeviceCopies
 from tierstore.train.dedup import DedupPlanner
 from tierstore.train.gradlog import ReplayLog
-from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
 from tierstore.train.layers import PARAM
-from tierstore.train.lazy import UpdateGate, clone_eager
+from tierstore.train.lazy import InPlaceChanges, LazySave, UpdateGate, changed_error, clone_eager
 from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
-from tierstore.train.reshard import adapt_document, read_for_restore
+from tierstore.train.restore_side import RestoreSide
+from tierstore.train.restoring import PendingRestore
 from tierstore.train.stagger import balanced_slots, shifted
 from tierstore.train.view import Collected, Restored, RestoreReport, StateView
 from tierstore.train.writing import SaveStats, Snapshot, nbytes, retain, write_layer
@@ -105,7 +108,7 @@ __all__ = ["Checkpointer", "RestoreReport", "Restored", "SaveStats", "rank_from_
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
+class Checkpointer(RestoreSide):
     """Saves the trainer ``state`` of this rank into ``store`` under ``model_name``; see the module docstring.
 
     Args:
@@ -190,10 +193,13 @@ class Checkpointer:
         self._lw = LayerwiseTracker(pol.tau, pol.max_staleness) if pol.tau is not None else None
         self._diff = DiffTracker(pol.base_every, pol.chain_limit, pol.payoff) if pol.base_every else None
         self._dedup = None
-        # the gate's hooks go on before replay's gradient capture, so they run first
-        self._gate = UpdateGate(self.stats) if lazy else None
-        if self._gate is not None:
-            self._gate.watch(self._optimizers())
+        # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
+        # whose copies verify after they returned hold the next update back
+        self.lazy = lazy
+        self._gate = UpdateGate(self.stats)
+        self._gate.watch(self._optimizers())
+        self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()
+        self._restoring: PendingRestore | None = None  # a restore whose copies are still being verified
         self._undecided: list[int] = []  # steps this rank voted for that were still preparing
         if pol.dedup and self.group is not None:
             self._dedup = DedupPlanner(pol.dedup_group or self.group, pol.dedup_algo)
@@ -258,6 +264,8 @@ class Checkpointer:
             self.stats.save_s += time.perf_counter() - t_in
 
     def _save(self, step: int, extra: Any) -> None:
+        self._gate.run_hold()  # a restore still verifying: nothing unverified is saved
+        self._restoring = None
         self._drain()
         self._check_pending()
         col = self.view.collect(extra)
@@ -271,43 +279,63 @@ class Checkpointer:
         if not self._begin(step, layout):
             self._last_step, self._last_t = step, t0  # wait() answers for the earlier incarnation's step
             return
+        job = None
         try:
             self.ranks.note(step, self.epoch)
-            if self._gate is not None:
-                self._gate.watch(self._optimizers())
-                clone_eager(col)  # what a forward pass may change is copied now; the rest waits for the update
+            self._gate.watch(self._optimizers())
+            ptrs = self.in_forward.pointers(col) if self.lazy or self._replay is not None else set()
+            if self._replay is not None:
+                self._replay.at_save(ptrs)
+            if self.lazy:
+                versions = clone_eager(col, ptrs)  # what a forward pass may change is copied now; the rest waits
+                copies = DeviceCopies.after_current(t for ts in col.layers.values() for t in ts.values())
+                job = self._gate.begin(step, versions, copies)
         except BaseException as e:
             self._vote_down(step, e)
             raise self._typed(step, e) from e
         self._last_step, self._last_t = step, t0
         self.stats.saves += 1
-        if self._gate is not None:
-            job = self._gate.begin(step)
+        if job is not None:
             self._future = self._pool.submit(self._lazy, job, step, col, base, layout["layers"], t0)
             return
         snap = self._prepare(step, col, base, layout["layers"], t0)
         self._future = self._pool.submit(self._finish, snap)
 
-    def _prepare(self, step: int, col: Collected, base: bool, layers: list[str], t0: float) -> Snapshot:
+    def _prepare(self, step: int, col: Collected, base: bool, layers: list[str], t0: float,
+                 copies: Any = None) -> Snapshot:
         """*select* and *snapshot*: on the caller's thread, or the background one when lazy."""
         try:
             self._forget_aborted()
             if self._lw is not None:
                 self.ranks.await_ranks(step, self.epoch, t0)
             selected = self._select(step, col) if base else layers
-            snap = self._snapshot(step, col, selected, base)
+            snap = self._snapshot(step, col, selected, base, copies)
         except BaseException as e:
             self._vote_down(step, e)
             raise self._typed(step, e) from e
         snap.vote_extra = {"state": col.doc, "policy": self.policy.name, **snap.vote_extra}
         return snap
 
-    def _lazy(self, job: Any, step: int, col: Collected, base: bool, layers: list[str], t0: float) -> str:
-        """The background part of a lazy save: copy, release the gate, then the rest."""
+    def _lazy(self, job: LazySave, step: int, col: Collected, base: bool, layers: list[str], t0: float) -> str:
+        """The background part of a lazy save: copy, check the versions, release the gate, then the rest."""
         try:
-            snap = self._prepare(step, col, base, layers, t0)
+            snap = self._prepare(step, col, base, layers, t0, job.copies)
+            if job.copies is not None:
+                job.copies.enqueued()
+            else:
+                job.settle()  # the copies are complete, the update still held back (tierstore.train.lazy)
         finally:
             job.release()
+        if job.copies is not None:
+            job.copies.synchronize()
+            job.settle()  # unless the update's gate did it first
+        if job.changed:  # never committed with values the model did not have at save()
+            snap.abort()
+            self.stats.changed_in_forward += 1
+            self.in_forward.learn(job.changed)
+            err = changed_error(step, job.changed, self.rank)
+            self._vote_down(step, err)
+            raise err
         return self._finish(snap)
 
     def before_update(self) -> float:
@@ -315,10 +343,8 @@ class Checkpointer:
 
         Every optimizer of the state calls it from its step pre-hook; call it
         yourself before changing parameters or optimizer state in place any
-        other way. A no-op without ``lazy`` or without a save in flight.
+        other way. A no-op without ``lazy`` or without a save in flight (or a restore verifying).
         """
-        if self._gate is None:
-            return 0.0
         return self._gate.wait()
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
@@ -351,7 +377,7 @@ class Checkpointer:
         self.ranks.all_max_(want)
         return [ln for ln, w in zip(layers, want.tolist()) if w]
 
-    def _snapshot(self, step: int, col: Collected, selected: list[str], base: bool) -> Snapshot:
+    def _snapshot(self, step: int, col: Collected, selected: list[str], base: bool, copies: Any = None) -> Snapshot:
         """Copy what the save writes (the part training waits for): host-tier objects or staging copies."""
         if not base:
             return self._replay.snapshot(step, col)
@@ -362,7 +388,8 @@ class Checkpointer:
                 # payoff: a layer whose deltas do not pay is written like exact's (tierstore.train.payoff)
                 if self._dedup is None and (self._diff is None or self._diff.direct(ln)):
                     key = ShardKey(self.model, ln, step, self.rank)
-                    snap.pendings.append((ln, self.store.snapshot(key, live, col.metas[ln], epoch=self.epoch)))
+                    snap.pendings.append((ln, self.store.snapshot(key, live, col.metas[ln], epoch=self.epoch,
+                                                                  **({"copies": copies} if copies else {}))))
                 else:
                     snap.staged[ln] = {n: t.clone() for n, t in live.items()}
                     snap.metas[ln] = col.metas[ln]
@@ -498,74 +525,6 @@ class Checkpointer:
             self._reset_trackers()
         return "committed" if state in ("committed", "durable") else state
 
-    # ---- restoring ---------------------------------------------------------------
-
-    def _src(self, world: int) -> int:
-        return self.rank if self.rank < world else self.rank % world
-
-    def read(self, res: Any, layers: Iterable[str] | None = None, only: Iterable[str] | None = None,
-             ) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
-        """This rank's shards of a resolution (``layer -> (tensors, metadata)``), refs of parts resolved, each
-        layer shaped for this rank's state: read whole where its layout matches the saved one, else resharded
-        (:mod:`tierstore.train.reshard`)."""
-        got = read_for_restore(self.store, self.model, res, self.view, self.rank, self._src(res.world_size),
-                               res.layers if layers is None else layers, only)
-        self.report.resharded = sorted({*self.report.resharded, *got.resharded})
-        self.report.bytes_read += got.bytes_read + got.whole_bytes
-        self.report.bad_copies += got.bad_copies
-        return got.shards
-
-    def doc(self, res: Any) -> dict[str, Any]:
-        """This rank's JSON document of a resolution's step."""
-        src = self._src(res.world_size)
-        extra = res.extra.get(src) or res.extra.get(str(src)) or {}
-        return extra.get("state") or {}
-
-    def restore(self, step: int | None = None, *, read_only: bool = False,
-                only: Iterable[str] | None = None) -> Restored:
-        """Load the newest consistent state (or committed ``step``) in place: ``(step, extra)``.
-
-        A writer's restore (the default) first joins the job incarnation's
-        epoch, so writes of a previous incarnation are fenced, and the next
-        save continues from it; every rank calls it. ``read_only=True`` takes
-        no epoch and writes nothing: an evaluator can read while the trainer
-        runs. ``only`` loads a subset of the state's keys (``["model"]``:
-        weights only); entries of the checkpoint not loaded are skipped.
-        Returns ``(None, None)`` when nothing of this model is committed
-        (and ``step`` is not given). ``ckpt.report`` tells more.
-
-        Raises:
-            RestoreMismatchError: the stored state does not fit (missing entry,
-                layer or tensor, a global shape or dtype, a placement that
-                cannot be resharded); modules and optimizers are unchanged.
-                Another world size or sharding is not a mismatch: each rank
-                reads the parts of the saved shards its own shard holds
-                (:mod:`tierstore.train.reshard`).
-            NoValidCopyError: ``step`` is not committed, or a needed object
-                has no valid copy in any tier.
-        """
-        self._drain()
-        if not read_only:
-            self.epoch = self.ranks.join()
-        committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
-        self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
-        self._seeds: dict[str, Any] = {}
-        if self._replay is not None:
-            got = Restored(*self._replay.restore(step, read_only=read_only, only=only))
-        else:
-            got = self._restore(step, only)
-        if not read_only:
-            self._reset_trackers()
-            seed_trackers(self._seeds, self._lw, self._diff)  # an imported base: first saves are deltas against it
-            if self._replay is not None and got.step is not None:
-                self._replay.continue_from(got.step, self.report.base_step)
-        self.report.step, self.report.epoch = got.step, self.epoch
-        self._manifests.clear()  # a step of an older incarnation may have been superseded
-        self._passed = ({s for s in committed if s > got.step}
-                        if not read_only and step is None and got.step is not None else set())
-        self.report.fell_back = got.step != self.report.newest if got.step is not None else False
-        return got
-
     def _begin(self, step: int, layout: dict[str, Any]) -> bool:
         """Begin ``step``; ``False``: the save is skipped (nothing is written).
 
@@ -618,56 +577,13 @@ class Checkpointer:
             self._unproven[step] = f"{type(e).__name__}: {e}"
             return None
 
-    def _restore(self, step: int | None, only: Iterable[str] | None) -> Restored:
-        t0 = time.perf_counter()
-        res = self._agreed_resolution(step)
-        if res is None:  # nothing committed yet: a fresh job
-            return Restored(None, None)
-        doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
-        shards = self.read(res, self.view.layers_for(res.layers, doc, only), only)
-        plan = self.view.prepare(shards, adapt_document(doc, res, self.view, only), only)
-        self.view.apply(plan)
-        whole = {ln: v for ln, v in shards.items() if ln not in self.report.resharded}
-        self._seeds = import_seeds(doc, res, whole, self.rank, self.world_size) if self._dedup is None else {}
-        self.report.base_s = time.perf_counter() - t0
-        return Restored(res.step, plan.get("user"))
-
-    def _agreed_resolution(self, step: int | None) -> Any:
-        """The step every rank restores: each resolves the newest it can verify, and they take the
-        oldest of those (collective in a group), so a rank that cannot read the newest step (a node lost
-        with its copies) never resumes from another step than the others. ``None``: nothing committed."""
-        err: NoValidCopyError | None = None
-        res = None
-        try:
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
-            mine = res.step
-        except NoValidCopyError as e:
-            fresh = step is None and "reason" not in e.fields
-            mine, err = (-1, None) if fresh else (-2, e)
-        agreed = self.ranks.all_min(mine) if step is None else mine
-        if err is not None:
-            raise err
-        if agreed == -2:
-            raise NoValidCopyError(f"{self.model}: another rank found no committed step it can restore",
-                                   model=self.model, reason="another rank could not resolve")
-        if agreed == -1:
-            if mine != -1:  # a step committed between this rank's resolve and another's
-                raise NoValidCopyError(f"{self.model}: the ranks saw different committed steps; restore again",
-                                       model=self.model, reason="ranks disagree")
-            return None
-        if agreed != mine:
-            log.warning("restore of %s: rank %d resolved step %d, another rank only step %d: all restore %d",
-                        self.model, self.rank, mine, agreed, agreed)
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=agreed)
-        return res
-
     def close(self) -> None:
         """Wait for the background work, then stop its thread (the store stays open)."""
         try:
             self._drain()
         finally:
-            if self._gate is not None:
-                self._gate.close()
+            self._abandon_restore()
+            self._gate.close()
             if self._replay is not None:
                 self._replay.close()
             self._pool.shutdown(wait=True)

@@ -54,19 +54,24 @@ def _tensors(shard: Any) -> dict[str, torch.Tensor]:
     return dict(shard.items()) if isinstance(shard, Mapping) else dict(shard.tensors)
 
 
-def read_object(store: Any, model: str, layer: str, key: ShardKey) -> tuple[dict[str, torch.Tensor], dict]:
+def read_object(store: Any, model: str, layer: str, key: ShardKey,
+                get: Callable[[ShardKey], Any] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """One object's tensors and metadata, with parts referring to other ranks' objects (dedup) filled in.
+
+    ``get``: how an object is read (default ``store.get``; a restore at copy speed passes
+    :meth:`~tierstore.store.deferred.DeferredReads.get`).
 
     Raises:
         NoValidCopyError: the object (or one it refers to) is gone, or no tier holds a valid copy.
     """
-    shard = store.get(key)
+    get = get or store.get
+    shard = get(key)
     if shard is None:
         raise NoValidCopyError(f"layer {layer!r}: object {key} is gone", key=str(key), layer=layer)
     ts = _tensors(shard)
     meta = dict(shard.metadata)
     for part, owner in (meta.pop("_refs", None) or {}).items():
-        other = store.get(ShardKey(model, layer, key.step, int(owner)))
+        other = get(ShardKey(model, layer, key.step, int(owner)))
         if other is None:
             raise NoValidCopyError(
                 f"layer {layer!r}: {part} of rank {key.rank} refers to rank {owner}, whose object is gone",
@@ -75,14 +80,14 @@ def read_object(store: Any, model: str, layer: str, key: ShardKey) -> tuple[dict
     return ts, meta
 
 
-def read_shards(store: Any, model: str, res: Any, src: int,
-                layers: Iterable[str] | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
+def read_shards(store: Any, model: str, res: Any, src: int, layers: Iterable[str] | None = None,
+                get: Callable[[ShardKey], Any] | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
     """Rank ``src``'s shards of a resolution (``layer -> (tensors, metadata)``); layers it lacks are left out."""
     out: dict[str, tuple[dict[str, torch.Tensor], dict]] = {}
     for ln in sorted(res.layers if layers is None else layers):
         info = res.objects.get((ln, src))
         if info is not None:
-            out[ln] = read_object(store, model, ln, info.key)
+            out[ln] = read_object(store, model, ln, info.key, get)
     return out
 
 

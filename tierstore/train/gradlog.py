@@ -14,8 +14,13 @@ Capture: ``optimizer.register_step_pre_hook`` copies every ``p.grad`` into
 reused staging tensors just before ``optimizer.step()``: after the
 data-parallel reduction and any gradient clipping. A save writes a log entry
 only when exactly one optimizer step ran since the previous save, and that
-save was made; otherwise a base. The hook waits until the previous save's
-digest of the parameters is taken.
+save was made, and no parameter changed in place between that save and this
+update outside the optimizer (a module changing its parameters in forward,
+``nn.Embedding(max_norm=...)``: a log cannot replay that; the version
+counters recorded at ``save()`` tell); otherwise a base. The hook waits until
+the previous save's digest of the parameters is taken; that digest is of the
+parameters at ``save()`` (those a forward pass changes are digested at
+``save()``, and a counter that moved before the digest fails the step).
 
 Restore: the newest committed base, then the committed log steps that follow
 it contiguously, replayed through the same code path (set ``p.grad``, set
@@ -53,6 +58,8 @@ import xxhash
 from tierstore.errors import ConfigError, NoValidCopyError, RestoreMismatchError, TierStoreError
 from tierstore.keys import ShardKey
 from tierstore.train.hashing import tensor_digest
+from tierstore.train.layers import PARAM
+from tierstore.train.lazy import changed_error
 from tierstore.train.view import STATE_LAYER, Collected
 from tierstore.train.writing import Snapshot, nbytes
 
@@ -151,6 +158,9 @@ class ReplayLog:
         self._bases: list[int] = []  # base steps of this run, oldest first (retention keeps a chain's base)
         self._params_free = threading.Event()
         self._params_free.set()
+        self._at_save: list[tuple[torch.Tensor, int, str | None]] = []
+        self._moved_in_forward = False  # since the last save, a parameter changed outside the optimizer's update
+        self._warned = False
         self._hook = self.optimizer.register_step_pre_hook(self._pre_step)
 
     def _params(self) -> list[torch.Tensor]:
@@ -160,6 +170,8 @@ class ReplayLog:
         if self._replaying:
             return
         self._params_free.wait()  # the previous save's digest reads the parameters
+        if not self._moved_in_forward and any(p._version != v for p, v, _d in self._at_save):
+            self._moved_in_forward = True  # a parameter changed since save() and before this update: not a log
         captured = []
         for p in self._params():
             g = p.grad
@@ -179,6 +191,13 @@ class ReplayLog:
     # ---- saving ----------------------------------------------------------------------------
 
     def due_base(self, step: int) -> bool:
+        if self._moved_in_forward:
+            self._moved_in_forward = False
+            if not self._warned:
+                self._warned = True
+                log.warning("%s: parameters changed in place between save() and the next update (in forward?): "
+                            "a gradient log cannot replay that, so such steps are saved as bases", self.ckpt.model)
+            return True
         return (self._last_base is None or self._last_saved is None or self._last_saved != step - 1
                 or self._steps_since_save != 1 or self._captured is None
                 or step - self._last_base >= self.base_every
@@ -236,11 +255,41 @@ class ReplayLog:
         self._mark(step, False, snap)
         return snap
 
+    def at_save(self, in_forward: set[int]) -> None:
+        """On the trainer's thread, in ``save()``: what the step's digest must be of (the parameters now).
+
+        Records each parameter's version counter, and digests now those a forward pass changes in place
+        (data pointers in ``in_forward``): the digest of the others runs on the background thread, and a
+        parameter whose counter moved by then fails the step (:class:`~tierstore.errors.SnapshotChangedError`),
+        never a log whose digest is of values the model did not have at ``save()``.
+        """
+        self._at_save = [(p, p._version, tensor_digest(p) if p.numel() and p.data_ptr() in in_forward else None)
+                         for p in self._params()]
+
     def _digest(self, vote_extra: dict) -> None:
         try:
-            vote_extra["replay"]["post"] = params_digest(self._params())
+            at = self._at_save or [(p, p._version, None) for p in self._params()]
+            h = xxhash.xxh3_128()  # params_digest's, with the digests taken at save() where there are some
+            for p, _v, d in at:
+                h.update((d if d is not None else tensor_digest(p)).encode())
+            moved = [p for p, v, d in at if d is None and p._version != v]
+            if moved:  # checked before the update may run (it waits for _params_free)
+                self._changed(moved)
+            vote_extra["replay"]["post"] = h.hexdigest()
         finally:
             self._params_free.set()
+
+    def _changed(self, moved: list[torch.Tensor]) -> None:
+        ck = self.ckpt
+        names: list[tuple[str, str]] = []
+        for m in ck.view.maps([k for k, v in ck.state.items() if isinstance(v, torch.nn.Module)]).values():
+            for p in moved:
+                n = m.name_of(p)
+                if n is not None and n in m.layer_of:
+                    names.append((m.layer_of[n], PARAM + n))
+        ck.stats.changed_in_forward += 1
+        ck.in_forward.learn(names)
+        raise changed_error(self._last_saved if self._last_saved is not None else -1, sorted(names), ck.rank)
 
     def forget(self) -> None:
         """The next save writes a base (after a failed save or a restore)."""
@@ -251,6 +300,8 @@ class ReplayLog:
     def continue_from(self, step: int, base: int | None) -> None:
         """After a writer's restore of ``step`` (verified, committed): the next save may continue its chain."""
         self._last_saved, self._last_base, self._steps_since_save = step, base, 0
+        self._at_save = [(p, p._version, None) for p in self._params()]
+        self._moved_in_forward = False
         if base is not None and base not in self._bases:
             self._bases.append(base)
 

@@ -69,6 +69,10 @@ class RestoreReport:
             (another world size or sharding; :mod:`tierstore.train.reshard`).
         bytes_read: bytes this rank read from the tiers for its layers (objects read whole count whole).
         bad_copies: copies that a ranged read found corrupt or unreachable (it read another tier's instead).
+        verify: how the copies were verified (``"before_update"``, ``"before_return"``, ``"in_pass"``:
+            :mod:`tierstore.train.restoring`).
+        verified_s: seconds from the start of the restore until every copy had verified (``None``: not
+            yet known, or verified as it was copied).
     """
 
     step: int | None = None
@@ -84,6 +88,8 @@ class RestoreReport:
     resharded: list[str] = field(default_factory=list)
     bytes_read: int = 0
     bad_copies: list[str] = field(default_factory=list)
+    verify: str | None = None
+    verified_s: float | None = None
 
 
 @dataclass

@@ -36,6 +36,8 @@ class SaveStats:
     ``save_s``: seconds spent in ``save()``; ``wait_s`` / ``waits``: seconds
     and count of the waits of a lazy save's update gate that found the copy
     unfinished (:mod:`tierstore.train.lazy`). Their sum is the stall.
+    ``changed_in_forward``: lazy saves voted down because a tensor changed in
+    place between ``save()`` and its copy (:class:`~tierstore.errors.SnapshotChangedError`).
     """
 
     def __init__(self) -> None:
@@ -48,6 +50,7 @@ class SaveStats:
         self.save_s = 0.0
         self.wait_s = 0.0
         self.waits = 0
+        self.changed_in_forward = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -59,6 +62,7 @@ class SaveStats:
             "save_s": self.save_s,
             "wait_s": self.wait_s,
             "waits": self.waits,
+            "changed_in_forward": self.changed_in_forward,
         }
 
     def record(self, step: int, infos: list) -> None:

@@ -25,7 +25,15 @@ import torch.distributed as dist
 
 from tierstore.cli.bench import systems as S
 from tierstore.cli.bench.report import merge_and_write
-from tierstore.cli.bench.workload import Peak, make_workload, matmul_step, rss_bytes, rss_shmem_bytes, shm_used_bytes
+from tierstore.cli.bench.workload import (
+    Peak,
+    make_workload,
+    matmul_step,
+    rss_bytes,
+    rss_shmem_bytes,
+    set_step_device,
+    shm_used_bytes,
+)
 
 __all__ = ["rank_main"]
 
@@ -110,12 +118,19 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> None:
 def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
     S.load_builtin()
     pg = dist.new_group(backend="gloo")
-    work = make_workload(rank, int(cfg["size_gib"] * 2**30), cfg["tensors"])
+    device = cfg.get("device", "cpu")
+    if device != "cpu":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        set_step_device(device)
+    work = make_workload(rank, int(cfg["size_gib"] * 2**30), cfg["tensors"], device=device)
     rss_workload = rss_bytes()
     ctx = S.BenchContext(
         rank=rank, world=world, work=work, shm_dir=cfg["shm_dir"], disk_dir=cfg["disk_dir"], pg=pg,
-        options=cfg.get("options", {}),
+        options=cfg.get("options", {}), device=device,
     )
+    if ctx.cuda:
+        matmul_step(int(cfg["matmul_n"]))  # the stand-in's buffers belong to the baseline
+    gpu_base = torch.cuda.memory_allocated() if ctx.cuda else 0
     out: dict[str, Any] = {
         "rank": rank, "state_bytes": work.nbytes, "rss_workload_bytes": rss_workload,
         "systems": {}, "skipped": dict(S.SKIPPED),
@@ -134,6 +149,9 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         S.barrier()
         shm0 = shm_used_bytes()
         peak = Peak().start()
+        if ctx.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         reason = ""
         try:
             system.setup()
@@ -151,11 +169,17 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         # Peak through the first save only: a restore that maps files (torch.load with mmap=True
         # of a /dev/shm file) would count those shared pages in RSS.
         rec["first_peak_extra_bytes"] = peak.private_extra()
+        if ctx.cuda:  # GPU memory above the state: the peak of setup and the first save, and what stays
+            torch.cuda.synchronize()
+            rec["gpu_extra_bytes"] = torch.cuda.max_memory_allocated() - gpu_base
+            rec["gpu_standing_bytes"] = torch.cuda.memory_allocated() - gpu_base
         rec["shmem_mapped_bytes"] = rss_shmem_bytes() - peak.shmem_base
         rec["shm_bytes"], rec["shm_method"] = _shm(system, shm0, world)
         S.barrier()
         if cls.restores:
             system.restore()
+            system.verified()
+            ctx.sync()
         S.barrier()
         system.cleanup()
         S.barrier()
@@ -176,6 +200,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
             S.barrier()
             peak = Peak().start()
             t = system.save(step)
+            ctx.sync()
             step += 1
             rec["transient_bytes"].append(peak.private_extra())
             t["round"] = rnd
@@ -184,7 +209,11 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
             if system.restores:
                 t0 = time.perf_counter()
                 system.restore()
-                rec["restore_s"].append(time.perf_counter() - t0)
+                ctx.sync()
+                t1 = time.perf_counter()
+                tv = system.verified()  # a restore that verifies beside the copy: when it had
+                rec["restore_s"].append(t1 - t0)
+                rec.setdefault("verified_s", []).append(None if tv is None else max(t1, tv) - t0)
                 S.barrier()
             system.cleanup()
             S.barrier()

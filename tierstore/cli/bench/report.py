@@ -37,7 +37,18 @@ def machine_info() -> dict[str, Any]:
     return {
         "platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
         "cpus": os.cpu_count(), "cpu_model": cpu, "mem_bytes": mem, "loadavg": list(os.getloadavg()),
+        **_gpu(),
     }
+
+
+def _gpu() -> dict[str, Any]:
+    try:
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            return {"gpu": f"{p.name} ({p.total_memory / 2**30:.0f} GiB)", "cuda": torch.version.cuda}
+    except Exception:  # noqa: BLE001, S110 - a record, not a requirement
+        pass
+    return {}
 
 
 def _stats(xs: list[float]) -> dict[str, float] | None:
@@ -66,12 +77,17 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             fig[field] = _stats(per_round)
         nr = min(len(r["restore_s"]) for r in recs)
         fig["restore_s"] = _stats([max(r["restore_s"][i] for r in recs) for i in range(nr)])
+        nv = min(len(r.get("verified_s", [])) for r in recs)
+        fig["verified_s"] = _stats([max(r["verified_s"][i] for r in recs) for i in range(nv)
+                                    if all(r["verified_s"][i] is not None for r in recs)])
         standing = max(r["standing_bytes"] for r in recs)
         transient = max(max(r["transient_bytes"], default=0) for r in recs)
         fig["extra_rss_bytes"] = max(max(r["first_peak_extra_bytes"] for r in recs), standing + transient)
         fig["standing_rss_bytes"] = standing
         fig["transient_rss_bytes"] = transient
         fig["shm_bytes"] = max(r["shm_bytes"] for r in recs)
+        gpu = [r["gpu_extra_bytes"] for r in recs if "gpu_extra_bytes" in r]
+        fig["gpu_extra_bytes"] = max(gpu) if gpu else None
         fig["shm_method"] = first["shm_method"]
         sl = [r.get("slowdown") for r in recs if r.get("slowdown")]
         vals = [s["slowdown"] for s in sl if s["slowdown"] is not None]
@@ -91,6 +107,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         f["stall_vs_best_peer"] = s["median"] / best if s and best else None
         f["restore_vs_copy"] = r["median"] / bound_r["median"] if r and bound_r else None
         f["restore_vs_best_peer"] = r["median"] / best_r if r and best_r else None
+        v = f.get("verified_s")
+        f["verified_vs_copy"] = v["median"] / bound_r["median"] if v and bound_r else None
     return out
 
 
@@ -114,6 +132,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     """The results table plus notes, as markdown."""
     cfg, summ = res["config"], res["summary"]
     gib = res["state_bytes_per_rank"] / 2**30
+    gpu = any(f.get("gpu_extra_bytes") is not None for f in summ.values())
     lines = [
         f"# tierstore bench, {res['date']}",
         "",
@@ -125,19 +144,25 @@ def render_markdown(res: dict[str, Any]) -> str:
         "Times in ms, median (min–max) of the slowest rank per round. Memory per rank in GiB.",
         "",
         ("| system | stall | × copy | × best peer | complete | committed | durable | restore (× copy) "
-         "| extra RSS (private) | /dev/shm | training slowdown |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+         "| extra RSS (private) | /dev/shm | training slowdown |" + (" extra GPU |" if gpu else "")),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if gpu else ""),
     ]
+    if gpu:
+        lines[2] += (f" State on {res['machine'].get('gpu', 'the GPU')}; the bound is a copy_ into pinned host "
+                     "memory (restore: back from it).")
     for name, f in summ.items():
         stall = _ms(f["stall_s"])
         if f.get("returns_s"):
             stall += f" (returns at {_ms(f['returns_s'], spread=False)})"
         restore = "—" if not f["restore_s"] else f"{_ms(f['restore_s'])} ({_x(f['restore_vs_copy'])})"
+        if f.get("verified_s"):
+            restore += f"; verified {_ms(f['verified_s'], spread=False)} ({_x(f['verified_vs_copy'])})"
         sd = "—" if f["slowdown"] is None else f"{f['slowdown'] * 100:+.0f}%"
         lines.append(
             f"| `{name}` | {stall} | {_x(f['stall_vs_copy'])} | {_x(f['stall_vs_best_peer'])} | "
             f"{_ms(f['complete_s'])} | {_ms(f['committed_s'])} | {_ms(f['durable_s'])} | {restore} | "
             f"{_gib(f['extra_rss_bytes'])} | {_gib(f['shm_bytes'])} | {sd} |"
+            + (f" {_gib(f.get('gpu_extra_bytes'))} |" if gpu else "")
         )
     lines += ["", "Systems:"]
     for name, f in summ.items():
@@ -163,7 +188,9 @@ def render_markdown(res: dict[str, Any]) -> str:
         "/dev/shm = bytes the system holds there per rank after a save. Training slowdown = median "
         f"{cfg['matmul_n']}x{cfg['matmul_n']} matmul step while saving / idle − 1, overlap mode: "
         + "; ".join(sorted(modes)) + ". Restore is in-process (no process start-up), into the live "
-        "tensors; `torch_save_disk` restores through the page cache.",
+        "tensors; `torch_save_disk` restores through the page cache; \"verified\": where a restore "
+        "verifies its checksums beside the copy, when every one had matched (what the first update "
+        "after a restore waits for).",
     ]
     if res["skipped"]:
         lines += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in res["skipped"].items()]

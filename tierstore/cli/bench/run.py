@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--slow-ms per put, a save every --interval-ms)")
     p.add_argument("--slow-ms", type=float, default=20.0, help="--durable: extra time of each durable put")
     p.add_argument("--interval-ms", type=float, default=50.0, help="--durable: the stand-in step between saves")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the state lives (cuda: one GPU per rank; bench/gpu_check.sh)")
     p.add_argument("--fwd-bwd-ms", type=float, default=None,
                    help="lazy systems: the stand-in forward/backward between a save and the next update, "
                         "in ms idle (default: 1000 per GiB of state, at least 100)")
@@ -80,6 +82,12 @@ def _stop_embedded(home: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; return 0 on success, 1 on failure."""
     args = build_parser().parse_args(argv)
+    if args.device == "cuda":
+        import torch  # lazy: the CLI starts without it
+
+        if not torch.cuda.is_available():
+            print("bench: --device cuda needs a CUDA device", file=sys.stderr)
+            return 2
     size = args.size_gib if args.size_gib is not None else (1 / 16 if args.quick else 1.0)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
     if args.durable:
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         "tensors": args.tensors,
         "repeats": repeats,
         "quick": args.quick,
+        "device": args.device,
         "systems": [s for s in args.systems.split(",") if s],
         "threads": args.threads or max(1, (os.cpu_count() or 1) // args.ranks),
         "idle_s": 0.6 if args.quick else 2.0,
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
-        for home in ("tierstore", "tierstore-lazy"):
+        for home in ("tierstore", "tierstore-lazy", "tierstore-device"):
             _stop_embedded(os.path.join(disk_dir, home))
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(disk_dir, ignore_errors=True)

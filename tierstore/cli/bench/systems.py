@@ -59,6 +59,7 @@ class BenchContext:
         pg: a gloo process group reserved for the systems' own collectives
             (the harness barriers on the default group).
         options: free-form options from the command line.
+        device: where the state lives (``"cpu"``, or ``"cuda"``: ``bench/gpu_check.sh``).
     """
 
     rank: int
@@ -68,6 +69,21 @@ class BenchContext:
     disk_dir: str
     pg: Any = None
     options: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+
+    @property
+    def cuda(self) -> bool:
+        return self.device != "cpu"
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (a no-op on the CPU): timings end when the bytes moved."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def sync_stream(self) -> None:
+        """Wait for the trainer's stream only (a no-op on the CPU): what a training step itself waits for."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
 
 
 class SystemUnavailable(Exception):
@@ -123,6 +139,13 @@ class System:
     def restore(self) -> None:
         """Load the last saved state back into ``ctx.work`` in place."""
 
+    def verified(self) -> float | None:
+        """After :meth:`restore`: block until what it loaded is verified; the ``perf_counter`` time it was.
+
+        ``None``: the system verifies as it copies (or not at all): its restore time is all there is.
+        """
+        return None
+
     def extras(self) -> dict[str, Any]:
         """Extra figures for the report (measured once, outside the timed rounds)."""
         return {}
@@ -169,7 +192,12 @@ class LazySystem(System):
     ``before_update``. Marks: ``returns`` (``start`` done), ``fwd_bwd`` (the
     stand-in step's seconds, slowed by the copy running beside it) and
     ``update_wait``. In the slowdown pass ``begin`` is ``start`` alone: the
-    training steps then run while the copy and the rest run.
+    training steps then run while the copy and the rest run. On CUDA the
+    stand-in runs on the GPU, and the trainer's stream (not the device) is
+    synchronised after it and after ``before_update()``: copies on a side
+    stream overlap the stand-in, and a copy the update's stream was ordered
+    after (an event, no host block) counts in the wait, as it would delay the
+    real update.
     """
 
     background = True
@@ -206,8 +234,10 @@ class LazySystem(System):
         t_ret = time.perf_counter()
         for _ in range(self.fwd_bwd_steps):
             matmul_step(self.matmul_n)
+        self.ctx.sync_stream()
         t_fb = time.perf_counter()
         self.before_update()
+        self.ctx.sync_stream()  # the update's stream: it waits for the copies it was ordered after
         t_safe = time.perf_counter()
         events = self.finish()
         out = timings(t0, t_ret, {}, events)

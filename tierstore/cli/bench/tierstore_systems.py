@@ -7,13 +7,24 @@ background thread seals (xxh3-128), publishes and indexes each shard keyed
 thread, at its background priority); it is *committed* when the last one is.
 Segments are pre-allocated in setup and recycled after each round's cleanup,
 as the Checkpointer does. Restore gets every shard back into
-the live tensors (``store.get_many(keys, outs=...)``: one index round trip,
-each shard verified in the same pass that copies it). The
+the live tensors at the copy's speed (``store.get_many_deferred(keys, outs=...)``:
+one index round trip, the checksums hashed beside the copies on a thread of
+their own); its ``verified`` mark is when every checksum matched (what the
+first optimizer update waits for after a Checkpointer's restore). The
 store is opened with ``home`` in the run's disk directory, ``host_root`` in its
 /dev/shm directory and ``durable="none"`` unless ``options["tierstore_open"]``
 says otherwise; rank 0 opens first, and stops the embedded server it started at
 teardown. Where tierstore cannot be imported or opened,
 the system is skipped and the reason lands in :data:`tierstore.cli.bench.systems.SKIPPED`.
+
+``tierstore_device`` (CUDA only): as ``tierstore_host`` with the device tier
+on: the snapshot lands in reused GPU buffers, drained into the host tier by
+the sealing thread; restore is the rollback from device memory.
+
+On CUDA (``tierstore bench --device cuda``, ``bench/gpu_check.sh``) the host
+tier's segments are page-locked (``pin_host_bytes``); ``tierstore_host``
+copies device to host synchronously into them; ``tierstore_lazy`` enqueues the
+copies on a side stream after ``save()`` (:mod:`tierstore.store.copies`).
 
 ``tierstore_lazy``: the trainer-facing path, lazily: a
 :class:`~tierstore.train.checkpointer.Checkpointer` with ``lazy=True`` (exact
@@ -47,7 +58,7 @@ from tierstore.keys import ShardKey
 from tierstore.train.checkpointer import Checkpointer
 from tierstore.train.policies import exact
 
-__all__ = ["TierstoreHost", "TierstoreLazy", "shard_tensors"]
+__all__ = ["TierstoreDevice", "TierstoreHost", "TierstoreLazy", "shard_tensors"]
 
 MODEL = "bench"
 
@@ -120,6 +131,7 @@ if _open is not None:
                 "home": os.path.join(self.ctx.disk_dir, "tierstore"),
                 "host_root": os.path.join(self.ctx.shm_dir, "tierstore-host"),
                 "durable": "none",
+                "device_tier": "off",  # straight into the host tier (page-locked on CUDA); tierstore_device stages
             }
 
         def _layer(self, layer: str) -> str:
@@ -172,6 +184,13 @@ if _open is not None:
 
         def restore(self) -> None:
             groups = list(self.ctx.work.layers.values())
+            deferred = getattr(self.store, "get_many_deferred", None)
+            if deferred is not None:  # copied at the copy's speed, each shard's checksum verified beside it
+                shards, self._verification = deferred(self.keys, outs=groups)
+                for key, got in zip(self.keys, shards):
+                    if got is None:
+                        raise RuntimeError(f"tierstore lost shard {key}")
+                return
             get_many = getattr(self.store, "get_many", None)
             if get_many is not None:  # one index round trip for every shard, each verified as it is copied
                 for key, got in zip(self.keys, get_many(self.keys, outs=groups)):
@@ -189,6 +208,16 @@ if _open is not None:
                 got = shard_tensors(shard)
                 for k, t in group.items():
                     t.copy_(got[k])
+
+        def verified(self) -> float | None:
+            """Block until the last restore's copies verified; when they had (``None``: verified as copied)."""
+            v, self._verification = getattr(self, "_verification", None), None
+            if v is None:
+                return None
+            failures = v.wait()
+            if failures:
+                raise RuntimeError(f"tierstore restore: {len(failures)} copies failed verification: {failures[0]}")
+            return v.t_done
 
         def shm_bytes(self) -> int | None:
             return None
@@ -211,6 +240,28 @@ if _open is not None:
                 barrier()
                 if self.ctx.rank == 0 and self._own_home is not None:
                     stop_server(self._own_home)
+
+    @register("tierstore_device")
+    class TierstoreDevice(TierstoreHost):
+        """With the device tier: the snapshot is a device-to-device copy into reused GPU buffers (two sets
+        per layer: extra GPU memory), drained into the host tier in the background; restore is the
+        rollback from those buffers. CUDA only."""
+
+        describe = ("tierstore with the device tier: snapshot into reused GPU buffers, drained into the host "
+                    "tier in background; restore from device memory")
+
+        def setup(self) -> None:
+            if not self.ctx.cuda:
+                raise SystemUnavailable("the device tier stages CUDA tensors: run with --device cuda")
+            super().setup()
+
+        def default_open_kwargs(self) -> dict[str, Any]:
+            return {
+                "home": os.path.join(self.ctx.disk_dir, "tierstore-device"),
+                "host_root": os.path.join(self.ctx.shm_dir, "tierstore-device-host"),
+                "durable": "none",
+                "device_tier": "cuda",
+            }
 
     def _as_module(layers: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The workload as a module (one submodule per layer, its ``param``) and AdamW holding its state.
@@ -252,6 +303,7 @@ if _open is not None:
                 "home": os.path.join(self.ctx.disk_dir, "tierstore-lazy"),
                 "host_root": os.path.join(self.ctx.shm_dir, "tierstore-lazy-host"),
                 "durable": "none",
+                "device_tier": "off",
             }
 
         def start(self, step: int) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "matmul_step",
     "rss_bytes",
     "rss_shmem_bytes",
+    "set_step_device",
     "shm_used_bytes",
 ]
 
@@ -64,13 +65,16 @@ class Workload:
             group["param"].add_(1e-3)
 
 
-def make_workload(rank: int, total_bytes: int, n_tensors: int = 200, seed: int = 0) -> Workload:
+def make_workload(rank: int, total_bytes: int, n_tensors: int = 200, seed: int = 0,
+                  device: str = "cpu") -> Workload:
     """Build a state of about ``total_bytes`` in ``n_tensors`` tensors.
 
     Each layer holds four tensors (param, exp_avg, exp_avg_sq, a scalar step),
     so there are ``n_tensors // 4`` layers; the three large tensors of a layer
     are ``[rows, 1024]`` fp32, sized so the total comes to ``total_bytes``.
     Every element is written (random data), so the pages are resident.
+    ``device``: where the state lives (``"cuda"``: the three large tensors of
+    each layer on the GPU, the ``step`` scalar on the CPU, as AdamW keeps it).
     """
     n_layers = max(1, n_tensors // 4)
     per_tensor = total_bytes / (n_layers * 3)
@@ -83,9 +87,9 @@ def make_workload(rank: int, total_bytes: int, n_tensors: int = 200, seed: int =
         name = f"r{rank}.h{i:03d}"
         p = torch.randn(rows, _COLS, generator=gen)
         group = {
-            "param": p,
-            "exp_avg": torch.randn(rows, _COLS, generator=gen) * 1e-3,
-            "exp_avg_sq": torch.rand(rows, _COLS, generator=gen) * 1e-6,
+            "param": p.to(device),
+            "exp_avg": (torch.randn(rows, _COLS, generator=gen) * 1e-3).to(device),
+            "exp_avg_sq": (torch.rand(rows, _COLS, generator=gen) * 1e-6).to(device),
             "step": torch.tensor(float(i)),
         }
         layers[name] = group
@@ -188,17 +192,32 @@ def shm_used_bytes() -> int:
 class _MatmulState:
     a: torch.Tensor | None = None
     b: torch.Tensor | None = None
+    c: torch.Tensor | None = None
+    device: str = "cpu"
 
 
 _MM = _MatmulState()
 
 
+def set_step_device(device: str) -> None:
+    """Where :func:`matmul_step` runs (``"cuda"``: on the GPU, each step's stream synchronised, as a real
+    step's ``loss.item()`` would; other streams, such as a checkpoint's copies, are not waited for)."""
+    _MM.device = device
+    _MM.a = _MM.b = None
+
+
 def matmul_step(n: int = 384) -> float:
-    """One stand-in training step (an ``n x n`` fp32 matmul); returns its seconds."""
+    """One stand-in training step (an ``n x n`` fp32 matmul, on :func:`set_step_device`'s device); its seconds."""
     if _MM.a is None or _MM.a.shape[0] != n:
-        _MM.a = torch.randn(n, n)
-        _MM.b = torch.randn(n, n)
+        _MM.a = torch.randn(n, n, device=_MM.device)
+        _MM.b = torch.randn(n, n, device=_MM.device)
+        _MM.c = torch.empty(n, n, device=_MM.device)
     t0 = time.perf_counter()
+    if _MM.device != "cpu":  # into a standing buffer: GPU memory figures see no temporaries of the stand-in
+        c = torch.mm(_MM.a, _MM.b, out=_MM.c)  # type: ignore[arg-type]
+        _MM.a.add_(c, alpha=1e-9)
+        torch.cuda.current_stream().synchronize()  # the trainer's stream only: a side stream's copies run on
+        return time.perf_counter() - t0
     c = _MM.a @ _MM.b  # type: ignore[operator]
     _MM.a.add_(c, alpha=1e-9)
     return time.perf_counter() - t0

@@ -1,0 +1,249 @@
+"""The Checkpointer's restore side: resolve the step every rank agrees on, read, load, verify.
+
+:class:`RestoreSide` is a mixin of :class:`~tierstore.train.checkpointer.Checkpointer`
+(which owns the state, ranks, gate and policies it uses). ``restore()``
+joins the incarnation's epoch (a writer's), resolves the step every rank can
+restore (``all_reduce(MIN)``), reads this rank's shards and loads them into
+the state; how the copies are verified (beside the load, before the first
+update or before returning) is :mod:`tierstore.train.restoring`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierstore.errors import CorruptObjectError, NoValidCopyError, TierStoreError
+from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
+from tierstore.train.reshard import adapt_document, read_for_restore
+from tierstore.train.restoring import IN_PASS, PendingRestore, read_unverified, refuse_until_restored, verify_mode
+from tierstore.train.view import Restored, RestoreReport
+
+__all__ = ["RestoreSide"]
+
+log = logging.getLogger(__name__)
+
+
+def _tensors(stateful: Any) -> list[Any]:
+    """The tensors a module or optimizer holds (its parameters, buffers and optimizer state)."""
+    if isinstance(stateful, torch.nn.Module):
+        return [*stateful.parameters(), *stateful.buffers()]
+    if isinstance(stateful, torch.optim.Optimizer):
+        return [t for st in stateful.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return []
+
+
+class RestoreSide:
+    """The restore half of the Checkpointer (a mixin; the Checkpointer owns what it uses)."""
+
+    store: Any
+    model: str
+    state: MutableMapping[str, Any]
+    view: Any
+    policy: Any
+    ranks: Any
+    rank: int
+    world_size: int
+    epoch: int | None
+    report: RestoreReport
+    _replay: Any
+    _lw: Any
+    _diff: Any
+    _dedup: Any
+    _gate: Any
+    _restoring: PendingRestore | None
+    _manifests: dict[int, dict]
+    _passed: set[int]
+    _seeds: dict[str, Any]
+
+    if TYPE_CHECKING:  # provided by the Checkpointer
+        def _drain(self) -> str | None: ...
+        def _reset_trackers(self) -> None: ...
+        def _optimizers(self) -> list[torch.optim.Optimizer]: ...
+
+    def _src(self, world: int) -> int:
+        return self.rank if self.rank < world else self.rank % world
+
+    def read(self, res: Any, layers: Iterable[str] | None = None, only: Iterable[str] | None = None,
+             ) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
+        """This rank's shards of a resolution (``layer -> (tensors, metadata)``), refs of parts resolved, each
+        layer shaped for this rank's state: read whole where its layout matches the saved one, else resharded
+        (:mod:`tierstore.train.reshard`); every copy verified as it is read."""
+        got = read_for_restore(self.store, self.model, res, self.view, self.rank, self._src(res.world_size),
+                               res.layers if layers is None else layers, only)
+        self.report.resharded = sorted({*self.report.resharded, *got.resharded})
+        self.report.bytes_read += got.bytes_read + got.whole_bytes
+        self.report.bad_copies += got.bad_copies
+        return got.shards
+
+    def _same_layout(self, res: Any) -> bool:
+        """Whether this rank's state is laid out as the step was saved (same world, no sharded tensor): its
+        copies can be read whole and verified beside the load; otherwise they are resharded."""
+        from torch.distributed.tensor import DTensor  # lazy: the restore alone needs it
+
+        if res.world_size != self.world_size:
+            return False
+        return not any(isinstance(t, DTensor) for v in self.state.values() if hasattr(v, "state_dict")
+                       for t in _tensors(v))
+
+    def doc(self, res: Any) -> dict[str, Any]:
+        """This rank's JSON document of a resolution's step."""
+        src = self._src(res.world_size)
+        extra = res.extra.get(src) or res.extra.get(str(src)) or {}
+        return extra.get("state") or {}
+
+    def restore(self, step: int | None = None, *, read_only: bool = False,
+                only: Iterable[str] | None = None, verify: str | None = None) -> Restored:
+        """Load the newest consistent state (or committed ``step``) in place: ``(step, extra)``.
+
+        A writer's restore (the default) first joins the job incarnation's
+        epoch, so writes of a previous incarnation are fenced, and the next
+        save continues from it; every rank calls it. ``read_only=True`` takes
+        no epoch and writes nothing: an evaluator can read while the trainer
+        runs. ``only`` loads a subset of the state's keys (``["model"]``:
+        weights only); entries of the checkpoint not loaded are skipped.
+        Returns ``(None, None)`` when nothing of this model is committed
+        (and ``step`` is not given). ``ckpt.report`` tells more.
+
+        The copies are loaded at the copy's speed and their checksums verified
+        beside it (:mod:`tierstore.train.restoring`): ``verify="before_update"``
+        holds the first ``optimizer.step()`` (or ``save()``) back until every
+        copy verified, and raises :class:`~tierstore.errors.RestoreVerifyError`
+        there, refusing the update, if one failed (the state is then restored
+        again, verified first); ``"before_return"`` verifies before returning
+        (and returns the second restore's result if a copy failed). Default:
+        ``"before_update"`` for a writer's restore with an optimizer in the
+        state, ``"before_return"`` for ``read_only`` and optimizer-less states.
+
+        Another world size or sharding is not a mismatch: each rank reads the
+        parts of the saved shards its own shard holds (:mod:`tierstore.train.reshard`),
+        each chunk verified as it is read.
+
+        Raises:
+            RestoreMismatchError: the stored state does not fit (missing entry,
+                layer or tensor, a global shape or dtype, a placement that
+                cannot be resharded); modules and optimizers are unchanged.
+            NoValidCopyError: ``step`` is not committed, or a needed object
+                has no valid copy in any tier.
+            ConfigError: an unknown ``verify``.
+        """
+        mode = verify_mode(verify, read_only, self.state)
+        self._drain()
+        self._abandon_restore()
+        if not read_only:
+            self.epoch = self.ranks.join()
+        committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
+        self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
+        self._seeds: dict[str, Any] = {}
+        self.report.verify = mode if self._replay is None else IN_PASS
+        pending = None
+        if self._replay is not None:
+            got = Restored(*self._replay.restore(step, read_only=read_only, only=only))
+        else:
+            got, pending = self._restore(step, only, mode, read_only)
+        if not read_only:
+            self._reset_trackers()
+            seed_trackers(self._seeds, self._lw, self._diff)  # an imported base: first saves are deltas against it
+            if self._replay is not None and got.step is not None:
+                self._replay.continue_from(got.step, self.report.base_step)
+        self.report.step, self.report.epoch = got.step, self.epoch
+        self._manifests.clear()  # a step of an older incarnation may have been superseded
+        self._passed = ({s for s in committed if s > got.step}
+                        if not read_only and step is None and got.step is not None else set())
+        self.report.fell_back = got.step != self.report.newest if got.step is not None else False
+        if pending is not None:
+            if mode == "before_update":
+                self._restoring = pending
+                self._gate.watch(self._optimizers())  # optimizers put in the state since the constructor
+                self._gate.hold(pending.before_update)
+            else:
+                try:
+                    again = pending.settle()
+                except TierStoreError as e:
+                    refuse_until_restored(self, e)
+                    raise
+                if again is not None:
+                    return again
+        return got
+
+    def _abandon_restore(self) -> None:
+        """Drop the hold of a restore still verifying (the state is about to be replaced, or closed)."""
+        self._gate.hold(None)
+        pending, self._restoring = self._restoring, None
+        if pending is not None:
+            pending.abandon()
+
+    def _restore(self, step: int | None, only: Iterable[str] | None, mode: str,
+                 read_only: bool) -> tuple[Restored, PendingRestore | None]:
+        """Resolve, read and load (:mod:`tierstore.train.restoring`); the copies' verification, unless in pass."""
+        t0 = time.perf_counter()
+        deferred = mode != IN_PASS
+        res = self._agreed_resolution(step, verify="trailer" if deferred else None)
+        if res is None:  # nothing committed yet: a fresh job
+            return Restored(None, None), None
+        doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
+        layers = self.view.layers_for(res.layers, doc, only)
+        if deferred and not self._same_layout(res):  # resharded: the ranged reads verify each chunk they read
+            log.info("restore of %s: step %d was saved by %d rank(s) in another layout: resharding, verified as "
+                     "read", self.model, res.step, res.world_size)
+            return self._restore(step, only, IN_PASS, read_only)
+        if deferred:
+            try:
+                shards, v = read_unverified(self, res, layers, eager=mode == "before_return")
+                failed: TierStoreError | None = None
+            except (NoValidCopyError, CorruptObjectError) as e:  # no copy read had a valid trailer and table
+                shards, v, failed = {}, None, e
+            if self.ranks.all_min(0 if failed else 1) == 0:  # collective: every rank reads again, verified
+                log.warning("restore of %s: %s; reading again with every copy verified first", self.model,
+                            failed or "another rank could not read its copies")
+                return self._restore(step, only, IN_PASS, read_only)
+        else:
+            shards, v = self.read(res, layers, only), None
+        pending = PendingRestore(self, v, step, read_only, only, t0) if v is not None else None
+        try:
+            plan = self.view.prepare(shards, adapt_document(doc, res, self.view, only), only)
+            self.view.apply(plan)
+        except BaseException:
+            if pending is not None:
+                pending.abandon()
+            raise
+        whole = {ln: v_ for ln, v_ in shards.items() if ln not in self.report.resharded}
+        self._seeds = import_seeds(doc, res, whole, self.rank, self.world_size) if self._dedup is None else {}
+        self.report.base_s = time.perf_counter() - t0
+        return Restored(res.step, plan.get("user")), pending
+
+    def _agreed_resolution(self, step: int | None, verify: str | None = None) -> Any:
+        """The step every rank restores: each resolves the newest it can verify, and they take the
+        oldest of those (collective in a group), so a rank that cannot read the newest step (a node lost
+        with its copies) never resumes from another step than the others. ``None``: nothing committed."""
+        err: NoValidCopyError | None = None
+        res = None
+        try:
+            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step,
+                                     **({"verify": verify} if verify else {}))
+            mine = res.step
+        except NoValidCopyError as e:
+            fresh = step is None and "reason" not in e.fields
+            mine, err = (-1, None) if fresh else (-2, e)
+        agreed = self.ranks.all_min(mine) if step is None else mine
+        if err is not None:
+            raise err
+        if agreed == -2:
+            raise NoValidCopyError(f"{self.model}: another rank found no committed step it can restore",
+                                   model=self.model, reason="another rank could not resolve")
+        if agreed == -1:
+            if mine != -1:  # a step committed between this rank's resolve and another's
+                raise NoValidCopyError(f"{self.model}: the ranks saw different committed steps; restore again",
+                                       model=self.model, reason="ranks disagree")
+            return None
+        if agreed != mine:
+            log.warning("restore of %s: rank %d resolved step %d, another rank only step %d: all restore %d",
+                        self.model, self.rank, mine, agreed, agreed)
+            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=agreed,
+                                     **({"verify": verify} if verify else {}))
+        return res
+

@@ -170,7 +170,7 @@ def test_models_on_every_primary_commit_restore_collect_and_rebuild(redis_cluste
             for step in (1, 2, 3):
                 assert save_step(store, model, step, epoch=epoch) == ["preparing", "committed"]
                 assert store.wait_step(model, step, timeout=10) in ("committed", "durable")
-            store.flush()
+                store.flush()  # each durable before the next (a lagging migration skips the steps between)
             assert store.wait_step(model, 3, timeout=10) == "durable"
             check_restore(store, model, 3)
             report = store.gc(model, dry_run=False)

@@ -38,7 +38,7 @@ def test_rebuild_restores_durable_steps_and_reports_memory_only_ones(store, tmp_
     e = store.open_epoch(M)
     for s in (1, 2, 3):
         save_step(store, s, 2, epoch=e)
-    store.flush()
+        store.flush()  # each durable before the next (a lagging migration skips the steps between)
     memory_only_step(store, tmp_path, redis_url, 4)
     assert store.resolve(M).step == 4
     store.index._r.flushall()
@@ -62,6 +62,7 @@ def test_rebuild_from_s3_without_host_copies(tmp_path, redis_url, shm_root, s3_b
                        host_root=str(shm_root / "n"), node_id="n")
     try:
         save_step(s, 1, 2)
+        s.flush()
         save_step(s, 2, 2)
         s.flush()
         for name in list(s.host.list()):
@@ -93,10 +94,9 @@ def test_rebuild_follows_delta_chains_through_deps(store):
 
 
 def test_bad_or_incomplete_manifests_are_skipped(store):
-    save_step(store, 1, 2)
-    save_step(store, 2, 2)
-    save_step(store, 3, 2)
-    store.flush()
+    for s in (1, 2, 3):
+        save_step(store, s, 2)
+        store.flush()
     store.durable.put(durable_manifest_name(M, 3), b'{"version": 42}')
     store.durable.delete(live_name(store, ShardKey(M, "b", 2, 1)))
     store.index._r.flushall()

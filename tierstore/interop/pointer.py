@@ -93,20 +93,12 @@ def next_step(store: Any, model: str) -> int:
 
 
 def retire_older(store: Any, model: str) -> bool:
-    """After a re-save of a path committed, collect the model's older steps (``gc`` keeping the newest).
-
-    Only once every older step is decided for good (durable, aborted, or committed and recorded memory-only):
-    a committed step whose migration is still running could write its durable manifest after garbage
-    collection removed its objects. Otherwise nothing is done now and the next re-save tries again. Returns
-    whether it collected.
-    """
-    recs = store.steps.records(model)
-    if len(recs) < 2:
+    """After a re-save of a path committed, collect the model's older steps: ``gc`` keeping the newest in
+    memory, and the newest durable one in the durable tier until the new step is durable too (so a re-save
+    never leaves the path without a durable copy); a step whose migration is still running is left for the
+    next re-save. Returns whether there was anything older to collect."""
+    if len(store.steps.steps(model)) < 2:
         return False
-    migrating = getattr(store, "durable", None) is not None and store.config.migrate
-    for r in recs[:-1]:
-        if r.state == "preparing" or (r.state == "committed" and migrating and not r.memory_only):
-            return False
     from consistency.gc import Retention  # lazy: only re-saves collect
 
     store.gc(model, Retention(keep_last=1), dry_run=False)

@@ -16,10 +16,10 @@ Each tier survives another failure, so each keeps its own window
   *ahead* of the newest step the newest incarnation committed (a restore fell
   back past them) are held, never retired here, until the live line saves
   their numbers again (supersedes them, with proof that they are lost);
-- a committed step in neither window is **retired**: its durable manifest
-  goes first (an index rebuild can never resurrect it), then its objects that
-  no kept step reaches, from every tier and the index, then its step records
-  (it is no longer reported, nor restorable, anywhere). A committed step
+- a committed step in neither window is **retired**: its step records go
+  first (it is no longer reported, nor restorable, anywhere), then its
+  durable manifest (an index rebuild can never resurrect it), then its
+  objects that no kept step reaches, from every tier and the index. A committed step
   newer than the newest durable step whose migration may still finish
   (``hold``) is not retired yet;
 - a step kept only by the durable tier loses its memory copies (only where
@@ -302,12 +302,13 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
            report: GCReport | None = None, dry_run: bool = False) -> GCReport:
     """Carry out ``plan`` on ``keys`` (the objects considered: a writer's own, or every object of ``model``).
 
-    In this order: the durable manifests of the retired steps (so an index rebuild can never resurrect a
-    step whose objects are going); the memory copies of what only the durable tier keeps (``release``,
-    only where the index records a durable copy); the objects no kept step reaches (``delete``: from
-    every tier and the index, while the record still names the copy); then the records of the retired
-    and collected steps (an aborted step keeps its ``state``, so a late vote cannot re-open it); then
-    the retired steps' durable manifests once more (one a migration wrote meanwhile).
+    In this order: the records of the retired and collected steps (so no step is reported, or restored,
+    while its copies go; an aborted step keeps its ``state``, so a late vote cannot re-open it); their
+    durable manifests (so an index rebuild can never resurrect a step whose objects are going); the
+    memory copies of what only the durable tier keeps (``release``, only where the index records a
+    durable copy); the objects no kept step reaches (``delete``: from every tier and the index, while
+    the record still names the copy); then the retired steps' durable manifests once more (one a
+    migration wrote meanwhile).
     Before all that, the copies of superseded steps older than the newest durable step of the live
     line (:mod:`consistency.retired`; those ``retired_ok`` accepts) go: ``drop(name)`` from every tier.
     """
@@ -325,8 +326,9 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     fates = {k: plan.fate(k) for k in keys}
     todo = [k for k, f in fates.items() if f != "keep"]
     recs = dict(zip(todo, steps.index.get_objects(todo))) if todo else {}
-    if not dry_run:
-        steps.delete_durable_manifests(model, plan.retired)
+    if not dry_run:  # no longer reported (nor restorable) before anything of them goes
+        steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True)
+        steps.delete_durable_manifests(model, plan.retired)  # before the objects: no rebuild resurrects them
     for key in todo:
         rec = recs.get(key)
         if fates[key] == "release":
@@ -342,7 +344,6 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
         if not dry_run:
             delete(key, rec.name if rec is not None else str(key))
     if not dry_run:
-        steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True)
         # a migration that finished meanwhile may have written a durable manifest before the records went
         # (once they are gone, its own mark fails and it deletes what it wrote): delete it again
         steps.delete_durable_manifests(model, plan.retired)

@@ -26,8 +26,9 @@ KINDS = ("full", "delta", "ref")
 
 # Record an object and its placement: refuse a stale epoch, refuse to replace the record of a key of a
 # committed step or of one a committed manifest reads (pinned): committed keys are create-once; and refuse a
-# write for a step another writer's attempt holds (see CLAIM in consistency.scripts). KEYS: epoch, objs, obj,
-# step (the key's step record). ARGV: epoch, objname, step, kind, size, checksum, base, target, created, name,
+# write for a step another writer's attempt holds (see CLAIM in consistency.scripts). The copy of a record
+# replaced in a superseded step is moved to the retired set (consistency.retired), not returned. KEYS: epoch,
+# objs, obj, step (the key's step record), retired. ARGV: epoch, objname, step, kind, size, checksum, base, target, created, name,
 # restore ("1": re-recording what a durable manifest proves), attempt token ('' for none), tier... Returns the
 # physical name of the copy the old record named ('' if none, '=' if that is the same copy).
 _RECORD = OWNER_CHECK + """
@@ -53,6 +54,16 @@ if ARGV[11] ~= '1' then
 end
 local pinned = redis.call('HGET', KEYS[3], 'pinned')
 if old == ARGV[10] then old = '=' end
+if old ~= '' and old ~= '=' and old ~= '-' and redis.call('HEXISTS', KEYS[4], 'superseded') == 1 then
+  -- the copy of a superseded attempt: kept aside (consistency.retired), never handed back for deletion
+  local tiers = {}
+  for _, f in ipairs(redis.call('HKEYS', KEYS[3])) do
+    if string.sub(f, 1, 2) == 't:' then table.insert(tiers, string.sub(f, 3)) end
+  end
+  redis.call('HSET', KEYS[5], old, cjson.encode({key = ARGV[2], step = tonumber(ARGV[3]), tiers = tiers,
+             size = tonumber(redis.call('HGET', KEYS[3], 'size') or '0'), what = 'object'}))
+  old = ''
+end
 redis.call('DEL', KEYS[3])
 redis.call('ZADD', KEYS[2], tonumber(ARGV[3]), ARGV[2])
 redis.call('HSET', KEYS[3], 'kind', ARGV[4], 'size', ARGV[5], 'checksum', ARGV[6], 'base', ARGV[7],
@@ -220,7 +231,7 @@ class ObjectIndex(IndexClient):
                 self._listed.add(m)
             old = _s(self._record(
                 keys=[self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
-                      self._k(m, "step", key.step)],
+                      self._k(m, "step", key.step), self._k(m, "retired")],
                 args=[
                     -1 if epoch is None else epoch,
                     self._objname(key),

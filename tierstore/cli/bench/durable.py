@@ -26,8 +26,11 @@ from typing import Any
 
 import torch
 
+import tierstore
 from consistency.steprecords import durable_lag
 from tierstore.embedded import stop_server
+from tierstore.testing.faults import FaultPlan, FaultRule, install
+from tierstore.train.checkpointer import Checkpointer
 
 __all__ = ["run_durable"]
 
@@ -66,9 +69,6 @@ def _module(state: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 
 def _open(home: Path, slow_s: float = 0.0) -> Any:
-    import tierstore
-    from tierstore.testing.faults import FaultPlan, FaultRule, install
-
     store = tierstore.open(home, durable=f"file://{home / 'durable'}",
                            host_root=tempfile.mkdtemp(prefix="ts-bench-durable-", dir=_shm()))
     if slow_s:
@@ -81,8 +81,6 @@ def _shm() -> str:
 
 
 def _time_to_durable(mib: float, layers: int, repeats: int, work: Path) -> dict[str, Any]:
-    from tierstore.train.checkpointer import Checkpointer
-
     state = _state(mib, layers)
     store = _open(work / "ttd")
     module = _module(state)
@@ -116,8 +114,6 @@ def _time_to_durable(mib: float, layers: int, repeats: int, work: Path) -> dict[
 
 
 def _lag(steps: int, interval_s: float, slow_s: float, mib: float, layers: int, work: Path) -> dict[str, Any]:
-    from tierstore.train.checkpointer import Checkpointer
-
     store = _open(work / "lag", slow_s=slow_s)
     module = _module(_state(mib, layers))
     ck = Checkpointer(store, "lag", module, keep_last=3)

@@ -228,10 +228,25 @@ class UpdateGate:
         self.stats = stats
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Install the step pre-hook on each optimizer not hooked yet."""
+        """Install the step pre-hook on each optimizer not hooked yet.
+
+        A wrapper that is an ``Optimizer`` without the hook machinery (Accelerate's ``AcceleratedOptimizer``
+        never runs ``Optimizer.__init__``) is hooked through the optimizer it wraps (``.optimizer``), whose
+        ``step()`` it calls; one that wraps nothing hookable is said once (call :meth:`wait` yourself, the
+        Checkpointer's ``before_update``, before its updates).
+        """
         for opt in optimizers:
-            if id(opt) not in self._hooks:
-                self._hooks[id(opt)] = opt.register_step_pre_hook(self._pre_step)
+            inner: Any = opt
+            while not hasattr(inner, "_optimizer_step_pre_hooks") and hasattr(inner, "optimizer"):
+                inner = inner.optimizer
+            if id(inner) in self._hooks:
+                continue
+            if not hasattr(inner, "_optimizer_step_pre_hooks"):
+                log.warning("cannot hook %s's step(): call ckpt.before_update() before each of its updates",
+                            type(opt).__name__)
+                self._hooks[id(inner)] = None
+                continue
+            self._hooks[id(inner)] = inner.register_step_pre_hook(self._pre_step)
 
     def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.wait()
@@ -274,7 +289,8 @@ class UpdateGate:
     def close(self) -> None:
         """Remove the hooks (after the last save was drained)."""
         for handle in self._hooks.values():
-            handle.remove()
+            if handle is not None:
+                handle.remove()
         self._hooks.clear()
         self._current = None
         self._held = None

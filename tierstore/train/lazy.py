@@ -228,8 +228,16 @@ class UpdateGate:
         self.stats = stats
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Install the step pre-hook on each optimizer not hooked yet."""
+        """Install the step pre-hook on each optimizer not hooked yet.
+
+        A wrapper that subclasses ``Optimizer`` without running its ``__init__`` (accelerate's
+        ``AcceleratedOptimizer``, which the Hugging Face Trainer holds) has no hooks of its own: its ``step()``
+        steps the optimizer it wraps (``.optimizer``), so the hook goes there.
+        """
         for opt in optimizers:
+            while not hasattr(opt, "_optimizer_step_pre_hooks") and isinstance(
+                    inner := getattr(opt, "optimizer", None), torch.optim.Optimizer):
+                opt = inner
             if id(opt) not in self._hooks:
                 self._hooks[id(opt)] = opt.register_step_pre_hook(self._pre_step)
 

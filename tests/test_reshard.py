@@ -21,6 +21,7 @@ import tierstore
 from tests import _reshard as R
 from tests._tiers import flip_everywhere, live_path
 from tierstore.delta import xor_delta
+from tierstore.embedded import stop_server
 from tierstore.errors import NoValidCopyError, RestoreMismatchError
 from tierstore.keys import ShardKey
 from tierstore.train.checkpointer import Checkpointer, load
@@ -128,6 +129,7 @@ def saved(tmp_path_factory):
         with tierstore.open(home=home, host_root=str(shm)) as s:
             yield s, _zero_checkpoint(s)
     finally:
+        stop_server(home)  # a module's home: the per-test cleanup stops only the servers of a test's tmp_path
         shutil.rmtree(shm, ignore_errors=True)
 
 

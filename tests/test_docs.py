@@ -145,6 +145,45 @@ for _step in range(3):
 assert _ck.wait() == "committed"
 _ck.close()
 ''',
+    "lightning": '''
+import lightning.pytorch as L
+import torch
+from tierstore.interop.lightning import TierStoreCheckpoint
+torch.manual_seed(0)
+
+class Net(L.LightningModule):  # the LightningModule of docs/integrations/lightning.md
+    def __init__(self, lr: float = 0.02):
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.body(x), y)
+        self.log("train_loss", loss)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1)),
+                                   batch_size=8)
+_trainer = L.Trainer(max_steps=8, callbacks=[TierStoreCheckpoint(dirpath="ckpts", every_n_train_steps=4,
+                     save_last=True)], accelerator="cpu", logger=False, enable_progress_bar=False)
+_trainer.fit(Net(), data)  # the run that left ckpts/last.ckpt
+''',
+    "hf": '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from tierstore.interop.huggingface import TierStoreTrainer
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                   bos_token_id=0, eos_token_id=0))
+ids = torch.randint(0, 64, (24, 16))
+train = [{"input_ids": r, "labels": r} for r in ids]
+_args = dict(output_dir="out", save_steps=4, save_total_limit=2, per_device_train_batch_size=4, report_to=[],
+             use_cpu=True, disable_tqdm=True)
+TierStoreTrainer(model=model, args=TrainingArguments(max_steps=8, **_args), train_dataset=train).train()
+args = TrainingArguments(max_steps=12, **_args)  # the run of 12 steps that was interrupted after out/checkpoint-8
+''',
 }
 # run after the block, in the same program (what the context opened, closed)
 TEARDOWN = {"store": "store.close()\n", "weights": "store.close()\n",
@@ -278,11 +317,12 @@ def test_bash_block_runs_as_written(block, tmp_path, request):
 # -- every other command line, checked as written ----------------------------------------------------------------
 def _parsers() -> dict[str, object]:
     from tierstore.cli.admin import build_parser as admin
+    from tierstore.cli.agent import build_parser as agent
     from tierstore.cli.bench.run import build_parser as bench
     from tierstore.cli.demo import build_parser as demo
     from tierstore.cli.server import build_parser as server
 
-    return {"admin": admin, "server": server, "demo": demo, "bench": bench}
+    return {"admin": admin, "server": server, "demo": demo, "bench": bench, "agent": agent}
 
 
 def _check_command(words: list[str], extras: set[str]) -> str | None:
@@ -320,7 +360,7 @@ def _check_command(words: list[str], extras: set[str]) -> str | None:
 
 def _command_lines(text: str) -> list[list[str]]:
     out = []
-    for line in text.splitlines():
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():  # a line continued with a backslash, joined
         line = line.split(" #", 1)[0].strip()
         if not line or line.startswith("#"):
             continue
@@ -392,7 +432,8 @@ def test_a_broken_page_fails_the_build(tmp_path, breakage):
             "a reference to a module that does not exist": "::: tierstore.no_such_module"}[breakage]
     (docs / "wire-format.md").write_text((docs / "wire-format.md").read_text() + "\n" + text + "\n")
     config = (REPO / "mkdocs.yml").read_text().replace("docs_dir: docs", f"docs_dir: {docs}").replace(
-        "paths: [.]", f"paths: [{REPO}]")
+        "paths: [.]", f"paths: [{REPO}]").replace("- scripts/mkdocs_hooks.py", f"- {REPO}/scripts/mkdocs_hooks.py")
+    assert str(docs) in config and f"{REPO}/scripts/mkdocs_hooks.py" in config  # paths resolve from the config's dir
     (tmp_path / "mkdocs.yml").write_text(config)
     p = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert p.returncode != 0, p.stderr

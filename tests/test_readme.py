@@ -170,7 +170,7 @@ for step in (1, 2, 3):
         objs = [store.put(tierstore.ShardKey("gpt", layer, step, rank), {"w": torch.full((128,), float(step))},
                           epoch=epoch) for layer in ("a", "b")]
         store.vote("gpt", step, rank, objs, epoch=epoch)
-store.flush()
+    store.flush()  # durable before the next step commits (a lagging migration skips the steps between)
 for step in (1, 2, 3):
     assert store.wait_step("gpt", step, timeout=30) == "durable"
 store.close()

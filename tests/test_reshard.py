@@ -21,6 +21,7 @@ import tierstore
 from tests import _reshard as R
 from tests._tiers import flip_everywhere, live_path
 from tierstore.delta import xor_delta
+from tierstore.embedded import stop_server
 from tierstore.errors import NoValidCopyError, RestoreMismatchError
 from tierstore.keys import ShardKey
 from tierstore.train.checkpointer import Checkpointer, load
@@ -128,6 +129,7 @@ def saved(tmp_path_factory):
         with tierstore.open(home=home, host_root=str(shm)) as s:
             yield s, _zero_checkpoint(s)
     finally:
+        stop_server(home)  # a module's home: the per-test cleanup stops only the servers of a test's tmp_path
         shutil.rmtree(shm, ignore_errors=True)
 
 
@@ -175,6 +177,39 @@ def test_a_parameter_in_another_param_group_is_refused(zstore):
                                                    r"checkpoint has in group 1"):
         Checkpointer(zstore, "z", model, opt).restore(read_only=True)
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items()) and not opt.state
+
+
+def test_a_sharded_checkpoint_restores_into_plain_modules_at_the_same_world_size(store, tmp_path):
+    """FSDP2 saved by as many ranks as the plain restore has (here 1; 2 FSDP2 ranks into 2 DDP ranks is the same
+    path): the saved placements make it a resharded read, not a refusal (the target alone looks "the same")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = R.make(seed=0)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = R.adamw(model)
+        model(*R.batch(0, 0)).backward()
+        opt.step()
+        ck = Checkpointer(store, "f1", model, opt)
+        ck.save(0)
+        assert ck.wait() == "committed"
+        ck.close()
+        want = R.full_state(model, opt)
+    finally:
+        dist.destroy_process_group()
+    plain = R.make(seed=5)
+    popt = R.adamw(plain)
+    ck = Checkpointer(store, "f1", plain, popt)  # a writer: verified before its first update
+    assert ck.restore().step == 0 and ck.report.resharded
+    assert R.differences(R.full_state(plain, popt), want) == []
+    ck.close()
+    evaluator = R.make(seed=6)  # read-only: verified before it returns
+    assert load(store, "f1", {"model": evaluator}).step == 0
+    assert R.differences(R.full_state(evaluator, None), {n: t for n, t in want.items()
+                                                         if not n.startswith("optim/")}) == []
 
 
 def test_a_range_read_without_a_valid_copy_fails_typed(saved):

@@ -334,9 +334,13 @@ class TierStoreCheckpoint(ModelCheckpoint):
     pointers as it finds Lightning's files.
 
     Args:
-        *args, **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
+        *args: ``ModelCheckpoint``'s positional arguments (``dirpath``, ``filename``, ``monitor``, ...).
+        store: keyword-only, as the others below; see :class:`TierStoreCheckpointIO`.
+        name: see :class:`TierStoreCheckpointIO`.
+        policy: see :class:`TierStoreCheckpointIO`.
+        timeout: see :class:`TierStoreCheckpointIO`.
+        **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ...).
-        store, name, policy, timeout: keyword-only; see :class:`TierStoreCheckpointIO`.
     """
 
     def __init__(self, *args: Any, store: Any = None, name: str = "lightning", policy: Policy | None = None,

@@ -201,7 +201,15 @@ class RestoreSide:
                 failed: TierStoreError | None = None
             except (NoValidCopyError, CorruptObjectError) as e:  # no copy read had a valid trailer and table
                 shards, v, failed = {}, None, e
-            if self.ranks.all_min(0 if failed else 1) == 0:  # collective: every rank reads again, verified
+            # a step saved sharded (DTensor placements in its objects) at this world size, into plain modules:
+            # its copies are resharded (the target side alone cannot tell)
+            sharded = any(meta.get("dist") for _t, meta in shards.values() if isinstance(meta, dict))
+            verdict = self.ranks.all_min(0 if failed else 1 if sharded else 2)  # collective: every rank agrees
+            if verdict == 1:
+                log.info("restore of %s: step %d was saved sharded by %d rank(s): resharding, verified as read",
+                         self.model, res.step, res.world_size)
+                return self._restore(step, only, IN_PASS, read_only)
+            if verdict == 0:  # every rank reads again, verified
                 log.warning("restore of %s: %s; reading again with every copy verified first", self.model,
                             failed or "another rank could not read its copies")
                 return self._restore(step, only, IN_PASS, read_only)

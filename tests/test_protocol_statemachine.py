@@ -297,9 +297,17 @@ class Protocol(RuleBasedStateMachine):
         before = dict(self.store.steps.steps(M))
         self.store.gc(M, Retention(keep_last=keep_last, keep_durable_every=every), dry_run=False)
         committed = self.committed()
-        kept = set(committed[-keep_last:])
+        # steps an older incarnation committed past the live line's newest are kept (they count in no window)
+        live = max((self.steps[s]["epoch"] for s in committed), default=0)
+        frontier = max((s for s in committed if self.steps[s]["epoch"] == live), default=0)
+        ahead = {s for s in committed if s > frontier and self.steps[s]["epoch"] < live}
+        window = [s for s in committed if s not in ahead]
+        durable = [s for s in window if before.get(s) == "durable"]
+        # memory keeps the last keep_last; the durable tier its newest durable step (a newer step whose
+        # migration mark a fenced zombie lost is committed, not durable) and every `every`-th durable one
+        kept = set(window[-keep_last:]) | ahead | set(durable[-1:])
         if every:
-            kept |= {s for s in committed if before.get(s) == "durable" and s % every == 0}
+            kept |= {s for s in durable if s % every == 0}
         for s in committed:
             if s not in kept:
                 del self.steps[s]

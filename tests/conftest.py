@@ -81,6 +81,15 @@ def _nothing_left_behind(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    # this process's own multiprocessing helpers (the kill tests' forkserver, its resource tracker) would
+    # exit with the interpreter: stopped here, they are not counted
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+    for helper in (multiprocessing.forkserver._forkserver, multiprocessing.resource_tracker._resource_tracker):
+        try:
+            helper._stop()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001, S110 - best effort; a helper still running is then named below
+            pass
     found = _leaks.leftovers(baseline, [Path(str(tmp_path_factory.getbasetemp())), REPO])
     _leaks.clean(found, baseline)
     if found:

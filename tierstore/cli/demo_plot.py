@@ -4,10 +4,15 @@ against a full checkpoint of the same state (``tierstore demo`` draws it to ``de
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["draw"]
+__all__ = ["draw", "drawn"]
+
+#: the PNG text key under which :func:`draw` records what it drew (see :func:`drawn`)
+DRAWN_KEY = "tierstore:drawn"
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
@@ -53,8 +58,23 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     a2.set_ylabel("MiB per step (all ranks)")
     a2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=90, bbox_inches="tight")
+    what = {"loss": a1.get_legend_handles_labels()[1], "bytes": a2.get_legend_handles_labels()[1],
+            "titles": [a1.get_title(), a2.get_title()]}
+    fig.savefig(path, dpi=90, bbox_inches="tight", metadata={DRAWN_KEY: json.dumps(what)})
     plt.close(fig)
+
+
+def drawn(path: Path) -> dict[str, list[str]]:
+    """What the plot at ``path`` shows, in kind: its series and titles with every number written ``#`` (two
+    runs of the demo draw the same kinds of things with other numbers). ``{}`` for a PNG not drawn by
+    :func:`draw`."""
+    from PIL import Image  # lazy: matplotlib's own dependency (tierstore[plot])
+
+    with Image.open(path) as im:
+        raw = im.info.get(DRAWN_KEY)
+    if raw is None:
+        return {}
+    return {k: [re.sub(r"\d+(\.\d+)?", "#", label) for label in v] for k, v in json.loads(raw).items()}
 
 
 def draw(summary: dict[str, Any], path: Path) -> str:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tierstore.errors import ConfigError, MissingDependencyError, TierUnavailableError
 
@@ -84,12 +86,19 @@ def socket_path(home: str | os.PathLike) -> Path:
     return sock
 
 
+def _probe(sock: Path, password: str | None = None, timeout_s: float | None = 2) -> redis.Redis:
+    """A client for one question to the server on ``sock``: no retries (redis-py's default retries a refused
+    connection with backoff, seconds per question to a server that is going away)."""
+    return redis.Redis(unix_socket_path=str(sock), password=password, socket_timeout=timeout_s,
+                       retry=Retry(NoBackoff(), 0))
+
+
 def ping(sock: Path, password: str | None = None) -> bool:
     """Whether a server answers on ``sock``."""
     if not sock.exists():
         return False
     try:
-        client = redis.Redis(unix_socket_path=str(sock), password=password, socket_timeout=2)
+        client = _probe(sock, password)
         try:
             return bool(client.ping())
         finally:
@@ -230,7 +239,7 @@ def client_count(sock: Path) -> int | None:
     if not sock.exists():
         return None
     try:
-        client = redis.Redis(unix_socket_path=str(sock), socket_timeout=2)
+        client = _probe(sock)
         try:
             me = client.client_id()
             return sum(1 for c in client.client_list() if int(c.get("id", -1)) != me)
@@ -275,7 +284,7 @@ def stop_server(home: str | os.PathLike, *, timeout_s: float = 10.0) -> bool:
     procs = [s.pid for s in find_servers(home)]
     stopped = False
     if ping(sock):
-        client = redis.Redis(unix_socket_path=str(sock))
+        client = _probe(sock, timeout_s=None)
         try:
             client.shutdown(save=False, now=False, force=False)
         except redis.exceptions.ConnectionError:

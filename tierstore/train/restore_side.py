@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from consistency.manifest import complete_entries
 from tierstore.errors import CorruptObjectError, NoValidCopyError, StepCommittedError, TierStoreError
+from tierstore.keys import ShardKey
 from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
 from tierstore.train.reshard import adapt_document, read_for_restore
 from tierstore.train.restoring import IN_PASS, PendingRestore, read_unverified, refuse_until_restored, verify_mode
@@ -275,6 +277,13 @@ class RestoreSide:
         except StepCommittedError:
             if step not in self._passed or self.epoch is None:
                 raise
+            readers = self._readers(step)
+            if int(self.ranks.all_max_(torch.tensor([1 if readers else 0]))[0]):
+                log.warning("step %d of %s is committed by an earlier incarnation, and its newer committed step(s) "
+                            "%s read its copies (they cannot change while those are committed): this save of step "
+                            "%d is skipped; the step(s) are judged as the saves reach them", step, self.model,
+                            readers or "(on another rank)", step)
+                return False
             why = self._judge(step)
             if int(self.ranks.all_max_(torch.tensor([1 if why is not None else 0]))[0]) == 0:
                 log.warning("step %d of %s is committed by an earlier incarnation and was not proven lost (%s): "
@@ -293,6 +302,16 @@ class RestoreSide:
             return True
         finally:
             self._passed.discard(step)
+
+    def _readers(self, step: int) -> list[int]:
+        """The committed steps this restore passed, newer than ``step``, whose manifests read copies of ``step``
+        (a layer they inherited, a delta base, a ref target): while they stand, ``step``'s copies are pinned."""
+        out = []
+        for t in sorted(s for s in self._passed if s > step):
+            m = self.store.steps.manifest(self.model, t)
+            if m is not None and any(ShardKey.parse(e["key"]).step == step for e in complete_entries(m)):
+                out.append(t)
+        return out
 
     def _judge(self, step: int) -> str | None:
         """Why committed ``step`` is lost, with positive evidence; ``None`` if it verifies or nothing is known

@@ -214,3 +214,57 @@ def test_an_unreadable_restore_fails_typed_and_retires_nothing(opener):
         ck.save(1)
     ck.close()
     assert [(r.step, r.state) for r in store.steps.records(M)] == [(0, "durable"), (1, "durable")]
+
+
+def test_a_lost_step_that_newer_lost_steps_read_is_skipped_not_a_failed_save(opener, caplog):
+    """Differential after a node loss: steps 2 and 3 were committed in memory only and step 3's delta reads
+    step 2's base. The resumed trainer (restored at 1) saving step 2 again cannot replace copies a committed
+    step reads: that save is skipped with a warning naming step 3 (it failed inside the save before), and
+    step 3, proven lost, is saved again and restores bitwise."""
+    import threading
+
+    from tierstore.train.policies import differential
+
+    store = opener()
+    gate = threading.Event()
+    net = _net(0)
+    ck = Checkpointer(store, M, net, policy=differential(base_every=2, payoff=None), keep_last=None)
+    ck.restore()
+    try:
+        for s in range(4):
+            with torch.no_grad():
+                net[0].weight.add_(1.0)
+            ck.save(s)
+            assert ck.wait() == "committed"
+            if s == 1:  # 0 and 1 reach the durable tier; 2 and 3 never do (the node goes first)
+                store.flush()
+                store.rewire(before_migrate=lambda key: gate.wait(60) if key.step >= 2 else None)
+        m3 = store.steps.manifest(M, 3)
+        assert any(e["key"].split("/")[2] == "2" for e in m3.get("deps", [])), m3  # 3's deltas read step 2
+        for s in (2, 3):
+            _memory_lost(store, s)  # the node is lost: steps 2 and 3 had no other copy
+        net2 = _net(1)
+        ck2 = Checkpointer(opener(), M, net2, policy=differential(base_every=2, payoff=None), keep_last=None)
+        assert ck2.restore()[0] == 1
+        with caplog.at_level("WARNING"):
+            with torch.no_grad():
+                net2[0].weight.add_(1.0)
+            ck2.save(2)
+            assert ck2.wait() in ("committed", "durable")  # the previous save's state: this one was skipped
+        assert any("read its copies" in r.getMessage() and "[3]" in r.getMessage() for r in caplog.records)
+        with torch.no_grad():
+            net2[0].weight.add_(1.0)
+        ck2.save(3)  # step 3 is proven lost (no tier holds its copies): saved again
+        assert ck2.wait() == "committed"
+        want = {k: v.clone() for k, v in net2.state_dict().items()}
+        ck2.close()
+        net3 = _net(2)
+        ck3 = Checkpointer(opener(), M, net3, keep_last=None)
+        assert ck3.restore()[0] == 3 and _same(net3, want)
+        ck3.close()
+    finally:
+        gate.set()
+        try:
+            ck.close()
+        except Exception:  # noqa: BLE001 - the lost node's writer: fenced, its migrations fail
+            pass

@@ -283,7 +283,10 @@ def test_python_block_runs_as_a_script_and_pasted_into_the_repl(block, tmp_path,
     (script / "snippet.py").write_text(setup + "\n" + text + "\n" + teardown)
     for name, content in (("_setup.py", setup), ("_snippet.py", text), ("_teardown.py", teardown)):
         (repl / name).write_text(content)
-    p = subprocess.run([sys.executable, "-c", REPL, str(script), str(repl)], env=_env(), capture_output=True,
+    # TMPDIR under the test's own directory: a home a snippet makes with tempfile.mkdtemp() is there, so its
+    # index server (which outlives the store, by design) is stopped after the test like every other
+    env = {**_env(), "TMPDIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", REPL, str(script), str(repl)], env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     mode = "pasted into the REPL" if "== ran as a script" in p.stdout else "as a script"
     assert p.returncode == 0, f"{block.id} {mode}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"

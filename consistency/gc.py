@@ -31,10 +31,10 @@ Each tier survives another failure, so each keeps its own window
 
 A manifest records the complete set of objects a restore of its step reads
 (its own, the older layer versions it inherits under a layer-wise policy,
-every delta base and ref target they reach:
-:func:`consistency.manifest.complete_entries`), so keeping what the kept
-manifests list is right for every policy; links the index records beyond
-them are followed too (manifests written before they listed them).
+every delta base and ref target they reach), and :mod:`consistency.closure`
+is the one owner of what that set is, so keeping what it returns for the kept
+steps is right for every policy; links the index records beyond them are
+followed too (manifests written before they listed them).
 
 The writer's retention after each save (:func:`tierstore.train.writing.retain`)
 and :func:`collect` (``tierstore admin gc``, :meth:`tierstore.store.TierStore.gc`)
@@ -51,8 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from consistency.index import Index, ObjectRecord
-from consistency.manifest import complete_entries
+from consistency.closure import closure, reachable, required_steps
+from consistency.index import ObjectRecord
 from consistency.retired import RetiredCopy
 from consistency.twophase import StepProtocol
 from tierstore.errors import ConfigError
@@ -166,66 +166,6 @@ class RetentionPlan:
         if key.step in self._gone or key.step not in self.recorded:
             return "delete"  # of a retired or aborted step, or an orphan no step ever recorded
         return "keep"
-
-
-def closure(index: Index, roots: set[ShardKey]) -> set[ShardKey]:
-    """``roots`` with every delta base and ref target they reach, transitively (from index records)."""
-    out: set[ShardKey] = set()
-    todo = sorted(roots)
-    while todo:
-        todo = [k for k in dict.fromkeys(todo) if k not in out]
-        out.update(todo)
-        nxt: list[ShardKey] = []
-        for rec in index.get_objects(todo):
-            if rec is not None:
-                nxt += [k for k in (rec.base, rec.target) if k is not None and k not in out]
-        todo = nxt
-    return out
-
-
-def _manifest(steps: StepProtocol, model: str, step: int, cache: dict[int, dict] | None) -> dict | None:
-    if cache is None:
-        return steps.manifest(model, step)
-    m = cache.get(step)
-    if m is None:
-        m = steps.manifest(model, step)
-        if m is not None:  # a committed step's manifest never changes while its writer's epoch lasts
-            cache[step] = m
-    return m
-
-
-def required_steps(steps: StepProtocol, model: str, step_numbers: list[int], *,
-                   cache: dict[int, dict] | None = None) -> set[int]:
-    """``step_numbers`` with every step their manifests (transitively) ``require``.
-
-    ``cache``: parsed manifests by step, filled and reused (a writer's retention passes one for as long
-    as its epoch lasts: a committed manifest changes only when a newer incarnation supersedes the step).
-    """
-    out: set[int] = set()
-    todo = list(step_numbers)
-    while todo:
-        s = todo.pop()
-        if s in out:
-            continue
-        out.add(s)
-        m = _manifest(steps, model, s, cache)
-        if m is not None:
-            todo += [r for r in m.get("requires", []) if r not in out]
-    return out
-
-
-def reachable(steps: StepProtocol, model: str, step_numbers: list[int], *,
-              cache: dict[int, dict] | None = None) -> set[ShardKey]:
-    """Every object a restore of one of ``step_numbers`` reads: the complete sets their manifests (and the
-    manifests of the steps they require) record, with any delta base or ref target the index links beyond.
-    Each manifest is read once (``cache``: see :func:`required_steps`)."""
-    cache = {} if cache is None else cache
-    roots: set[ShardKey] = set()
-    for s in sorted(required_steps(steps, model, step_numbers, cache=cache)):
-        m = _manifest(steps, model, s, cache)
-        if m is not None:
-            roots.update(ShardKey.parse(o["key"]) for o in complete_entries(m))
-    return closure(steps.index, roots)
 
 
 def _ahead(recs: list) -> set[int]:

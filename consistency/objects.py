@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from consistency.client import MODELS, IndexClient, _s, translate_redis_errors
-from consistency.scripts import OWNER_CHECK
+from consistency.scripts import OWNER_CHECK, READERS
 from tierstore.keys import ShardKey, object_name, validate_name
 
 __all__ = ["KINDS", "ObjectIndex", "ObjectRecord"]
@@ -25,13 +25,16 @@ __all__ = ["KINDS", "ObjectIndex", "ObjectRecord"]
 KINDS = ("full", "delta", "ref")
 
 # Record an object and its placement: refuse a stale epoch, refuse to replace the record of a key of a
-# committed step or of one a committed manifest reads (pinned): committed keys are create-once; and refuse a
+# committed step or of one a committed manifest that still stands reads (pinned, see READERS): committed keys are
+# create-once; and refuse a
 # write for a step another writer's attempt holds (see CLAIM in consistency.scripts). The copy of a record
-# replaced in a superseded step is moved to the retired set (consistency.retired), not returned. KEYS: epoch,
+# replaced in a superseded step, or one a superseded step read, is moved to the retired set (consistency.retired),
+# not returned. KEYS: epoch,
 # objs, obj, step (the key's step record), retired. ARGV: epoch, objname, step, kind, size, checksum, base, target, created, name,
 # restore ("1": re-recording what a durable manifest proves), attempt token ('' for none), tier... Returns the
 # physical name of the copy the old record named ('' if none, '=' if that is the same copy).
-_RECORD = OWNER_CHECK + """
+_RECORD = OWNER_CHECK + READERS + """
+local superseded_reader = false
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ep = tonumber(ARGV[1])
 if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
@@ -45,16 +48,22 @@ if ARGV[11] ~= '1' then
   if st == 'committed' or st == 'durable' then
     return redis.error_reply('TSCOMMITTED step ' .. ARGV[3] .. ' is ' .. st .. ': ' .. ARGV[2] .. ' cannot be written again')
   end
-  local pin = redis.call('HGET', KEYS[3], 'pinned')
-  if pin then
-    return redis.error_reply('TSCOMMITTED ' .. ARGV[2] .. ' is read by committed step ' .. pin)
+  local reader, aside = readers(KEYS[3], KEYS[4])
+  if reader then
+    return redis.error_reply('TSCOMMITTED ' .. ARGV[2] .. ' is read by committed step ' .. reader)
   end
+  superseded_reader = aside
   local refused = check_owner(KEYS[4], ARGV[12], ARGV[2] .. ' cannot be written')
   if refused then return refused end
 end
-local pinned = redis.call('HGET', KEYS[3], 'pinned')
+local pins = {}
+local fields = redis.call('HGETALL', KEYS[3])
+for i = 1, #fields, 2 do
+  local f = fields[i]
+  if f == 'pinned' or string.sub(f, 1, 4) == 'pin:' then pins[#pins + 1] = f; pins[#pins + 1] = fields[i + 1] end
+end
 if old == ARGV[10] then old = '=' end
-if old ~= '' and old ~= '=' and old ~= '-' and redis.call('HEXISTS', KEYS[4], 'superseded') == 1 then
+if old ~= '' and old ~= '=' and old ~= '-' and (superseded_reader or redis.call('HEXISTS', KEYS[4], 'superseded') == 1) then
   -- the copy of a superseded attempt: kept aside (consistency.retired), never handed back for deletion
   local tiers = {}
   for _, f in ipairs(redis.call('HKEYS', KEYS[3])) do
@@ -68,7 +77,7 @@ redis.call('DEL', KEYS[3])
 redis.call('ZADD', KEYS[2], tonumber(ARGV[3]), ARGV[2])
 redis.call('HSET', KEYS[3], 'kind', ARGV[4], 'size', ARGV[5], 'checksum', ARGV[6], 'base', ARGV[7],
            'target', ARGV[8], 'epoch', ARGV[1], 'created', ARGV[9], 'name', ARGV[10])
-if pinned and old == '=' then redis.call('HSET', KEYS[3], 'pinned', pinned) end
+if old == '=' and #pins > 0 then redis.call('HSET', KEYS[3], unpack(pins)) end
 for i = 13, #ARGV do redis.call('HSET', KEYS[3], 't:' .. ARGV[i], '1') end
 return old
 """
@@ -91,10 +100,14 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
-# Pin existing records: a committed manifest of step ARGV[1] reads them. KEYS: obj...
+# Pin existing records: attempt ARGV[2] of committed step ARGV[1] reads them (one "pin:<step>" field per
+# reader, see READERS). KEYS: obj...
 _PIN = """
 for i = 1, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSETNX', KEYS[i], 'pinned', ARGV[1]) end
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('HSETNX', KEYS[i], 'pinned', ARGV[1])
+    redis.call('HSET', KEYS[i], 'pin:' .. ARGV[1], ARGV[2])
+  end
 end
 return #KEYS
 """
@@ -304,8 +317,9 @@ class ObjectIndex(IndexClient):
             return bool(self._delete(keys=[self._k(key.model, "objs"), self._k(key.model, "obj", self._objname(key))],
                                      args=[self._objname(key), name or ""]))
 
-    def pin_objects(self, keys: list[ShardKey], step: int) -> None:
-        """Mark records as read by committed ``step`` (they can no longer be replaced; see :meth:`record_object`)."""
+    def pin_objects(self, keys: list[ShardKey], step: int, attempt: int = 1) -> None:
+        """Mark records as read by ``attempt`` of committed ``step`` (they cannot be replaced while it stands;
+        see :meth:`record_object` and ``READERS`` in :mod:`consistency.scripts`)."""
         if not keys:
             return
         by_model: dict[str, list[str]] = {}
@@ -313,7 +327,7 @@ class ObjectIndex(IndexClient):
             by_model.setdefault(key.model, []).append(self._k(key.model, "obj", self._objname(key)))
         with translate_redis_errors("pin records", self.url):
             for okeys in by_model.values():  # one model's keys share a slot
-                self._pin(keys=okeys, args=[step])
+                self._pin(keys=okeys, args=[step, attempt])
 
     def list_objects(
         self, model: str, layer: str | None = None, step: int | None = None, rank: int | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from consistency.manifest import MANIFEST_VERSION
 
 __all__ = ["BEGIN", "CLAIM", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED", "OWNER_CHECK",
-           "SUPERSEDE", "VOTE"]
+           "READERS", "SUPERSEDE", "VOTE"]
 
 # Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
 # last ARGV, a negative value meaning "ask the server".
@@ -165,6 +165,8 @@ local function complete_set(step, world, layout_json, infos)
     requires[#requires + 1] = tonumber(prev)
   end
   local todo, deps = {}, {}
+  local own_older = {}
+  for k, _ in pairs(seen) do own_older[k] = true end
   for _, o in ipairs(inherited) do seen[o.key] = true end
   local function push_ref(ref)
     -- a link into this step itself is another rank's own object, not a dep
@@ -176,12 +178,37 @@ local function complete_set(step, world, layout_json, infos)
   local function push(o) push_ref(o.base or ''); push_ref(o.target or '') end
   for _, ref in ipairs(refs) do push_ref(ref) end
   for _, o in ipairs(inherited) do push(o) end
+  -- what the step reads must be in the index now, else no restore can rebuild it: refused (see VOTE)
+  local absent = {}
+  local function present(k) return redis.call('EXISTS', objkey(k)) == 1 end
+  for k, _ in pairs(own_older) do if not present(k) then absent[#absent + 1] = k end end
+  for _, o in ipairs(inherited) do if not present(o.key) then absent[#absent + 1] = o.key end end
   local n = 0
   while #todo > 0 and n < 1000000 do
     n = n + 1
     local k = table.remove(todo)
     local o = pset[k] or record_entry(k)
-    if o then deps[#deps + 1] = o; push(o) end
+    if o and pset[k] and not present(k) then o = nil end
+    if o then deps[#deps + 1] = o; push(o) else absent[#absent + 1] = k end
+  end
+  for _, s in ipairs(requires) do
+    local st = redis.call('HGET', PREFIX .. 'step:' .. s, 'state')
+    if (st ~= 'committed' and st ~= 'durable') or redis.call('EXISTS', PREFIX .. 'manifest:' .. s) == 0 then
+      absent[#absent + 1] = 'step ' .. s
+    end
+  end
+  if #absent > 0 or #missing > 0 then
+    table.sort(absent)
+    local why = {}
+    if #absent > 0 then
+      why[#why + 1] = 'it reads ' .. table.concat(absent, ', ', 1, math.min(#absent, 8)) ..
+        (#absent > 8 and (' and ' .. (#absent - 8) .. ' more') or '') .. ', which the index does not hold'
+    end
+    if #missing > 0 then
+      why[#why + 1] = 'layer(s) ' .. table.concat(missing, ', ', 1, math.min(#missing, 8)) ..
+        ' have no version to restore (not saved at this step nor at an earlier committed one of this world)'
+    end
+    return nil, table.concat(why, '; ')
   end
   table.sort(deps, function(a, b) return a.key < b.key end)
   local pins = {}
@@ -189,7 +216,10 @@ local function complete_set(step, world, layout_json, infos)
   for _, o in ipairs(deps) do pins[#pins + 1] = o.key end
   for _, k in ipairs(pins) do
     local ok = objkey(k)
-    if redis.call('EXISTS', ok) == 1 then redis.call('HSETNX', ok, 'pinned', step) end
+    if redis.call('EXISTS', ok) == 1 then
+      redis.call('HSETNX', ok, 'pinned', step)
+      redis.call('HSET', ok, 'pin:' .. step, redis.call('HGET', PREFIX .. 'step:' .. step, 'attempt') or '1')
+    end
   end
   local parts = {}
   for i, o in ipairs(inherited) do parts[i] = entry_json(o) end
@@ -202,7 +232,7 @@ local function complete_set(step, world, layout_json, infos)
   out = out .. ',"requires":[' .. table.concat(parts, ',') .. ']'
   parts = {}
   for i, l in ipairs(missing) do parts[i] = cjson.encode(l) end
-  return out .. ',"missing":[' .. table.concat(parts, ',') .. ']'
+  return out .. ',"missing":[' .. table.concat(parts, ',') .. ']', nil
 end
 """
 
@@ -278,6 +308,32 @@ local function check_owner(stepkey, token, what)
 end
 """
 
+# Who still reads an object: each committed manifest that reads a record pins it with a field "pin:<step>" whose
+# value is the reading attempt (records pinned before there was one such field per reader name their first reader
+# in "pinned"). A reader counts while that attempt of its step is committed or durable; a reader retired by retention (no record) or aborted no longer
+# reads anything, and a superseded one (proven lost, see SUPERSEDE) releases it: the record's copy is then kept
+# aside, not deleted, as a superseded step's own copies are. So superseding every lost reader of a step releases
+# its objects together. OBJ: the object's record; STEPKEY: its step's record (the model's prefix is taken from it).
+# Returns (the first standing reader or nil, whether a superseded step read it).
+READERS = """
+local function readers(obj, stepkey)
+  local prefix = string.match(stepkey, '^(.*)step:[^:]*$') or ''
+  local aside = false
+  local h = redis.call('HGETALL', obj)
+  for i = 1, #h, 2 do
+    local f, r, att = h[i], nil, nil
+    if f == 'pinned' then r = h[i + 1] elseif string.sub(f, 1, 4) == 'pin:' then r = string.sub(f, 5); att = h[i + 1] end
+    if r then
+      local rs = redis.call('HMGET', prefix .. 'step:' .. r, 'state', 'superseded', 'attempt')
+      local same = att == nil or att == (rs[3] or '1')
+      if same and (rs[1] == 'committed' or rs[1] == 'durable') then return r, aside end
+      if rs[2] or not same then aside = true end
+    end
+  end
+  return nil, aside
+end
+"""
+
 # One vote, or the votes of several ranks at once (a node's aggregator): all recorded atomically.
 # KEYS: epoch, step, steps, votes, manifest, vinfo; ARGV: epoch, step, world (0: unknown), layout_json, timeout_s,
 # model, channel, prefix, n, then n times (rank, vote_json, ok, summary, reason), then the writer's attempt
@@ -285,7 +341,10 @@ end
 # The votes hash keeps each vote as its manifest part ('"<rank>":<vote_json>'), vinfo its summary (see
 # complete_set), so the deciding vote decodes no vote. A decision is published on the model's events channel
 # ("<step> <state>") and on its decided channel ("<step> <state> <started>": the attempt it decides, for
-# StepProtocol.wait). The first negative vote aborts the step, its reason recorded. Returns {state, started}.
+# StepProtocol.wait). The first negative vote aborts the step, its reason recorded. The deciding vote commits
+# only a step whose complete set is in the index (see complete_set: every object it reads recorded, every step it
+# requires committed, no layer without a version); otherwise the step is aborted with the reason "incomplete: ..."
+# and {'aborted', started, reason} returned. Returns {state, started}.
 VOTE = _FENCE + _NOW + _OPEN + OWNER_CHECK + """
 local PREFIX = ARGV[8]
 """ + _COMPLETE + """
@@ -328,12 +387,21 @@ for i = 0, n - 1 do
 end
 if redis.call('HLEN', KEYS[4]) < world then return {'preparing', started} end
 local layout = redis.call('HGET', KEYS[2], 'layout')
+local closure, incomplete = complete_set(ARGV[2], world, layout, redis.call('HVALS', KEYS[6]))
+if incomplete then
+  -- committed means restorable: a step whose complete set is not in the index is never recorded committed
+  why = 'incomplete: ' .. incomplete
+  redis.call('HSET', KEYS[2], 'state', 'aborted', 'decided', now, 'reason', why)
+  redis.call('DEL', KEYS[6])
+  redis.call('PUBLISH', ARGV[7], ARGV[2] .. ' aborted')
+  redis.call('PUBLISH', PREFIX .. 'decided', ARGV[2] .. ' aborted ' .. started)
+  return {'aborted', started, why}
+end
 local manifest = '{"version":' .. MANIFEST_VERSION .. ',"model":' .. cjson.encode(ARGV[6]) .. ',"step":' .. ARGV[2] ..
   ',"world":' .. world .. ',"epoch":' .. redis.call('HGET', KEYS[2], 'epoch') ..
   ',"attempt":' .. (redis.call('HGET', KEYS[2], 'attempt') or '1') ..
   ',"committed_at":' .. string.format('%.6f', now) .. ',"layout":' .. layout ..
-  ',"ranks":{' .. table.concat(redis.call('HVALS', KEYS[4]), ',') .. '}' ..
-  complete_set(ARGV[2], world, layout, redis.call('HVALS', KEYS[6])) .. '}'
+  ',"ranks":{' .. table.concat(redis.call('HVALS', KEYS[4]), ',') .. '}' .. closure .. '}'
 redis.call('SET', KEYS[5], manifest)
 redis.call('DEL', KEYS[6])
 redis.call('HSET', KEYS[2], 'state', 'committed', 'decided', now)

@@ -262,7 +262,7 @@ class StepRecords(StepBase):
             pipe.execute()
         own = {o["key"] for o in manifest_objects(manifest)}
         self.index.pin_objects([ShardKey.parse(o["key"]) for o in complete_entries(manifest) if o["key"] not in own],
-                               step)
+                               step, int(manifest.get("attempt") or 1))
         self.index.register_model(model)
 
     def subscribe(self, model: str) -> EventSubscription:

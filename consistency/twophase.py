@@ -50,7 +50,13 @@ from consistency.manifest import MANIFEST_VERSION
 from consistency.progress import Incarnations
 from consistency.stepbase import DECIDED, STATES, _s
 from consistency.steprecords import EventSubscription, StepRecord, StepRecords
-from tierstore.errors import CommitError, StepAbortedError, StepCommittedError, TierUnavailableError
+from tierstore.errors import (
+    CommitError,
+    IncompleteStepError,
+    StepAbortedError,
+    StepCommittedError,
+    TierUnavailableError,
+)
 
 __all__ = ["DECIDED", "MANIFEST_VERSION", "STATES", "Claim", "EventSubscription", "StepProtocol", "StepRecord",
            "Vote", "negative_reason", "vote_summary"]
@@ -198,6 +204,8 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel, Attempts):
         Raises:
             FencedError: ``epoch`` is older than the job's.
             StepBusyError: the step is held by another attempt than ``attempt`` (see :meth:`claim`).
+            IncompleteStepError: this vote decided the step, and the step reads an object (a delta base, a ref
+                target, an inherited layer) or a required step the index does not hold: it is aborted.
             CommitError: bad arguments, a rank outside the world, or a step never begun.
         """
         return self.vote_many(model, step, [Vote(rank, objects, extra=extra, ok=ok, reason=reason)], epoch=epoch,
@@ -212,6 +220,7 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel, Attempts):
 
         Raises:
             FencedError: ``epoch`` is older than the job's.
+            IncompleteStepError: as :meth:`vote`.
             CommitError: bad arguments, a rank outside the world, or a step never begun.
         """
         script, keys, args = self.votes_call(model, step, votes, epoch=epoch, world_size=world_size, layout=layout,
@@ -221,6 +230,9 @@ class StepProtocol(StepRecords, Incarnations, DurableLevel, Attempts):
         who = f"rank {votes[0].rank}" if len(votes) == 1 else f"{len(votes)} ranks"
         out = self._run(f"vote of {who} for step {step} of {model}", script, keys, args)
         state, started = _s(out[0]), _s(out[1])
+        if state == "aborted" and len(out) > 2:  # this vote decided, and the step reads what the index lacks
+            raise IncompleteStepError(f"step {step} of {model} cannot commit: {_s(out[2])}", model=model, step=step,
+                                      reason=_s(out[2]))
         if state == "preparing" and started:
             listener.expect(model, step, started)
         if state == "committed" and self.durable is not None:

@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "CorruptObjectError",
     "FencedError",
+    "IncompleteStepError",
     "IndexLostError",
     "InvalidKeyError",
     "InvalidValueError",
@@ -143,6 +144,17 @@ class SnapshotChangedError(StepAbortedError):
     The step was voted down, never committed with the changed values; ``tensors`` names them (shard names,
     ``param/<name>``), ``layers`` their layers, ``step`` the step. The Checkpointer copies them at ``save()``
     from then on, so the next save commits the state of its ``save()``.
+    """
+
+
+class IncompleteStepError(StepAbortedError):
+    """The deciding vote found that the step reads something the index does not hold: it is aborted, never
+    recorded committed (committed means restorable).
+
+    A delta's base, a ref's target or an inherited layer version that was deleted (a forced ``admin delete``,
+    an operator's ``DEL``), a replay step's required step that is gone, or a layer of the declared layout with
+    no version to restore. ``reason`` says which (the step's record keeps it too); ``model``, ``step``. A
+    Checkpointer that meets it writes full objects from its next save on.
     """
 
 

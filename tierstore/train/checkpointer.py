@@ -9,7 +9,7 @@ Protocol (every rank of the job, in the same order)::
     for step in ...:
         train_step()
         ckpt.save(step)                # returns after the snapshot
-    ckpt.wait()                        # "committed" / "aborted" of the last save
+    ckpt.wait()                        # "committed" / "aborted" / "skipped" of the last save
     ckpt.close()
 
 Lazy snapshots (``Checkpointer(..., lazy=True)``, any policy): ``save(step)``
@@ -85,6 +85,7 @@ from tierstore import codec
 from tierstore.errors import (
     CommitError,
     ConfigError,
+    IncompleteStepError,
     TierStoreError,
 )
 from tierstore.keys import ShardKey, validate_name
@@ -182,7 +183,8 @@ class Checkpointer(RestoreSide):
         self.ranks = Ranks(store, self.model, rank, world_size, group, timeout=timeout, grace=missing_rank_grace)
         self.rank, self.world_size, self.group = self.ranks.rank, self.ranks.world_size, self.ranks.group
         self.epoch: int | None = None
-        self._passed: set[int] = set()  # committed steps newer than the one this incarnation restored
+        self._passed: set[int] = set()  # committed steps newer than the one this incarnation restored, unjudged
+        self._standing: dict[int, str] = {}  # of those, judged and kept (not proven lost): why
         self._unproven: dict[int, str] = {}  # of those, why one could not be judged (a tier did not answer)
         self._manifests: dict[int, dict] = {}  # retention's parsed manifests, for this epoch
         self.stats = SaveStats()
@@ -210,6 +212,7 @@ class Checkpointer(RestoreSide):
         self._future: Future | None = None
         self._last_step: int | None = None
         self._last_t = 0.0
+        self._skipped = False  # the last save was skipped (restore_side._begin): nothing of it was written
         self._pending_step: int | None = None  # the last save's step while its vote said "preparing"
         self.keep_last = keep_last
         self._retained: Any = None  # the windows the last retention pass acted on
@@ -275,8 +278,10 @@ class Checkpointer(RestoreSide):
         if self.epoch is None:
             self.epoch = self.ranks.join()
         if not self._begin(step, layout):
-            self._last_step, self._last_t = step, t0  # wait() answers for the earlier incarnation's step
+            self._last_step, self._last_t, self._skipped = step, t0, True  # wait() answers "skipped"
+            self.stats.skipped += 1
             return
+        self._skipped = False
         job = None
         try:
             self.ranks.note(step, self.epoch)
@@ -442,7 +447,13 @@ class Checkpointer(RestoreSide):
             raise self._typed(step, e) from e
         self.stats.record(step, infos)
         self.stats.layers_saved += len(snap.selected)
-        state = self.store.vote(self.model, step, self.rank, infos, extra=snap.vote_extra, epoch=self.epoch)
+        try:
+            state = self.store.vote(self.model, step, self.rank, infos, extra=snap.vote_extra, epoch=self.epoch)
+        except IncompleteStepError as e:  # what its deltas, refs or inherited layers read is gone from the index
+            log.warning("save of step %d of %s aborted: %s; the next save writes full objects", step, self.model,
+                        e.fields.get("reason") or e)
+            self._reset_trackers()
+            return "aborted"
         if self._lw is not None:
             for ln, params in snap.lw_params.items():
                 self._lw.saved(ln, step, params)
@@ -489,7 +500,9 @@ class Checkpointer(RestoreSide):
             self._replay.forget()
 
     def wait(self, timeout: float | None = None) -> str | None:
-        """Wait for the last save: ``"committed"`` or ``"aborted"`` (``None`` if none).
+        """Wait for the last save: ``"committed"`` or ``"aborted"`` (``None`` if none), or ``"skipped"``: the
+        save wrote nothing (a step of an earlier incarnation that was not proven lost stands in its place, see
+        :meth:`~tierstore.train.restore_side.RestoreSide._begin`; its warning says until when).
 
         Raises:
             TierStoreError: the background part of the save failed (typed).
@@ -500,6 +513,8 @@ class Checkpointer(RestoreSide):
         self._drain()
         if step is None:
             return None
+        if self._skipped:
+            return "skipped"
         self._pending_step = None
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout

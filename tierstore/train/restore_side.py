@@ -5,10 +5,11 @@
 joins the incarnation's epoch (a writer's), resolves the step every rank can
 restore (``all_reduce(MIN)``), reads this rank's shards and loads them into
 the state; how the copies are verified (beside the load, before the first
-update or before returning) is :mod:`tierstore.train.restoring`'s. A save of
-a step number the restore fell back past judges that step again
-(:meth:`RestoreSide._begin`): superseded on proof that it is lost, else kept
-and that save skipped.
+update or before returning) is :mod:`tierstore.train.restoring`'s. The first
+save after a restore that fell back judges the committed steps it passed, all
+together (:meth:`RestoreSide._begin`): those proven lost are superseded
+together and their numbers saved again; the others stand, and the saves of
+their numbers (and of the steps they read) are skipped with a warning.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from consistency.manifest import complete_entries
+from consistency.closure import readers_of
 from tierstore.errors import CorruptObjectError, NoValidCopyError, StepCommittedError, TierStoreError
-from tierstore.keys import ShardKey
 from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
 from tierstore.train.reshard import adapt_document, read_for_restore
 from tierstore.train.restoring import IN_PASS, PendingRestore, read_unverified, refuse_until_restored, verify_mode
@@ -63,6 +63,7 @@ class RestoreSide:
     _restoring: PendingRestore | None
     _manifests: dict[int, dict]
     _passed: set[int]
+    _standing: dict[int, str]
     _unproven: dict[int, str]
     _seeds: dict[str, Any]
 
@@ -160,6 +161,7 @@ class RestoreSide:
         self._manifests.clear()  # a step of an older incarnation may have been superseded
         self._passed = ({s for s in committed if s > got.step}
                         if not read_only and step is None and got.step is not None else set())
+        self._standing = {}
         self.report.fell_back = got.step != self.report.newest if got.step is not None else False
         if pending is not None:
             if mode == "before_update":
@@ -262,56 +264,68 @@ class RestoreSide:
         return res
 
     def _begin(self, step: int, layout: dict[str, Any]) -> bool:
-        """Begin ``step``; ``False``: the save is skipped (nothing is written).
+        """Begin ``step``; ``False``: the save is skipped (nothing is written), with a warning saying until when.
 
-        A committed step newer than the one this incarnation restored (its restore fell back past it) is
-        judged again now, by every rank together: if a rank has positive evidence that it is lost (a copy
-        it needs is missing or bad in every tier that should hold it), it is superseded (kept aside, see
-        :meth:`consistency.steprecords.StepRecords.supersede`) and saved again as a new attempt; if it
-        verifies, or some tier did not answer, it stays as it is and this save is skipped, with a warning:
-        a step is never replaced on a guess.
+        The committed steps newer than the one this incarnation restored (its restore fell back past them) are
+        judged at its first save, all together and by every rank together (:meth:`_judge_passed`): those with
+        positive evidence that they are lost (a copy one needs is missing or bad in every tier that should hold
+        it) are superseded together (kept aside, see :meth:`consistency.steprecords.StepRecords.supersede`), so
+        none of them pins another's copies; the others *stand* (they verify, or some tier did not answer: a step
+        is never replaced on a guess). A save of a standing step's number, or of a step whose copies a standing
+        step reads (:func:`consistency.closure.readers_of`), is skipped; every other save is written, a lost
+        step's number as a new attempt.
         """
+        if self._passed:
+            self._judge_passed()
+        standing = {t: w for t, w in self._standing.items() if t >= step}
+        self._standing = standing
         try:
+            readers = self._readers(step)
+            if int(self.ranks.all_max_(torch.tensor([max(readers, default=-1)]))[0]) >= 0:
+                until = max(readers, default=max(standing))
+                log.warning("step %d of %s: the committed step(s) %s of an earlier incarnation read its copies and "
+                            "were not proven lost (%s): this save of step %d is skipped, as are the saves of the "
+                            "steps they read, until step %d; saves are written again after it", step, self.model,
+                            readers or "(on another rank)", "; ".join(sorted({standing[t] for t in readers}))
+                            or "kept", step, until)
+                return False
             self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
             return True
         except StepCommittedError:
-            if step not in self._passed or self.epoch is None:
+            if step not in standing or self.epoch is None:
                 raise
-            readers = self._readers(step)
-            if int(self.ranks.all_max_(torch.tensor([1 if readers else 0]))[0]):
-                log.warning("step %d of %s is committed by an earlier incarnation, and its newer committed step(s) "
-                            "%s read its copies (they cannot change while those are committed): this save of step "
-                            "%d is skipped; the step(s) are judged as the saves reach them", step, self.model,
-                            readers or "(on another rank)", step)
-                return False
-            why = self._judge(step)
-            if int(self.ranks.all_max_(torch.tensor([1 if why is not None else 0]))[0]) == 0:
-                log.warning("step %d of %s is committed by an earlier incarnation and was not proven lost (%s): "
-                            "it is kept, and this save of step %d is skipped", step, self.model,
-                            self._unproven.pop(step, "it verifies now"), step)
-                return False
+            log.warning("step %d of %s is committed by an earlier incarnation and was not proven lost (%s): it is "
+                        "kept, and this save of step %d is skipped; saves are written again from step %d on",
+                        step, self.model, standing[step], step, step + 1)
+            return False
+        finally:
+            self._standing.pop(step, None)
+
+    def _judge_passed(self) -> None:
+        """Judge every passed step at once (collective): supersede those proven lost, together; the rest stand."""
+        passed = sorted(self._passed)
+        self._passed = set()
+        whys = [self._judge(s) for s in passed]
+        lost = self.ranks.all_max_(torch.tensor([1 if w is not None else 0 for w in whys], dtype=torch.int32))
+        for s, why, flag in sorted(zip(passed, whys, lost.tolist()), reverse=True):
+            if not flag:
+                self._standing[s] = self._unproven.pop(s, "it verifies")
+                continue
             why = why or "another rank found it lost"
             was = self.store.steps.supersede(
-                self.model, step, epoch=self.epoch,
+                self.model, s, epoch=self.epoch,
                 reason=f"lost ({why[:300]}): incarnation {self.epoch} resumed from step {self.report.step}; "
                        "saved again (its copies are kept until a newer durable step)")
-            self._manifests.pop(step, None)  # retention must read the new attempt's manifest
+            self._manifests.pop(s, None)  # retention must read the new attempt's manifest
             if was in ("committed", "durable"):
-                log.warning("step %d of %s was %s but is lost: saved again (%s)", step, self.model, was, why)
-            self.store.begin_step(self.model, step, self.world_size, layout=layout, epoch=self.epoch)
-            return True
-        finally:
-            self._passed.discard(step)
+                log.warning("step %d of %s was %s but is lost: superseded, its number is saved again (%s)", s,
+                            self.model, was, why)
 
     def _readers(self, step: int) -> list[int]:
-        """The committed steps this restore passed, newer than ``step``, whose manifests read copies of ``step``
-        (a layer they inherited, a delta base, a ref target): while they stand, ``step``'s copies are pinned."""
-        out = []
-        for t in sorted(s for s in self._passed if s > step):
-            m = self.store.steps.manifest(self.model, t)
-            if m is not None and any(ShardKey.parse(e["key"]).step == step for e in complete_entries(m)):
-                out.append(t)
-        return out
+        """The standing committed steps newer than ``step`` whose restore reads copies of ``step``
+        (:func:`consistency.closure.readers_of`): while they stand, ``step``'s copies are pinned."""
+        manifests = {t: self.store.steps.manifest(self.model, t) for t in self._standing if t > step}
+        return readers_of(step, manifests)
 
     def _judge(self, step: int) -> str | None:
         """Why committed ``step`` is lost, with positive evidence; ``None`` if it verifies or nothing is known

@@ -38,6 +38,8 @@ class SaveStats:
     unfinished (:mod:`tierstore.train.lazy`). Their sum is the stall.
     ``changed_in_forward``: lazy saves voted down because a tensor changed in
     place between ``save()`` and its copy (:class:`~tierstore.errors.SnapshotChangedError`).
+    ``skipped``: saves that wrote nothing because a standing step of an earlier incarnation holds their step
+    (``wait()`` answers ``"skipped"``).
     """
 
     def __init__(self) -> None:
@@ -51,6 +53,7 @@ class SaveStats:
         self.wait_s = 0.0
         self.waits = 0
         self.changed_in_forward = 0
+        self.skipped = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +66,7 @@ class SaveStats:
             "wait_s": self.wait_s,
             "waits": self.waits,
             "changed_in_forward": self.changed_in_forward,
+            "skipped": self.skipped,
         }
 
     def record(self, step: int, infos: list) -> None:

@@ -1,0 +1,106 @@
+"""What a restore of a step reads: the one owner of a step's closure.
+
+A committed step's manifest records its **complete set** (:func:`consistency.manifest.complete_entries`):
+its own objects, the older layer versions it inherits, every delta base and ref target they reach, and
+``requires``, the older steps whose manifests a restore also reads (a replay log step's base and logs). The
+commit point computes that set in the index (``complete_set`` in :mod:`consistency.scripts`) and refuses a
+step whose set is not entirely in the index (:class:`~tierstore.errors.IncompleteStepError`), so every step
+recorded committed can be rebuilt by the read path's own rules.
+
+Every path that needs "what does step S read" or "who reads step S" asks this module: retention
+(:mod:`consistency.gc`) keeps what :func:`reachable` returns for the kept steps, the Checkpointer's
+resumed save asks :func:`readers_of` which committed steps still read a step it would replace, and the
+record script refuses to replace an object a standing reader pins (``READERS`` in
+:mod:`consistency.scripts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from consistency.manifest import complete_entries
+from tierstore.keys import ShardKey
+
+if TYPE_CHECKING:
+    from consistency.index import Index
+
+__all__ = ["closure", "read_keys", "read_steps", "reachable", "readers_of", "required_steps"]
+
+
+def read_keys(m: Mapping[str, Any]) -> set[ShardKey]:
+    """The objects a restore of a manifest's step reads, from the manifest alone (its complete set)."""
+    return {ShardKey.parse(o["key"]) for o in complete_entries(dict(m))}
+
+
+def read_steps(m: Mapping[str, Any]) -> set[int]:
+    """The older steps a restore of a manifest's step reads: those whose objects are in its complete set, and
+    those it ``requires``."""
+    own = m["step"]
+    return ({k.step for k in read_keys(m)} | {int(s) for s in m.get("requires", [])}) - {own}
+
+
+def readers_of(step: int, manifests: Mapping[int, Mapping[str, Any] | None]) -> list[int]:
+    """Of ``manifests`` (step -> parsed manifest, ``None`` for a step without one), the steps newer than ``step``
+    whose restore reads something of ``step``: while they stand, ``step``'s objects cannot be replaced."""
+    return sorted(t for t, m in manifests.items() if t > step and m is not None and step in read_steps(m))
+
+
+def closure(index: Index, roots: set[ShardKey]) -> set[ShardKey]:
+    """``roots`` with every delta base and ref target they reach, transitively (from index records)."""
+    out: set[ShardKey] = set()
+    todo = sorted(roots)
+    while todo:
+        todo = [k for k in dict.fromkeys(todo) if k not in out]
+        out.update(todo)
+        nxt: list[ShardKey] = []
+        for rec in index.get_objects(todo):
+            if rec is not None:
+                nxt += [k for k in (rec.base, rec.target) if k is not None and k not in out]
+        todo = nxt
+    return out
+
+
+def _manifest(steps: Any, model: str, step: int, cache: dict[int, dict] | None) -> dict | None:
+    if cache is None:
+        return steps.manifest(model, step)
+    m = cache.get(step)
+    if m is None:
+        m = steps.manifest(model, step)
+        if m is not None:  # a committed step's manifest never changes while its writer's epoch lasts
+            cache[step] = m
+    return m
+
+
+def required_steps(steps: Any, model: str, step_numbers: list[int], *,
+                   cache: dict[int, dict] | None = None) -> set[int]:
+    """``step_numbers`` with every step their manifests (transitively) ``require``.
+
+    ``cache``: parsed manifests by step, filled and reused (a writer's retention passes one for as long
+    as its epoch lasts: a committed manifest changes only when a newer incarnation supersedes the step).
+    """
+    out: set[int] = set()
+    todo = list(step_numbers)
+    while todo:
+        s = todo.pop()
+        if s in out:
+            continue
+        out.add(s)
+        m = _manifest(steps, model, s, cache)
+        if m is not None:
+            todo += [r for r in m.get("requires", []) if r not in out]
+    return out
+
+
+def reachable(steps: Any, model: str, step_numbers: list[int], *,
+              cache: dict[int, dict] | None = None) -> set[ShardKey]:
+    """Every object a restore of one of ``step_numbers`` reads: the complete sets their manifests (and the
+    manifests of the steps they require) record, with any delta base or ref target the index links beyond.
+    Each manifest is read once (``cache``: see :func:`required_steps`)."""
+    cache = {} if cache is None else cache
+    roots: set[ShardKey] = set()
+    for s in sorted(required_steps(steps, model, step_numbers, cache=cache)):
+        m = _manifest(steps, model, s, cache)
+        if m is not None:
+            roots.update(read_keys(m))
+    return closure(steps.index, roots)

@@ -318,8 +318,8 @@ class RestoreSide:
                        "saved again (its copies are kept until a newer durable step)")
             self._manifests.pop(s, None)  # retention must read the new attempt's manifest
             if was in ("committed", "durable"):
-                log.warning("step %d of %s was %s but is lost: superseded, its number is saved again (%s)", s,
-                            self.model, was, why)
+                log.warning("step %d of %s was %s but is lost: saved again (superseded with the other lost "
+                            "steps; %s)", s, self.model, was, why)
 
     def _readers(self, step: int) -> list[int]:
         """The standing committed steps newer than ``step`` whose restore reads copies of ``step``

@@ -56,7 +56,14 @@ from consistency.gc import Retention
 from consistency.twophase import StepProtocol
 from tierstore import ShardKey
 from tierstore.delta import xor_delta
-from tierstore.errors import FencedError, IndexLostError, MigrationError, NoValidCopyError, StepCommittedError
+from tierstore.errors import (
+    FencedError,
+    IncompleteStepError,
+    IndexLostError,
+    MigrationError,
+    NoValidCopyError,
+    StepCommittedError,
+)
 
 M = "sm"
 WORLD = 2
@@ -127,11 +134,14 @@ class Protocol(RuleBasedStateMachine):
             n, cur = n + 1, self.link.get(cur)
         return n
 
-    def _on_commit(self, s: int) -> None:
-        """What the commit point records: each layer's version (inherited from the previous committed step)."""
+    def _layer_versions(self, s: int) -> dict[str, int | None]:
+        """What the commit point would record: each layer's version (inherited from the previous committed step)."""
         older = [c for c in self.committed() if c < s]
         prev = self.versions.get(older[-1]) if older else None
-        self.versions[s] = {ly: s if ly in self.steps[s]["saves"] else (prev or {}).get(ly) for ly in LAYERS}
+        return {ly: s if ly in self.steps[s]["saves"] else (prev or {}).get(ly) for ly in LAYERS}
+
+    def _on_commit(self, s: int) -> None:
+        self.versions[s] = self._layer_versions(s)
 
     def complete_set(self, s: int) -> set[ShardKey] | None:
         """Every object a restore of ``s`` reads (None: a layer has no version)."""
@@ -253,6 +263,14 @@ class Protocol(RuleBasedStateMachine):
         except FencedError:
             assert a["epoch"] < self.epoch
             return
+        except IncompleteStepError as e:  # committed means restorable: a layer without a version is refused
+            assert a["epoch"] == self.epoch and ok and self._decide_stale(s) == "preparing", e
+            assert len(v["votes"] | {a["rank"]}) == WORLD, e
+            assert None in self._layer_versions(s).values(), (s, e)
+            a["voted"].add(s)
+            v["state"] = "aborted"
+            RUNS["vote incomplete"] += 1
+            return
         assert a["epoch"] == self.epoch
         a["voted"].add(s)
         state = self._decide_stale(s)
@@ -262,6 +280,7 @@ class Protocol(RuleBasedStateMachine):
             else:
                 v["votes"].add(a["rank"])
                 if len(v["votes"]) == WORLD:
+                    assert None not in self._layer_versions(s).values(), f"step {s} committed without a layer"
                     self._on_commit(s)
                     v["state"] = "committed"
         assert got.replace("durable", "committed") == v["state"], (s, got, v)

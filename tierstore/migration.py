@@ -137,6 +137,7 @@ class Migrator:
         self._queued = 0  # copies pending in all jobs
         self._running = 0
         self._committed: set[tuple[str, int]] = set()  # steps known committed
+        self._firing: dict[tuple[str, int], int] = {}  # steps whose callbacks run now (marking them migrated)
         self._errors: Failures = []
         self._closing = False
         self.nice = nice
@@ -204,10 +205,15 @@ class Migrator:
             self._fire(*ready)
 
     def migrating_steps(self, model: str) -> set[int]:
-        """Steps of ``model`` this migrator has started and not finished (retention leaves them alone)."""
+        """Steps of ``model`` this migrator has started and not finished (retention leaves them alone).
+
+        A step counts until its callbacks returned: the callback marks it migrated and writes its durable
+        manifest (a slow durable tier takes a while), and a retention pass in that window must not retire
+        the step (it then never became durable: the starvation of issue 28, a save every few puts).
+        """
         with self._cv:
             return {j.step for j in self._jobs.values() if j.model == model and j.started
-                    and (j.pending or j.running)}
+                    and (j.pending or j.running)} | {s for (m, s) in self._firing if m == model}
 
     # -- scheduling ---------------------------------------------------------------------------------
     def _is_committed(self, job: _Job) -> bool:
@@ -323,6 +329,18 @@ class Migrator:
         for r in ready:
             self._fire(*r)
 
+    def _hold(self, ready: list[_Ready], delta: int) -> None:
+        """Count the steps of ``ready`` as migrating while their callbacks run (lock held)."""
+        for _cbs, _failures, first in ready:
+            if first is None:
+                continue
+            ident = (first.model, first.step)
+            n = self._firing.get(ident, 0) + delta
+            if n > 0:
+                self._firing[ident] = n
+            else:
+                self._firing.pop(ident, None)
+
     # -- completion -----------------------------------------------------------------------------
     def _ready(self, job: _Job) -> _Ready | None:
         """``job``'s callbacks and failures if every copy it waits for settled (lock held); an idle job is
@@ -365,10 +383,12 @@ class Migrator:
                 self._outcome = {n: e for n, e in self._outcome.items() if self._waited(n)}
             self._outcome[name] = error
             ready = [r for r in (self._ready(j) for j in list(self._jobs.values())) if r]
+            self._hold(ready, +1)
         try:
             self._fire_all(ready)
         finally:
             with self._cv:
+                self._hold(ready, -1)
                 self._running -= 1  # only now: flush() returns once the callbacks ran
                 self._cv.notify_all()
 

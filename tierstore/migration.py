@@ -430,6 +430,8 @@ class Migrator:
 
     # -- moving one object -----------------------------------------------------------------------
     def _migrate(self, key: ShardKey, checksum: str, name: str) -> None:
+        if self._abandoned:  # close() gave up: no retry goes on after it (a plain error: not retried)
+            raise RuntimeError(f"migration of {key} abandoned by close()")
         self._phase[name] = "before_each hook"
         if self.before_each is not None:
             self.before_each(key)
@@ -451,6 +453,8 @@ class Migrator:
         finally:
             if isinstance(blob, memoryview):
                 blob.release()
+        if self._abandoned:
+            return  # close() gave up waiting: the copy stays unindexed (an orphan for gc), never recorded late
         self._phase[name] = "record in the index"
         if not self.index.add_tier(key, self.target.tier, name=name):
             try:  # the record went or names another copy: this one is garbage in the target tier
@@ -508,6 +512,9 @@ class Migrator:
                 self._migrate_with_retries(key, checksum, name)
             except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
                 error = e
+            if self._abandoned:  # close() gave up on it: the store is gone, nothing more is recorded
+                log.info("migration of %s finished after close() abandoned it; not recorded", key)
+                return
             if isinstance(error, TierStoreError) and self._gone(key, name):
                 # deleted while it migrated (e.g. its durable directory went with it): not a failure
                 log.debug("%s was deleted while migrating (%s)", key, error)

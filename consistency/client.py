@@ -13,8 +13,8 @@ Errors from redis-py are translated here (:func:`translate_redis_errors`) into
 
 **The bound of one call** (issue 28: every wait ends). Each command has the
 socket timeout ``socket_timeout`` (``StoreConfig.index_timeout_s``, raised to
-``replica_timeout_s`` + 5 s where replicas acknowledge). redis-py's default
-retries (ten, with jittered exponential backoff, on timeouts too) are
+``replica_timeout_s`` + 5 s where replicas acknowledge), connecting too.
+redis-py's default retries (ten, with jittered exponential backoff) are
 replaced by :func:`retry_policy`: a command that *timed out* is never sent
 again by the client (a Lua script may have run: a resend is not idempotent),
 and one whose connection broke (reset, refused: a restarted server) is sent

@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 
-import pytest
 import torch
 
 import tierstore
@@ -142,7 +141,7 @@ def test_close_returns_within_its_bound_when_the_index_stops_answering(tmp_path,
         stopped = True
         hung[0].release.set()  # the migration's next call is to the silent index
         # one index call fails typed within its bound: one socket timeout (max(index_timeout_s,
-        # index_ack_timeout_s + 5) = 5.2 s), never resent after it (redis-py's default resent it ten times)
+        # index_ack_timeout_s + 5) = 5.2 s), never resent after it
         ended, out = _ends(lambda: store.steps.steps("silent"), 2 * 5.2 + SLACK_S)
         assert ended and isinstance(out.get("error"), TierUnavailableError), out
         ended, out = _ends(store.close, 3.0 + SLACK_S)

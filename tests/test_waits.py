@@ -154,3 +154,18 @@ def test_close_returns_within_its_bound_when_the_index_stops_answering(tmp_path,
         if store is not None:
             store.close()
         rp.stop()
+
+
+def test_wait_durable_returns_once_the_step_is_durable(store):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    ck = Checkpointer(store, "durwait", model, rank=0, world_size=1)
+    try:
+        ck.save(1)
+        assert ck.wait(durable=True) == "committed"
+        assert store.steps.state("durwait", 1) == "durable"
+        ck.save(2)
+        ck.wait()
+        store.flush()
+        assert ck.wait(durable=True) == "committed"  # already durable: returns at once
+    finally:
+        ck.close()

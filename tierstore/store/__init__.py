@@ -475,9 +475,13 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
                     log.warning("close: %d finish_async batch(es) still running after the bound (the index "
                                 "or a tier is not answering); left behind", len(pending))
                 self._sealer.shutdown(wait=not pending, cancel_futures=True)
-            for mover in (self._replicator, self._migrator):
-                if mover is not None:
-                    abandoned |= set(mover.close(left()))
+            if self._replicator is not None:
+                unreplicated = self._replicator.close(left())
+                if unreplicated:
+                    log.warning("close: the replication to peers of %d step(s) did not finish in time: %s",
+                                len(unreplicated), ", ".join(f"{m}@{s}" for m, s in unreplicated[:20]))
+            if self._migrator is not None:
+                abandoned |= set(self._migrator.close(left()))
             for t in self.tiers:
                 t.close()
             if self.device_tier is not None:

@@ -537,7 +537,7 @@ class Checkpointer(RestoreSide):
 
         ``timeout``: how long the last save's background part is waited for (default the store's
         ``StoreConfig.close_timeout_s``, else 30 s; ``None``: unbounded). Past it (the index or a tier
-        does not answer) the save is left behind, with a warning; its step is not committed by this rank.
+        does not answer) the save is left behind, with a warning: it may still finish, or fail, unreported.
         """
         from concurrent.futures import wait as futures_wait  # local: this edit stays within close()
 

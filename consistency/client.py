@@ -10,6 +10,19 @@ scripts, acknowledged by the replicas when the index is replicated (see
 Errors from redis-py are translated here (:func:`translate_redis_errors`) into
 :class:`TierUnavailableError` (server gone), :class:`AccessDeniedError` (AUTH),
 :class:`FencedError`, :class:`StepCommittedError` and :class:`StepBusyError` (script refusals).
+
+**The bound of one call** (issue 28: every wait ends). Each command has the
+socket timeout ``socket_timeout`` (``StoreConfig.index_timeout_s``, raised to
+``replica_timeout_s`` + 5 s where replicas acknowledge), connecting too.
+redis-py's default retries (ten, with jittered exponential backoff) are
+replaced by :func:`retry_policy`: a command that *timed out* is never sent
+again by the client (a Lua script may have run: a resend is not idempotent),
+and one whose connection broke (reset, refused: a restarted server) is sent
+once more, at once. So a call to an index that stopped answering (a
+partition, a stopped process) fails with :class:`TierUnavailableError` after
+one socket timeout, and one to a server that went away after at most two
+connect attempts; whether to try again is the caller's retry policy
+(:class:`backends.retry.RetryPolicy`).
 """
 
 from __future__ import annotations
@@ -21,7 +34,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 from consistency.cluster import CLUSTER_SCHEMES, acked, connect, replica_count
 from tierstore.errors import (
@@ -35,12 +50,17 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey
 
-__all__ = ["MODELS", "IndexClient", "redact_url", "translate_redis_errors"]
+__all__ = ["MODELS", "IndexClient", "redact_url", "retry_policy", "translate_redis_errors"]
 
 _FENCED = "TSFENCED"
 _COMMITTED = "TSCOMMITTED"
 _BUSY = "TSBUSY"
 MODELS = "ts:models"
+
+
+def retry_policy() -> Retry:
+    """The client's retries: one immediate resend after a broken connection, none after a timeout."""
+    return Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
 
 
 def redact_url(url: str) -> str:
@@ -125,8 +145,9 @@ class IndexClient:
             scheme = urlparse(url).scheme
             if scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
                 raise ConfigError(f"unsupported index URL scheme {scheme!r} in {redact_url(url)}")
-            kwargs: dict[str, Any] = {"socket_timeout": max(socket_timeout, replica_timeout_s + 5.0),
-                                      "health_check_interval": 30}
+            timeout = max(socket_timeout, replica_timeout_s + 5.0)
+            kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout,
+                                      "retry": retry_policy(), "health_check_interval": 30}
             if password is not None:
                 kwargs["password"] = password
             if scheme.startswith("rediss") and ssl_ca_certs:

@@ -150,6 +150,22 @@ class StoreConfig:
             past it (or where registration fails) copies are pageable.
             ``None`` (default): a quarter of the machine's memory; 0: never.
             Nothing is page-locked in a process that saves no CUDA tensor.
+        index_timeout_s: the bound of one index call (issue 28: every wait ends): the socket
+            timeout of each command (raised past ``index_ack_timeout_s`` + 5 s when replicas must
+            acknowledge); a command that timed out is never sent again by the client (a script may have
+            run), one whose connection broke is retried once, at once; so an index that stopped
+            answering fails each call with :class:`~tierstore.errors.TierUnavailableError` within about
+            this bound (twice it at most), and the caller's retry policy (``migration_retries``) decides.
+        durable_stall_s: a migration to the durable tier that has not finished an object after this many
+            seconds is reported stalled: a warning naming the tier, step and what it is blocked in
+            (``TierStore.durable_stalled()``). ``None``: never reported.
+        flush_timeout_s: the bound of :meth:`~tierstore.store.TierStore.flush` (and the default of
+            ``Checkpointer.wait(durable=True)``'s): past it, :class:`~tierstore.errors.DurableTimeoutError`
+            names the steps still memory-only. ``None``: unbounded.
+        close_timeout_s: the bound of :meth:`~tierstore.store.TierStore.close` in all: the wait for the
+            background work (migration, replication, ``finish_async``); past it close returns anyway,
+            with a warning naming the steps that stay memory-only (also its return value and
+            ``TierStore.memory_only_at_close``). ``None``: unbounded.
     """
 
     home: str = ".tierstore"
@@ -181,6 +197,10 @@ class StoreConfig:
     device_tier: str = "auto"
     device_capacity_bytes: int | None = None
     pin_host_bytes: int | None = None
+    index_timeout_s: float = 10.0
+    durable_stall_s: float | None = 10.0
+    flush_timeout_s: float | None = 600.0
+    close_timeout_s: float | None = 30.0
 
     @property
     def retry(self) -> RetryPolicy:
@@ -213,6 +233,12 @@ class StoreConfig:
                               field="device_tier")
         if self.device_capacity_bytes is not None and self.device_capacity_bytes <= 0:
             raise ConfigError("device_capacity_bytes must be positive", field="device_capacity_bytes")
+        if not self.index_timeout_s > 0:
+            raise ConfigError("index_timeout_s must be positive", field="index_timeout_s")
+        for name in ("durable_stall_s", "flush_timeout_s", "close_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ConfigError(f"{name} must be positive (or None: unbounded)", field=name)
         if self.pin_host_bytes is not None and self.pin_host_bytes < 0:
             raise ConfigError("pin_host_bytes must be >= 0 (or None: auto)", field="pin_host_bytes")
 

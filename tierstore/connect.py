@@ -149,7 +149,7 @@ def open(
             raise UnknownError(f"no tierstore home at {cfg.home} (it holds no index)", what="home", home=cfg.home)
         url = ensure_server(cfg.home)
     index = Index(url, password=cfg.redis_password, replicas=cfg.index_replicas,
-                  replica_timeout_s=cfg.index_ack_timeout_s)
+                  replica_timeout_s=cfg.index_ack_timeout_s, socket_timeout=cfg.index_timeout_s)
     host: HostBackend | None = None
     try:
         index.ping()

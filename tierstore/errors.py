@@ -20,6 +20,7 @@ __all__ = [
     "CommitError",
     "ConfigError",
     "CorruptObjectError",
+    "DurableTimeoutError",
     "FencedError",
     "IncompleteStepError",
     "IndexLostError",
@@ -44,6 +45,7 @@ __all__ = [
     "TierStoreError",
     "TierUnavailableError",
     "UnknownError",
+    "WaitTimeoutError",
 ]
 
 
@@ -241,3 +243,15 @@ class CheckpointFailedError(TierStoreError):
     Raised by :mod:`tierstore.interop.dcp`'s ``save``/``async_save``/``load`` in place of DCP's
     ``CheckpointException`` (a ``BaseException``); ``failures`` maps each failed rank to its error.
     """
+
+
+class WaitTimeoutError(TierStoreError, TimeoutError):
+    """A bounded wait ran out (issue 28: every wait ends): ``what`` names what it waited for, ``waited_s`` how
+    long, and the field of its bound (``bound``: a :class:`~tierstore.config.StoreConfig` field or argument)."""
+
+
+class DurableTimeoutError(WaitTimeoutError):
+    """The durable tier made no progress within the wait's bound: ``tier`` names the tier, ``steps`` the
+    ``(model, step)`` still memory-only (``model``/``step`` the one waited for, where one was), ``stalled`` what
+    the migration is blocked in (e.g. ``"put to the durable tier"``) and for how long."""
+

@@ -31,6 +31,18 @@ on the object in the index (``migration_error``), kept here, and raised by
 staying in memory only. A copy deleted before its turn (retention) is not a
 failure. Memory is bounded: at most ``maxsize`` objects wait (an enqueue
 beyond blocks: back-pressure); jobs hold names, not data.
+
+**Every wait ends** (issue 28). A migration that makes no progress for
+``stall_s`` (a durable tier whose put hangs: a stuck NFS or FUSE mount; an
+index that stopped answering) is reported by a watchdog thread, once per
+object: a warning naming the tier, the step and what it is blocked in, and
+:meth:`Migrator.stalled`. :meth:`Migrator.flush` takes a ``timeout`` and
+raises :class:`DurableTimeoutError` naming the steps still memory-only;
+:meth:`Migrator.close` takes one too and abandons what did not finish in it
+(the steps are returned: they stay memory-only). A worker stuck in a put
+cannot be interrupted: it is a daemon thread, left to finish or die with the
+process; what it writes afterwards is an orphan copy at worst (the index is
+not told), never a torn one.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from tierstore import codec
 from tierstore.background import lower_priority
 from tierstore.errors import (
     CorruptObjectError,
+    DurableTimeoutError,
     FencedError,
     MigrationError,
     TierStoreError,
@@ -114,13 +127,16 @@ class Migrator:
             goes first and older unstarted ones are skipped; without, oldest first, nothing skipped.
         reach: ``reach(model, step, rank)``: ``(key, checksum, name)`` of the copies of ``rank`` that the
             committed ``step``'s manifest reaches and the durable tier does not hold yet.
+        stall_s: an object whose migration has not finished after this many seconds is reported stalled
+            (a warning naming the tier, step and what it is blocked in; :meth:`stalled`); ``None``: never.
     """
 
     def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1,
                  name: str = "migrate", retries: int = 5, backoff_s: float = 0.05, backoff_max_s: float = 5.0,
                  sleep: Callable[[float], None] = time.sleep, nice: int = 0,
                  decided: Callable[[str, int], str | None] | None = None,
-                 reach: Callable[[str, int, int], list[tuple[ShardKey, str, str]]] | None = None):
+                 reach: Callable[[str, int, int], list[tuple[ShardKey, str, str]]] | None = None,
+                 stall_s: float | None = 10.0):
         self.source = source
         self.target = target
         self.before_each: Callable[[ShardKey], None] | None = None  # called before each object migrates
@@ -137,8 +153,14 @@ class Migrator:
         self._queued = 0  # copies pending in all jobs
         self._running = 0
         self._committed: set[tuple[str, int]] = set()  # steps known committed
+        self._firing: dict[tuple[str, int], int] = {}  # steps whose callbacks run now (marking them migrated)
         self._errors: Failures = []
         self._closing = False
+        self._abandoned = False  # close() ran out of its bound: workers stop taking work
+        self.stall_s = stall_s
+        self._began: dict[str, tuple[ShardKey, float]] = {}  # running name -> (key, monotonic start)
+        self._phase: dict[str, str] = {}  # running name -> what its migration is doing now
+        self._warned: set[str] = set()  # stalled names already reported
         self.nice = nice
         self.bytes_migrated = 0
         started = threading.Barrier(workers + 1)
@@ -149,6 +171,10 @@ class Migrator:
         for t in self._threads:
             t.start()
         started.wait()  # every worker runs at its background priority before the first enqueue
+        self._watch: threading.Thread | None = None
+        if stall_s is not None and stall_s > 0:
+            self._watch = threading.Thread(target=self._watchdog, name=f"tierstore-{name}-watch", daemon=True)
+            self._watch.start()
 
     # -- the tier manager's side ----------------------------------------------------------------
     def _job(self, model: str, step: int, rank: int) -> _Job:
@@ -204,10 +230,15 @@ class Migrator:
             self._fire(*ready)
 
     def migrating_steps(self, model: str) -> set[int]:
-        """Steps of ``model`` this migrator has started and not finished (retention leaves them alone)."""
+        """Steps of ``model`` this migrator has started and not finished (retention leaves them alone).
+
+        A step counts until its callbacks returned: the callback marks it migrated and writes its durable
+        manifest (a slow durable tier takes a while), and a retention pass in that window must not retire
+        the step (it then never became durable: the starvation of issue 28, a save every few puts).
+        """
         with self._cv:
             return {j.step for j in self._jobs.values() if j.model == model and j.started
-                    and (j.pending or j.running)}
+                    and (j.pending or j.running)} | {s for (m, s) in self._firing if m == model}
 
     # -- scheduling ---------------------------------------------------------------------------------
     def _is_committed(self, job: _Job) -> bool:
@@ -267,6 +298,8 @@ class Migrator:
         del job.pending[name]
         job.running.add(name)
         job.started = True
+        self._began[name] = (key, time.monotonic())
+        self._phase[name] = "waiting to start"
         self._queued -= 1
         self._running += 1
         self._cv.notify_all()
@@ -323,6 +356,18 @@ class Migrator:
         for r in ready:
             self._fire(*r)
 
+    def _hold(self, ready: list[_Ready], delta: int) -> None:
+        """Count the steps of ``ready`` as migrating while their callbacks run (lock held)."""
+        for _cbs, _failures, first in ready:
+            if first is None:
+                continue
+            ident = (first.model, first.step)
+            n = self._firing.get(ident, 0) + delta
+            if n > 0:
+                self._firing[ident] = n
+            else:
+                self._firing.pop(ident, None)
+
     # -- completion -----------------------------------------------------------------------------
     def _ready(self, job: _Job) -> _Ready | None:
         """``job``'s callbacks and failures if every copy it waits for settled (lock held); an idle job is
@@ -359,16 +404,24 @@ class Migrator:
     def _finish(self, job: _Job, key: ShardKey, name: str, error: BaseException | None) -> None:
         with self._cv:
             job.running.discard(name)
+            self._began.pop(name, None)
+            self._phase.pop(name, None)
+            if name in self._warned:
+                self._warned.discard(name)
+                log.warning("migration of %s to the %s tier finished after its stall (%s)", key, self.target.tier,
+                            "failed" if error is not None else "migrated")
             if error is not None:
                 self._errors.append((key, error))
             if len(self._outcome) > 100_000:  # bounded memory: names are never reused, old ones are forgotten
                 self._outcome = {n: e for n, e in self._outcome.items() if self._waited(n)}
             self._outcome[name] = error
             ready = [r for r in (self._ready(j) for j in list(self._jobs.values())) if r]
+            self._hold(ready, +1)
         try:
             self._fire_all(ready)
         finally:
             with self._cv:
+                self._hold(ready, -1)
                 self._running -= 1  # only now: flush() returns once the callbacks ran
                 self._cv.notify_all()
 
@@ -377,8 +430,12 @@ class Migrator:
 
     # -- moving one object -----------------------------------------------------------------------
     def _migrate(self, key: ShardKey, checksum: str, name: str) -> None:
+        if self._abandoned:  # close() gave up: no retry goes on after it (a plain error: not retried)
+            raise RuntimeError(f"migration of {key} abandoned by close()")
+        self._phase[name] = "before_each hook"
         if self.before_each is not None:
             self.before_each(key)
+        self._phase[name] = f"read from the {self.source.tier} tier"
         blob = self.source.get(name)
         if blob is None:
             if self._gone(key, name):  # deleted (garbage-collected) or replaced by a newer write before its turn
@@ -391,10 +448,14 @@ class Migrator:
             stored = codec.verify(blob)
             if stored != checksum:
                 raise CorruptObjectError(f"{key}: host copy has checksum {stored}, index says {checksum}")
+            self._phase[name] = f"put to the {self.target.tier} tier"
             self.target.put(name, blob)  # the name is this write's alone: a retry rewrites the same copy
         finally:
             if isinstance(blob, memoryview):
                 blob.release()
+        if self._abandoned:
+            return  # close() gave up waiting: the copy stays unindexed (an orphan for gc), never recorded late
+        self._phase[name] = "record in the index"
         if not self.index.add_tier(key, self.target.tier, name=name):
             try:  # the record went or names another copy: this one is garbage in the target tier
                 self.target.delete(name)
@@ -440,7 +501,7 @@ class Migrator:
             with self._cv:
                 item = None
                 while item is None:
-                    if self._closing and not self._queued:
+                    if (self._closing and not self._queued) or self._abandoned:
                         return
                     item = self._next()
                     if item is None:
@@ -451,6 +512,9 @@ class Migrator:
                 self._migrate_with_retries(key, checksum, name)
             except Exception as e:  # noqa: BLE001 - a worker thread records every failure; flush() raises it
                 error = e
+            if self._abandoned:  # close() gave up on it: the store is gone, nothing more is recorded
+                log.info("migration of %s finished after close() abandoned it; not recorded", key)
+                return
             if isinstance(error, TierStoreError) and self._gone(key, name):
                 # deleted while it migrated (e.g. its durable directory went with it): not a failure
                 log.debug("%s was deleted while migrating (%s)", key, error)
@@ -464,12 +528,75 @@ class Migrator:
                     pass
             self._finish(job, key, name, error)
 
-    def flush(self) -> None:
+    # -- bounds (issue 28: every wait ends) ---------------------------------------------------------
+    def stalled(self) -> list[tuple[ShardKey, str, float]]:
+        """Objects whose migration has run for ``stall_s`` or more: ``(key, what it is blocked in, seconds)``."""
+        if self.stall_s is None:
+            return []
+        now = time.monotonic()
+        with self._cv:
+            return [(k, self._phase.get(n, "?"), now - t0) for n, (k, t0) in self._began.items()
+                    if now - t0 >= self.stall_s]
+
+    def _watchdog(self) -> None:
+        """Report each object whose migration stalls, once, within about ``stall_s`` of it stalling."""
+        assert self.stall_s is not None
+        interval = max(0.05, min(1.0, self.stall_s / 4))
+        while True:
+            with self._cv:
+                if self._closing and not self._began and not self._queued:
+                    return
+                if self._abandoned:
+                    return
+                self._cv.wait(interval)
+                now = time.monotonic()
+                new = [(n, k, now - t0, self._phase.get(n, "?")) for n, (k, t0) in self._began.items()
+                       if now - t0 >= self.stall_s and n not in self._warned]
+                self._warned.update(n for n, *_ in new)
+            for _n, key, age, phase in new:
+                log.warning("migration to the %s tier stalled: step %s of %s (%s) has been blocked in %s for "
+                            "%.1f s; the step stays memory-only until it finishes", self.target.tier, key.step,
+                            key.model, key, phase, age)
+
+    def unfinished(self) -> list[tuple[str, int]]:
+        """``(model, step)`` of the jobs not finished: queued, running, or waiting for their callbacks."""
+        with self._cv:
+            return sorted({(j.model, j.step) for j in self._jobs.values()
+                           if j.skipped is None and (j.pending or j.running or j.callbacks)}
+                          | set(self._firing))
+
+    def _timeout(self, what: str, waited: float, bound: str) -> DurableTimeoutError:
+        steps = self.unfinished()
+        stalled = self.stalled()
+        blocked = "; ".join(f"{k} blocked in {p} for {a:.1f} s" for k, p, a in stalled[:3]) or "none stalled"
+        shown = ", ".join(f"{m}@{st}" for m, st in steps[:10])
+        return DurableTimeoutError(
+            f"{what}: the {self.target.tier} tier did not finish within {waited:.1f} s ({bound}); "
+            f"{len(steps)} step(s) still memory-only: {shown or 'none'} ({blocked})",
+            what=what, tier=self.target.tier, steps=steps, waited_s=waited, bound=bound,
+            stalled=[(str(k), p, a) for k, p, a in stalled])
+
+    def flush(self, timeout: float | None = None, *, bound: str = "timeout") -> None:
         """Wait until everything queued so far has migrated (or was skipped); raise :class:`MigrationError`
-        on failures."""
+        on failures.
+
+        Raises:
+            DurableTimeoutError: not done within ``timeout`` seconds (``None``: no bound); it names the
+                steps still memory-only and what the migration is blocked in. Nothing is dropped: the
+                migration goes on.
+        """
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
         with self._cv:
             while self._queued or self._running:
-                self._cv.wait(0.5)
+                left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            else:
+                left = None
+            if left is not None:
+                raise self._timeout("flush", time.monotonic() - t0, bound)
             errors, self._errors = self._errors, []
         if errors:
             names = ", ".join(str(k) for k, _ in errors[:5])
@@ -478,9 +605,21 @@ class Migrator:
                 failures=errors,
             ) from errors[0][1]
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 30.0) -> list[tuple[str, int]]:
+        """Stop the workers once the queue drained, waiting at most ``timeout`` seconds in all; return the
+        ``(model, step)`` whose migration did not finish (they stay memory-only; empty when all did).
+
+        Past the bound, the work still queued is abandoned and a worker blocked in a call (a hung put) is
+        left behind (a daemon thread).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             self._closing = True
             self._cv.notify_all()
-        for t in self._threads:
-            t.join(timeout=30)
+        for t in [*self._threads, *([self._watch] if self._watch is not None else [])]:
+            t.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        left = self.unfinished()
+        with self._cv:
+            self._abandoned = True  # a worker that finishes its call now stops
+            self._cv.notify_all()
+        return left

@@ -34,8 +34,10 @@ from __future__ import annotations
 import builtins  # TierStore.list shadows the builtin inside the class
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, Self
 
 from backends.base import Backend
@@ -49,7 +51,7 @@ from consistency.rebuild import RebuildReport, rebuild_index
 from consistency.twophase import StepProtocol
 from tierstore.chains import ChainDepths
 from tierstore.config import StoreConfig
-from tierstore.errors import TierUnavailableError
+from tierstore.errors import DurableTimeoutError, TierUnavailableError
 from tierstore.eviction import evict_host
 from tierstore.keys import ShardKey, validate_name, validate_step
 from tierstore.migration import Migrator, Skipped
@@ -95,7 +97,8 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
             Migrator(host, durable, index, maxsize=config.migration_queue, workers=config.migration_workers,
                      retries=config.migration_retries, backoff_s=config.migration_backoff_s,
                      backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice,
-                     decided=lambda model, step: self.steps.state(model, step), reach=self._reach)
+                     decided=lambda model, step: self.steps.state(model, step), reach=self._reach,
+                     stall_s=config.durable_stall_s)
             if durable is not None and config.migrate
             else None
         )
@@ -103,12 +106,15 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
         self._replicator = (
             Migrator(host, peer, index, maxsize=config.migration_queue, workers=1, name="replicate",
                      retries=config.migration_retries, backoff_s=config.migration_backoff_s,
-                     backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice)
+                     backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice,
+                     stall_s=config.durable_stall_s)
             if peer is not None
             else None
         )
         self._lock = threading.Lock()
         self._closed = False
+        self.memory_only_at_close: list[tuple[str, int]] = []  # steps whose migration close() abandoned
+        self._sealing: set[Any] = set()  # finish_async's futures not done (close waits for them, bounded)
         self._sealer: ThreadPoolExecutor | None = None  # finish_async's thread, started on first use
         self.chains = ChainDepths(index, config.max_delta_chain)
         self.steps = StepProtocol(index, durable, on_lost=self._on_lost if config.rebuild_index_on_loss else None,
@@ -367,34 +373,130 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
         if before_migrate is not None and self._migrator is not None:
             self._migrator.before_each = before_migrate
 
-    def flush(self) -> None:
-        """Wait for background migration; raise the first error it met."""
+    def flush(self, timeout: float | None = -1.0) -> None:
+        """Wait for background migration; raise the first error it met.
+
+        ``timeout``: seconds in all (default ``config.flush_timeout_s``; ``None``: unbounded).
+
+        Raises:
+            DurableTimeoutError: not done in time; names the tier, the steps still memory-only and what
+                the migration is blocked in (the migration goes on).
+            MigrationError: objects failed to migrate.
+        """
+        if timeout is not None and timeout < 0:
+            timeout = self.config.flush_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        bound = "StoreConfig.flush_timeout_s" if timeout == self.config.flush_timeout_s else "timeout"
         for mover in (self._replicator, self._migrator):
             if mover is not None:
-                mover.flush()
+                mover.flush(None if deadline is None else max(0.0, deadline - time.monotonic()), bound=bound)
+
+    def durable_stalled(self) -> builtins.list[tuple[ShardKey, str, float]]:
+        """Objects whose migration to the durable tier has not finished for ``config.durable_stall_s`` or
+        more: ``(key, what it is blocked in, seconds)`` (each is also logged once, as a warning)."""
+        return self._migrator.stalled() if self._migrator is not None else []
+
+    def wait_durable(self, model: str, step: int, timeout: float | None = -1.0) -> None:
+        """Return once committed ``step`` of ``model`` is durable (its durable manifest written).
+
+        ``timeout``: seconds (default ``config.flush_timeout_s``; ``None``: unbounded).
+
+        Raises:
+            DurableTimeoutError: not durable within ``timeout``, or it never will be (recorded
+                memory-only, or aborted): names the tier, the step, and what the migration is blocked in.
+        """
+        if timeout is not None and timeout < 0:
+            timeout = self.config.flush_timeout_s
+        tier = self.durable.tier if self.durable is not None else "durable"
+        t0 = time.monotonic()
+        pause = 0.01
+        while True:
+            recs = [r for r in self.steps.records(model) if r.step == step]
+            rec = recs[0] if recs else None
+            if rec is not None and rec.state == "durable":
+                return
+            waited = time.monotonic() - t0
+            never = (None if self.durable is not None and self.config.migrate else "no durable tier migrates") \
+                if rec is not None else "the step is not recorded"
+            if rec is not None and rec.memory_only is not None:
+                never = f"it stays memory-only: {rec.memory_only}"
+            elif rec is not None and rec.state == "aborted":
+                never = "it was aborted"
+            over = timeout is not None and waited >= timeout
+            if never is not None or over:
+                stalled = [(str(k), p, a) for k, p, a in self.durable_stalled() if k.model == model]
+                blocked = "; ".join(f"{k} blocked in {p} for {a:.1f} s" for k, p, a in stalled[:3])
+                why = never or (f"not durable after {waited:.1f} s (bound: "
+                                f"{'StoreConfig.flush_timeout_s' if timeout == self.config.flush_timeout_s else 'timeout'})")
+                raise DurableTimeoutError(
+                    f"step {step} of {model} is not durable in the {tier} tier: {why}"
+                    + (f" ({blocked})" if blocked else ""),
+                    what=f"step {step} of {model} durable", tier=tier, model=model, step=step, steps=[(model, step)],
+                    waited_s=waited, bound="timeout", stalled=stalled)
+            time.sleep(min(pause, max(0.0, timeout - waited)) if timeout is not None else pause)
+            pause = min(pause * 2, 0.25)
 
     def _check_open(self) -> None:
         if self._closed:
             raise TierUnavailableError("this TierStore is closed")
 
-    def close(self) -> None:
-        """Flush, then release everything this store owns. Idempotent."""
+    def close(self, timeout: float | None = -1.0) -> builtins.list[tuple[str, int]]:
+        """Flush, then release everything this store owns, within ``timeout`` seconds in all (default
+        ``config.close_timeout_s``; ``None``: unbounded). Idempotent.
+
+        Returns (and keeps in :attr:`memory_only_at_close`) the ``(model, step)`` whose migration did not
+        finish in time: they stay memory-only (a warning names them). A migration error met in time is
+        raised (:class:`MigrationError`), after everything was released.
+        """
         if self._closed:
-            return
+            return self.memory_only_at_close
+        if timeout is not None and timeout < 0:
+            timeout = self.config.close_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        error: BaseException | None = None
         try:
-            self.flush()
-        finally:
-            self._closed = True
+            self.flush(left())
+        except DurableTimeoutError as e:
+            log.warning("close: %s", e)
+        except BaseException as e:  # noqa: BLE001 - raised below, once everything is released
+            error = e
+        self._closed = True
+        abandoned: set[tuple[str, int]] = set()
+        try:
             if self._sealer is not None:
-                self._sealer.shutdown(wait=True)
-            for mover in (self._replicator, self._migrator):
-                if mover is not None:
-                    mover.close()
+                with self._lock:
+                    sealing = builtins.list(self._sealing)
+                _done, pending = futures_wait(sealing, timeout=left())
+                if pending:
+                    log.warning("close: %d finish_async batch(es) still running after the bound (the index "
+                                "or a tier is not answering); left behind", len(pending))
+                self._sealer.shutdown(wait=not pending, cancel_futures=True)
+            if self._replicator is not None:
+                unreplicated = self._replicator.close(left())
+                if unreplicated:
+                    log.warning("close: the replication to peers of %d step(s) did not finish in time: %s",
+                                len(unreplicated), ", ".join(f"{m}@{s}" for m, s in unreplicated[:20]))
+            if self._migrator is not None:
+                abandoned |= set(self._migrator.close(left()))
             for t in self.tiers:
                 t.close()
             if self.device_tier is not None:
                 self.device_tier.close()
             self.index.close()
+        finally:
+            self.memory_only_at_close = sorted(abandoned)
+            if abandoned:
+                shown = ", ".join(f"{m}@{s}" for m, s in self.memory_only_at_close[:20])
+                log.warning("close: the migration of %d step(s) did not finish within %s s; they stay "
+                            "memory-only (lost with this node's memory): %s", len(abandoned),
+                            "no bound" if timeout is None else f"{timeout:g}", shown)
+        if error is not None:
+            raise error
+        return self.memory_only_at_close
 
     def __enter__(self) -> Self:
         return self

@@ -133,6 +133,7 @@ class WritePath:
     _replicator: Migrator | None
     _lock: threading.Lock
     _sealer: ThreadPoolExecutor | None
+    _sealing: set[Any]
     device_tier: DeviceTier | None
 
     if TYPE_CHECKING:  # provided by TierStore and ReadPath
@@ -353,7 +354,10 @@ class WritePath:
             if self._sealer is None:
                 self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-seal",
                                                   initializer=lower_priority, initargs=(self.config.background_nice,))
-            return self._sealer.submit(self._finish_all, items)
+            fut = self._sealer.submit(self._finish_all, items)
+            self._sealing.add(fut)  # close() waits for it, within its bound
+            fut.add_done_callback(self._sealing.discard)
+            return fut
 
     @staticmethod
     def _finish_all(items: list[PendingObject]) -> list[ObjectRecord]:

@@ -499,12 +499,19 @@ class Checkpointer(RestoreSide):
         if self._replay is not None:
             self._replay.forget()
 
-    def wait(self, timeout: float | None = None) -> str | None:
+    def wait(self, timeout: float | None = None, *, durable: bool = False) -> str | None:
         """Wait for the last save: ``"committed"`` or ``"aborted"`` (``None`` if none), or ``"skipped"``: the
         save wrote nothing (a step of an earlier incarnation that was not proven lost stands in its place, see
         :meth:`~tierstore.train.restore_side.RestoreSide._begin`; its warning says until when).
 
+        ``timeout`` (default: the Checkpointer's ``timeout``) bounds the whole wait. With ``durable``, a
+        committed step is waited for until it is durable too (its durable manifest written; the store's
+        :meth:`~tierstore.store.TierStore.wait_durable`), within the same bound.
+
         Raises:
+            DurableTimeoutError: with ``durable``: the step is not durable within ``timeout``, or never
+                will be (recorded memory-only); it names the tier, the step and what the migration is
+                blocked in.
             TierStoreError: the background part of the save failed (typed).
             CommitError: undecided after ``timeout``; or ranks never began the
                 step (``missing_ranks``) within ``missing_rank_grace``: the step is aborted.
@@ -536,18 +543,38 @@ class Checkpointer(RestoreSide):
         self._undecided = [s for s in self._undecided if s != step]
         if state == "aborted":
             self._reset_trackers()
+        if durable and state == "committed":
+            self.store.wait_durable(self.model, step, timeout=max(0.0, deadline - time.monotonic()))
         return "committed" if state in ("committed", "durable") else state
 
-    def close(self) -> None:
-        """Wait for the background work, then stop its thread (the store stays open)."""
+    def close(self, timeout: float | None = -1.0) -> None:
+        """Wait for the background work, then stop its thread (the store stays open).
+
+        ``timeout``: how long the last save's background part is waited for (default the store's
+        ``StoreConfig.close_timeout_s``, else 30 s; ``None``: unbounded). Past it (the index or a tier
+        does not answer) the save is left behind, with a warning: it may still finish, or fail, unreported.
+        """
+        from concurrent.futures import wait as futures_wait  # local: this edit stays within close()
+
+        if timeout is not None and timeout < 0:
+            timeout = getattr(getattr(self.store, "config", None), "close_timeout_s", 30.0)
+        fut = self._future
+        left_behind = False
         try:
-            self._drain()
+            if fut is not None and not futures_wait([fut], timeout=timeout).done:
+                left_behind = True
+                self._future = None
+                log.warning("close: the background part of the save of step %s of %s did not finish within "
+                            "%s s (the index or a tier is not answering); left behind", self._last_step,
+                            self.model, timeout)
+            else:
+                self._drain()
         finally:
             self._abandon_restore()
             self._gate.close()
             if self._replay is not None:
                 self._replay.close()
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=not left_behind, cancel_futures=left_behind)
 
 
 def load(store: Any, model_name: str, state: MutableMapping[str, Any], step: int | None = None, *,

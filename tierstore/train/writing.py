@@ -181,7 +181,9 @@ def _retain(store: Any, model: str, rank: int, keep_last: int, max_staleness: in
     busy = store.migrating_steps(model)
 
     def hold(rec: Any) -> bool:  # a migration may still make it durable
-        return rec.step in busy or (0 < rec.migrated < rec.world and rec.memory_only is None)
+        # every rank migrated but not durable yet: the last rank is writing its durable manifest (retiring it
+        # now made it never durable; held only until a newer step is durable)
+        return rec.step in busy or (0 < rec.migrated and rec.memory_only is None)
 
     objects = store.list(model)
     plan = plan_retention(store.steps, model, Retention(keep_last=max(1, keep_last)), max_staleness=max_staleness,

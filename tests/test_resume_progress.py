@@ -205,6 +205,7 @@ def test_forced_delete_beside_a_live_writer(opener, caplog, name):
         _step(net, s)
         ck.save(s)
         assert ck.wait() == "committed"
+    store.flush()  # no migration in flight: one could write a durable manifest after the delete (see the docs)
     store.delete_model(M, force=True)
     outcomes = {}
     with caplog.at_level("WARNING"):

@@ -44,15 +44,21 @@ REPO = Path(__file__).resolve().parents[1]
 _REPO_BASELINE = pytest.StashKey[_leaks.Baseline]()
 
 _SHARED_SCOPES = ("class", "module", "package")
+# module fixtures that cost about a second: a file using them is spread over the workers anyway, each setting
+# its own up (moto's S3 server; the state machines' services, the session's Redis server and a directory)
+_CHEAP_SHARED = {"s3_server", "_services"}
 
 
 def _shares_a_fixture(item) -> bool:
-    """Whether ``item`` uses a fixture that outlives one test but not the session (a module's servers, a venv,
-    a testbed): its file's tests then run on one xdist worker, which sets that fixture up once."""
+    """Whether ``item`` uses a fixture that outlives one test but not the session (a module's agents, a venv,
+    a testbed, a saved checkpoint): its file's tests then run on one xdist worker, which sets it up once."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return False
-    return any(defs and defs[-1].scope in _SHARED_SCOPES
+    # pytest wraps each unittest class's setUpClass in a class fixture of its own (the state machines' TestCases
+    # have none worth sharing): not counted
+    return any(defs and defs[-1].scope in _SHARED_SCOPES and name not in _CHEAP_SHARED
+               and not name.startswith("_unittest_")
                for name in item.fixturenames if (defs := info.name2fixturedefs.get(name)))
 
 

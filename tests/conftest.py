@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from tests.redis_cluster import cluster_url, redis_cluster  # noqa: F401
 from tests.redis_server import redis_proc, redis_url  # noqa: F401
 from tests.s3_server import *  # noqa: F403
 
-# The long cases (about two thirds of the run): ``scripts/test --fast`` deselects them (``-m "not slow"``);
+# The long cases (143 tests, about a quarter of the run's time in one process): ``scripts/test --fast`` deselects them (``-m "not slow"``);
 # ``scripts/test`` with no arguments, which CI runs, runs everything. Listed here rather than marked in each
 # file, so the list of what a quick run skips is one list.
 SLOW = (
@@ -39,15 +40,111 @@ SLOW = (
 )
 
 
+REPO = Path(__file__).resolve().parents[1]
+_REPO_BASELINE = pytest.StashKey[_leaks.Baseline]()
+
+_SHARED_SCOPES = ("class", "module", "package")
+# module fixtures that cost about a second: a file using them is spread over the workers anyway, each setting
+# its own up (moto's S3 server; the state machines' services, the session's Redis server and a directory)
+_CHEAP_SHARED = {"s3_server", "_services"}
+
+
+def _shares_a_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture that outlives one test but not the session (a module's agents, a venv,
+    a testbed, a saved checkpoint): its file's tests then run on one xdist worker, which sets it up once."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    # pytest wraps each unittest class's setUpClass in a class fixture of its own (the state machines' TestCases
+    # have none worth sharing): not counted
+    return any(defs and defs[-1].scope in _SHARED_SCOPES and name not in _CHEAP_SHARED
+               and not name.startswith("_unittest_")
+               for name in item.fixturenames if (defs := info.name2fixturedefs.get(name)))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """Marks the slow tests (``SLOW``); and, for ``pytest -n N --dist loadgroup`` (``scripts/test``), puts the
+    tests of a file that share a module or class fixture in one xdist group (one worker), while the tests of
+    the other files are spread one by one."""
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
+        if _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+# -- counts a test reports (rule runs of the state machines, faults the matrix tried) ----------------------------
+# A test appends ("tierstore-counts: LABEL", {what: n}) to its user_properties (the state machines' and the
+# fault matrix's module fixtures do); they travel with the report from an xdist worker, are summed here, and
+# are printed at the end of the run, after pytest's summary. They are a report, not a test.
+_COUNTS_PREFIX = "tierstore-counts: "
+_COUNTS: dict[str, Counter] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "teardown":
+        return
+    for name, value in getattr(report, "user_properties", ()):
+        if isinstance(name, str) and name.startswith(_COUNTS_PREFIX) and isinstance(value, dict):
+            _COUNTS.setdefault(name.removeprefix(_COUNTS_PREFIX), Counter()).update(value)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _COUNTS:
+        return
+    terminalreporter.section("what the property and fault tests exercised")
+    for label, counts in sorted(_COUNTS.items()):
+        terminalreporter.write_line(f"{label}: {len(counts)} kinds, {sum(counts.values())} in all "
+                                    f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")
+
+
+@pytest.fixture
+def report_counts(request):
+    """``report_counts(label, counts)``: reports ``counts`` (a Counter of what this test exercised) under
+    ``label`` in the run's summary (see above)."""
+    def report(label: str, counts: Counter) -> None:
+        if counts:
+            request.node.user_properties.append((_COUNTS_PREFIX + label,
+                                                 {str(k): int(v) for k, v in counts.items()}))
+
+    return report
+
+
+# -- parallel runs (pytest-xdist) ------------------------------------------------------------------------------
+# Each worker is a session of its own: its own Redis-protocol server, S3 server and cluster (free ports), its own
+# basetemp (``.../popen-gwN``), its own TIERSTORE_SHM_DIR and token for the leak check, names with its pid. What
+# no worker can tell apart is what lands in the checkout itself (a home under REPO): the controller checks that,
+# once, after every worker finished.
+
+
+def _distributing(config) -> bool:
+    """Whether this process is the controller of an xdist run (its workers run the tests)."""
+    return config.pluginmanager.has_plugin("dsession")
+
+
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session):
+    if _distributing(session.config):
+        session.config.stash[_REPO_BASELINE] = _leaks.start()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the embedded index servers that tests started (they are detached by design)."""
+    """Stop the embedded index servers that tests started (they are detached by design); on an xdist
+    controller, fail the run if the workers left a host tier or an index server of a home in the checkout."""
     from tierstore.embedded import find_servers
+
+    baseline = session.config.stash.get(_REPO_BASELINE, None)
+    if baseline is not None:
+        found = _leaks.leftovers(baseline, [REPO])
+        _leaks.clean(found, baseline)
+        if found:
+            session.config.get_terminal_writer().line(
+                "the tests left behind in the checkout (now removed):\n  " + "\n  ".join(map(str, found)), red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     base = Path(str(session.config._tmp_path_factory.getbasetemp()))
     for server in find_servers():  # by process: also those whose home a test deleted, or with a /tmp socket
@@ -58,11 +155,8 @@ def pytest_sessionfinish(session, exitstatus):
                 pass
 
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="session", autouse=True)
-def _nothing_left_behind(tmp_path_factory):
+def _nothing_left_behind(tmp_path_factory, request):
     """Fails the session, naming each one, if the tests leave a host tier in shared memory or a process running.
 
     Before the first test: ``/dev/shm``'s entries are recorded, every store of the session (module fixtures
@@ -90,7 +184,9 @@ def _nothing_left_behind(tmp_path_factory):
             helper._stop()  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001, S110 - best effort; a helper still running is then named below
             pass
-    found = _leaks.leftovers(baseline, [Path(str(tmp_path_factory.getbasetemp())), REPO])
+    # an xdist worker checks its own basetemp only: a home in the checkout may be another worker's (see above)
+    roots = [Path(str(tmp_path_factory.getbasetemp())), *([] if _xdist_worker(request.config) else [REPO])]
+    found = _leaks.leftovers(baseline, roots)
     _leaks.clean(found, baseline)
     if found:
         pytest.fail("the tests left behind (now removed):\n  " + "\n  ".join(map(str, found)), pytrace=False)

@@ -29,6 +29,7 @@ class RedisProcess:
         self.appendonly = appendonly
         self.password = password
         self.proc: subprocess.Popen | None = None
+        self.started = False  # answered once: a restart keeps the port
 
     @property
     def url(self) -> str:
@@ -36,21 +37,37 @@ class RedisProcess:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        """Start the server and wait until it answers. A first start whose port was taken in the meantime (by
+        another test or xdist worker: :func:`free_port` only found it free) moves to another free port; the
+        server that answers must be this process (``INFO server``'s ``process_id``), never another's."""
+        for _attempt in range(5):
+            if self._start_once():
+                self.started = True
+                return
+            if self.started:  # a restart keeps its address: the tests hold its URL
+                break
+            self.port = free_port()
+        raise RuntimeError(f"test redis server did not start on 127.0.0.1:{self.port} (workdir {self.workdir})")
+
+    def _start_once(self) -> bool:
         args = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                 "--appendonly", "yes" if self.appendonly else "no", "--save", "", "--appendfsync", "always"]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and proc.poll() is None:
             try:
-                redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1).ping()
-                return
-            except redis.exceptions.AuthenticationError:
-                return
+                if int(client.info("server")["process_id"]) == proc.pid:
+                    return True
+                break  # another process's server holds the port
             except redis.exceptions.RedisError:
                 time.sleep(0.05)
-        raise RuntimeError("test redis server did not start")
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        return False
 
     def stop(self, kill: bool = False) -> None:
         if self.proc and self.proc.poll() is None:

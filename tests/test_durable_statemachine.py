@@ -337,8 +337,9 @@ TestDurableLayerwise = _case("layerwise")
 TestDurableReplay = _case("replay")
 
 
-def test_durable_statemachine_counts(capsys):
-    """Print how many rules the property run exercised (runs after the state machine)."""
-    with capsys.disabled():
-        print(f"\ndurable state machine: {sum(RUNS.values())} rule runs "
-              f"({', '.join(f'{k} {v}' for k, v in sorted(RUNS.items()))})")
+@pytest.fixture(autouse=True)
+def _rule_runs(report_counts):
+    """How many rules the property runs exercised, in the run's summary (tests/conftest.py)."""
+    before = Counter(RUNS)
+    yield
+    report_counts("durable state machine, rule runs", RUNS - before)

@@ -495,9 +495,10 @@ def test_clock_skew_cannot_abort_or_extend(skew, tmp_path, redis_url, monkeypatc
     TRIED[("clock.skew", "slow")] += 1
 
 
-def test_matrix_count(capsys):
-    """Print how many (kind, point) cells were tried and faults injected (runs after the matrix)."""
-    cells = len(TRIED)
-    with capsys.disabled():
-        print(f"\nfault matrix: {cells} point x kind cells run, {sum(TRIED.values())} faults injected "
-              f"({len(KINDS)} kinds x {len(POINTS)} points in-process + kill cells in subprocesses)")
+@pytest.fixture(autouse=True)
+def _faults_tried(report_counts):
+    """How many (point, kind) cells were tried and faults injected, in the run's summary (tests/conftest.py)."""
+    before = Counter(TRIED)
+    yield
+    report_counts(f"fault matrix ({len(KINDS)} kinds x {len(POINTS)} points in-process, kills in subprocesses), "
+                  "faults injected by cell", Counter({f"{p} {k}": n for (p, k), n in (TRIED - before).items()}))

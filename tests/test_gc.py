@@ -88,6 +88,15 @@ def test_the_newest_durable_step_stays_while_newer_steps_are_memory_only(store):
 
 def test_dry_run_deletes_nothing(store):
     saved(store, range(1, 4))
+    sizes = {str(k): store.info(k).size for s in (1, 2) for k in step_keys(s)}
+    report = store.gc(M, Retention(keep_last=1))
+    assert report.dry_run and sorted(report.deleted) == sorted(sizes) and report.bytes_freed == sum(sizes.values())
+    assert report.dropped_steps == [1, 2] and report.kept_steps == [3]
+    assert all(present(store, k) for s in (1, 2, 3) for k in step_keys(s))
+    assert [s for s, _ in store.steps.steps(M)] == [1, 2, 3]
+    assert all(store.durable.exists(durable_manifest_name(M, s)) for s in (1, 2, 3))
+
+
 def put_delta(store, key: ShardKey, base: ShardKey, new: dict, old: dict):
     layout = {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in old.items()}
     return store.put(key, {n: xor_delta(new[n], old[n]) for n in old}, {"_delta": layout}, kind="delta", base=base)

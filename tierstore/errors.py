@@ -31,6 +31,9 @@ __all__ = [
     "ModelInUseError",
     "NoValidCopyError",
     "ObjectNotFoundError",
+    "PeerNoValidCopyError",
+    "PeerRestoreError",
+    "PeerRestoreMismatchError",
     "ProtocolError",
     "ReplicaAckError",
     "RestoreMismatchError",
@@ -229,3 +232,23 @@ class CheckpointFailedError(TierStoreError):
     Raised by :mod:`tierstore.interop.dcp`'s ``save``/``async_save``/``load`` in place of DCP's
     ``CheckpointException`` (a ``BaseException``); ``failures`` maps each failed rank to its error.
     """
+
+
+class PeerRestoreError(TierStoreError):
+    """A restore every rank abandoned because another rank's part of it failed; this rank's own part was fine.
+
+    Raised on the ranks that read and validated their part when some other rank could not (the failing ranks
+    raise their own error), before any rank changed its state: all ranks restore the same step or all raise.
+    ``failed_ranks`` names them, ``reasons`` maps each to its error (``"<type>: <message>"``), ``step`` is the
+    step they tried, ``model`` the model. Where every failing rank's error is of one kind, the error raised here
+    is that kind too (:class:`PeerNoValidCopyError`, :class:`PeerRestoreMismatchError`), so a caller that handles
+    it on the failing rank handles it alike on every rank.
+    """
+
+
+class PeerNoValidCopyError(PeerRestoreError, NoValidCopyError):
+    """:class:`PeerRestoreError` where every failing rank found no valid copy (:class:`NoValidCopyError`)."""
+
+
+class PeerRestoreMismatchError(PeerRestoreError, RestoreMismatchError):
+    """:class:`PeerRestoreError` where every failing rank's state did not fit (:class:`RestoreMismatchError`)."""

@@ -87,16 +87,47 @@ def test_another_optimizer_type_is_refused_before_anything_changes(store, saved,
     ck.close()
 
 
-def test_another_param_group_structure_is_refused(store, saved):
+def test_other_optimizer_state_keys_are_refused(store, saved):
+    """The same type, configured otherwise (``amsgrad``: one more state tensor per parameter), once stepped."""
     net = _net(1)
-    params = list(net.parameters())
-    opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.5, weight_decay=0.1)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.5, weight_decay=0.1, amsgrad=True)
     _step(net, opt)
     before = _snapshot(net, opt)
     ck = Checkpointer(store, "v", net, opt)
-    with pytest.raises(RestoreMismatchError, match="2 param groups, the checkpoint 1"):
+    with pytest.raises(RestoreMismatchError, match=r"the checkpoint holds \['exp_avg', 'exp_avg_sq', 'step'\], "
+                                                   r"the target \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'\]"):
         ck.restore(verify="in_pass")
     assert _same(before, _snapshot(net, opt))
+    ck.close()
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+
+class _Tagged(_Plain):
+    """The same tensors, with non-tensor state of its own (``_extra_state``)."""
+
+    def get_extra_state(self) -> dict:
+        return {"tag": 7}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass
+
+
+def test_a_module_with_unexpected_keys_is_refused(store):
+    ck = Checkpointer(store, "x", _Tagged())
+    ck.save(0)
+    assert ck.wait() in ("committed", "durable")
+    ck.close()
+    target = _Plain()
+    before = {n: t.clone() for n, t in target.state_dict().items()}
+    ck = Checkpointer(store, "x", target)
+    with pytest.raises(RestoreMismatchError, match=r"unexpected keys \['_extra_state'\]"):
+        ck.restore(verify="in_pass")
+    assert all(torch.equal(before[n], t) for n, t in target.state_dict().items())
     ck.close()
 
 

@@ -20,6 +20,8 @@ One :class:`Ranks` per Checkpointer holds:
   with several ranks it comes from torchrun (``TORCHELASTIC_RUN_ID`` and
   ``TORCHELASTIC_RESTART_COUNT``); with neither there is no epoch (no fencing),
   and a warning says so;
+* **verdicts**: :meth:`gather` gives every rank each rank's ``(rank, value,
+  reason)`` (a restore's agreement, :mod:`tierstore.train.restoring`);
 * **progress**: each rank records the step it began saving
   (``StepProtocol.note_progress``); :meth:`missing` names the ranks of this
   incarnation that have not begun a step, and :meth:`await_ranks` waits for

@@ -164,8 +164,8 @@ def _peer_error(ck: Any, step: int | None, failed: list[tuple[int, int, str]]) -
     if cls is PeerRestoreMismatchError:
         fields = {"layer": None, "tensor": None}
     return cls(f"restore of {ck.model} ({at}) abandoned by every rank: rank(s) {ranks} could not restore their "
-               f"part ({said}); this rank (rank {ck.rank}) read and validated its own, and no rank's state was "
-               "changed", model=ck.model, step=step, failed_ranks=ranks,
+               f"part ({said}); this rank's part (rank {ck.rank}) was fine, and no rank loaded any of it",
+               model=ck.model, step=step, failed_ranks=ranks, reason=f"rank(s) {ranks} failed: {said}",
                reasons={r: w for r, _k, w in failed}, **fields)
 
 

@@ -210,7 +210,7 @@ class RestoreSide:
             return Restored(None, None), None
         doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
         layers = self.view.layers_for(res.layers, doc, only)
-        if deferred and not self._same_layout(res):  # resharded: the ranged reads verify each chunk they read
+        if deferred and self.ranks.all_min(int(self._same_layout(res))) == 0:  # resharded (on any rank): verified as read
             log.info("restore of %s: step %d was saved by %d rank(s) in another layout: resharding, verified as "
                      "read", self.model, res.step, res.world_size)
             return self._restore(step, only, IN_PASS, read_only)

@@ -25,7 +25,7 @@ from tierstore.keys import ShardKey
 if TYPE_CHECKING:
     from consistency.index import Index
 
-__all__ = ["closure", "read_keys", "read_steps", "reachable", "readers_of", "required_steps"]
+__all__ = ["closure", "reachable", "read_keys", "read_steps", "readers_of", "required_steps"]
 
 
 def read_keys(m: Mapping[str, Any]) -> set[ShardKey]:

@@ -194,8 +194,6 @@ def test_forced_delete_beside_a_live_writer(opener, caplog, name):
     """``admin delete MODEL --yes --force`` while a trainer runs: the saves whose deltas (or inherited layers)
     read deleted objects are refused at the vote (aborted, naming what is gone), never reported committed; the
     next save writes full objects, commits, and the job resumes from it."""
-    from tierstore.errors import IncompleteStepError
-
     policy = POLICIES[name]
     store = opener()
     net = _net(0)

@@ -33,6 +33,9 @@ __all__ = [
     "ModelInUseError",
     "NoValidCopyError",
     "ObjectNotFoundError",
+    "PeerNoValidCopyError",
+    "PeerRestoreError",
+    "PeerRestoreMismatchError",
     "ProtocolError",
     "ReplicaAckError",
     "RestoreMismatchError",
@@ -255,3 +258,22 @@ class DurableTimeoutError(WaitTimeoutError):
     ``(model, step)`` still memory-only (``model``/``step`` the one waited for, where one was), ``stalled`` what
     the migration is blocked in (e.g. ``"put to the durable tier"``) and for how long."""
 
+
+class PeerRestoreError(TierStoreError):
+    """A restore every rank abandoned because another rank's part of it failed; this rank's own part was fine.
+
+    Raised on the ranks that read and validated their part when some other rank could not (the failing ranks
+    raise their own error), before any rank changed its state: all ranks restore the same step or all raise.
+    ``failed_ranks`` names them, ``reasons`` maps each to its error (``"<type>: <message>"``), ``step`` is the
+    step they tried, ``model`` the model. Where every failing rank's error is of one kind, the error raised here
+    is that kind too (:class:`PeerNoValidCopyError`, :class:`PeerRestoreMismatchError`), so a caller that handles
+    it on the failing rank handles it alike on every rank.
+    """
+
+
+class PeerNoValidCopyError(PeerRestoreError, NoValidCopyError):
+    """:class:`PeerRestoreError` where every failing rank found no valid copy (:class:`NoValidCopyError`)."""
+
+
+class PeerRestoreMismatchError(PeerRestoreError, RestoreMismatchError):
+    """:class:`PeerRestoreError` where every failing rank's state did not fit (:class:`RestoreMismatchError`)."""

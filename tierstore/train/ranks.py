@@ -20,6 +20,8 @@ One :class:`Ranks` per Checkpointer holds:
   with several ranks it comes from torchrun (``TORCHELASTIC_RUN_ID`` and
   ``TORCHELASTIC_RESTART_COUNT``); with neither there is no epoch (no fencing),
   and a warning says so;
+* **verdicts**: :meth:`gather` gives every rank each rank's ``(rank, value,
+  reason)`` (a restore's agreement, :mod:`tierstore.train.restoring`);
 * **progress**: each rank records the step it began saving
   (``StepProtocol.note_progress``); :meth:`missing` names the ranks of this
   incarnation that have not begun a step, and :meth:`await_ranks` waits for
@@ -124,6 +126,31 @@ class Ranks:
         if self.group is not None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t
+
+    def gather(self, value: int, reason: str = "") -> list[tuple[int, int, str]]:
+        """Every rank's ``(rank, value, reason)``, in the group's order (this rank's alone without one). Collective.
+
+        One ``all_gather`` of three integers per rank; a second one of the reasons' UTF-8 bytes (each padded to
+        the longest) only where some rank gave a reason, so a verdict every rank passed costs one small
+        collective. Nothing is pickled.
+        """
+        raw = reason.encode("utf-8", "replace")
+        if self.group is None:
+            return [(self.rank, value, reason)]
+        n = dist.get_world_size(self.group)
+        head = torch.tensor([value, self.rank, len(raw)], dtype=torch.int64)
+        heads = [torch.empty_like(head) for _ in range(n)]
+        dist.all_gather(heads, head, group=self.group)
+        longest = max(int(h[2]) for h in heads)
+        texts = [""] * n
+        if longest:
+            buf = torch.zeros(longest, dtype=torch.uint8)
+            if raw:
+                buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            bufs = [torch.empty_like(buf) for _ in range(n)]
+            dist.all_gather(bufs, buf, group=self.group)
+            texts = [b[:int(h[2])].numpy().tobytes().decode("utf-8", "replace") for h, b in zip(heads, bufs)]
+        return [(int(h[1]), int(h[0]), t) for h, t in zip(heads, texts)]
 
     # ---- progress -----------------------------------------------------------------------------
     def note(self, step: int, epoch: int | None) -> None:

@@ -22,10 +22,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from consistency.closure import readers_of
-from tierstore.errors import CorruptObjectError, NoValidCopyError, StepCommittedError, TierStoreError
+from tierstore.errors import NoValidCopyError, StepCommittedError, TierStoreError
 from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
-from tierstore.train.reshard import adapt_document, read_for_restore
-from tierstore.train.restoring import IN_PASS, PendingRestore, read_unverified, refuse_until_restored, verify_mode
+from tierstore.train.reshard import read_for_restore
+from tierstore.train.restoring import (
+    IN_PASS,
+    PendingRestore,
+    agreed_step,
+    prepare_agreed,
+    read_unverified,
+    refuse_until_restored,
+    verify_mode,
+    weights_of,
+)
 from tierstore.train.view import Restored, RestoreReport
 
 __all__ = ["RestoreSide"]
@@ -104,7 +113,8 @@ class RestoreSide:
         return extra.get("state") or {}
 
     def restore(self, step: int | None = None, *, read_only: bool = False,
-                only: Iterable[str] | None = None, verify: str | None = None) -> Restored:
+                only: Iterable[str] | None = None, verify: str | None = None,
+                weights_only: bool = False) -> Restored:
         """Load the newest consistent state (or committed ``step``) in place: ``(step, extra)``.
 
         A writer's restore (the default) first joins the job incarnation's
@@ -113,6 +123,9 @@ class RestoreSide:
         no epoch and writes nothing: an evaluator can read while the trainer
         runs. ``only`` loads a subset of the state's keys (``["model"]``:
         weights only); entries of the checkpoint not loaded are skipped.
+        ``weights_only=True`` loads the modules alone (of ``only``, where
+        given): optimizers, schedulers and every other entry are left as they
+        are, so a checkpoint of another optimizer restores its weights.
         Returns ``(None, None)`` when nothing of this model is committed
         (and ``step`` is not given). ``ckpt.report`` tells more.
 
@@ -133,11 +146,15 @@ class RestoreSide:
         Raises:
             RestoreMismatchError: the stored state does not fit (missing entry,
                 layer or tensor, a global shape or dtype, a placement that
-                cannot be resharded); modules and optimizers are unchanged.
+                cannot be resharded, another optimizer type or param-group
+                structure); modules and optimizers are unchanged.
+            PeerRestoreError: another rank's part failed (all ranks raise,
+                none changed its state; :mod:`tierstore.train.restoring`).
             NoValidCopyError: ``step`` is not committed, or a needed object
                 has no valid copy in any tier.
             ConfigError: an unknown ``verify``.
         """
+        only = weights_of(self.state, only) if weights_only else only
         mode = verify_mode(verify, read_only, self.state)
         self._drain()
         self._abandon_restore()
@@ -195,15 +212,15 @@ class RestoreSide:
             return Restored(None, None), None
         doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
         layers = self.view.layers_for(res.layers, doc, only)
-        if deferred and not self._same_layout(res):  # resharded: the ranged reads verify each chunk they read
+        if deferred and self.ranks.all_min(int(self._same_layout(res))) == 0:  # resharded (on any rank): verified as read
             log.info("restore of %s: step %d was saved by %d rank(s) in another layout: resharding, verified as "
                      "read", self.model, res.step, res.world_size)
             return self._restore(step, only, IN_PASS, read_only)
         if deferred:
             try:
                 shards, v = read_unverified(self, res, layers, eager=mode == "before_return")
-                failed: TierStoreError | None = None
-            except (NoValidCopyError, CorruptObjectError) as e:  # no copy read had a valid trailer and table
+                failed: Exception | None = None
+            except Exception as e:  # noqa: BLE001 - a read that failed (no valid trailer) is read again, verified
                 shards, v, failed = {}, None, e
             # a step saved sharded (DTensor placements in its objects) at this world size, into plain modules:
             # its copies are resharded (the target side alone cannot tell)
@@ -218,10 +235,11 @@ class RestoreSide:
                             failed or "another rank could not read its copies")
                 return self._restore(step, only, IN_PASS, read_only)
         else:
-            shards, v = self.read(res, layers, only), None
+            v = None
         pending = PendingRestore(self, v, step, read_only, only, t0) if v is not None else None
-        try:
-            plan = self.view.prepare(shards, adapt_document(doc, res, self.view, only), only)
+        try:  # every rank read and validated its part before any loads (collective)
+            shards, plan = prepare_agreed(self, res, (lambda: shards) if deferred else (lambda: self.read(
+                res, layers, only)), doc, only)
             self.view.apply(plan)
         except BaseException:
             if pending is not None:
@@ -245,7 +263,7 @@ class RestoreSide:
         except NoValidCopyError as e:
             fresh = step is None and "reason" not in e.fields
             mine, err = (-1, None) if fresh else (-2, e)
-        agreed = self.ranks.all_min(mine) if step is None else mine
+        agreed = agreed_step(self, mine, err, step)  # collective, with ``step`` too: every rank agrees
         if err is not None:
             raise err
         if agreed == -2:

@@ -38,6 +38,16 @@ Protocol (:meth:`~tierstore.train.checkpointer.Checkpointer.restore`, every rank
    error is raised by every later update and save until a restore succeeds:
    the bad bytes never reach an update or a checkpoint.
 
+Agreement (every mode, :func:`prepare_agreed`, :func:`agreed_step`): all ranks restore the same step or all
+raise. Each rank's own verdict on its part (the step it resolved; its copies read, in the verified modes, and
+the state validated, :meth:`~tierstore.train.view.StateView.prepare`) is gathered by every rank
+(:meth:`~tierstore.train.ranks.Ranks.gather`: its error's type and message, no pickle) before any rank loads
+anything into its state. Where a rank failed, it raises its own error and every other rank raises
+:class:`~tierstore.errors.PeerRestoreError` naming the failed ranks and why
+(:class:`~tierstore.errors.PeerNoValidCopyError` / :class:`~tierstore.errors.PeerRestoreMismatchError` where
+every failure was of that kind); no rank's state changed. The deferred modes' verdict on the hashing
+(:meth:`PendingRestore.settle`) is agreed the same way (``all_reduce(MIN)``) before any rank acts on it.
+
 Defaults: ``verify=None`` is ``"before_update"`` for a writer's restore of a
 state with an optimizer (an update is what makes the bytes permanent: they
 are trained on and saved; the first forward/backward overlaps the hashing),
@@ -52,18 +62,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
 import torch
 
-from tierstore.errors import ConfigError, RestoreVerifyError, TierStoreError
+from tierstore.errors import (
+    ConfigError,
+    NoValidCopyError,
+    PeerNoValidCopyError,
+    PeerRestoreError,
+    PeerRestoreMismatchError,
+    RestoreMismatchError,
+    RestoreVerifyError,
+    TierStoreError,
+)
 from tierstore.keys import ShardKey
 from tierstore.store.deferred import DeferredReads, Failure, Verification
 from tierstore.train.gather import read_shards
+from tierstore.train.reshard import adapt_document
 from tierstore.train.view import STATE_LAYER
 
-__all__ = ["IN_PASS", "VERIFY_MODES", "PendingRestore", "read_unverified", "refuse_until_restored", "verify_mode"]
+__all__ = ["IN_PASS", "VERIFY_MODES", "PendingRestore", "agree", "agreed_step", "prepare_agreed", "read_unverified",
+           "refuse_until_restored", "verify_mode", "weights_of"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +135,99 @@ def read_unverified(ck: Any, res: Any, layers: Iterable[str], *, eager: bool = F
     finally:
         v = reads.close()
     return shards, v
+
+
+# a rank's verdict on its part of a restore, as gathered (the kind decides the class the other ranks raise)
+_OK, _LOST, _MISMATCH, _OTHER = 0, 1, 2, 3
+
+
+def _kind(err: BaseException | None) -> int:
+    if err is None:
+        return _OK
+    if isinstance(err, NoValidCopyError):
+        return _LOST
+    return _MISMATCH if isinstance(err, RestoreMismatchError) else _OTHER
+
+
+def _reason(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _peer_error(ck: Any, step: int | None, failed: list[tuple[int, int, str]]) -> PeerRestoreError:
+    kinds = {k for _r, k, _w in failed}
+    cls = (PeerNoValidCopyError if kinds == {_LOST} else PeerRestoreMismatchError if kinds == {_MISMATCH}
+           else PeerRestoreError)
+    ranks = [r for r, _k, _w in failed]
+    said = "; ".join(f"rank {r}: {w}" for r, _k, w in failed)
+    at = f"step {step}" if step is not None else "the newest committed step"
+    fields: dict[str, Any] = {}
+    if cls is PeerRestoreMismatchError:
+        fields = {"layer": None, "tensor": None}
+    return cls(f"restore of {ck.model} ({at}) abandoned by every rank: rank(s) {ranks} could not restore their "
+               f"part ({said}); this rank's part (rank {ck.rank}) was fine, and no rank loaded any of it",
+               model=ck.model, step=step, failed_ranks=ranks, reason=f"rank(s) {ranks} failed: {said}",
+               reasons={r: w for r, _k, w in failed}, **fields)
+
+
+def agree(ck: Any, err: BaseException | None, step: int | None) -> None:
+    """Every rank's verdict on its part of a restore: return where every rank's is good, else raise. Collective.
+
+    Every rank calls it once its own verdict is known (``err``: what its part raised, ``None``: it succeeded)
+    and before it changes anything: a failing rank raises ``err``, every other rank a
+    :class:`~tierstore.errors.PeerRestoreError` naming the failed ranks and their errors.
+    """
+    verdicts = ck.ranks.gather(_kind(err), "" if err is None else _reason(err))
+    failed = [(r, k, w) for r, k, w in verdicts if k != _OK]
+    if not failed:
+        return
+    if err is not None:
+        raise err
+    raise _peer_error(ck, step, failed)
+
+
+def agreed_step(ck: Any, mine: int, err: BaseException | None, step: int | None) -> int:
+    """The step every rank restores: the oldest each resolved (``mine``; ``-1``: nothing committed, ``-2``: it
+    could not resolve, raising ``err``). Collective, with ``step`` given too (each rank resolved that step).
+
+    Raises:
+        PeerRestoreError: (on the ranks that resolved) another rank could not resolve; the kind of its error.
+    """
+    verdicts = ck.ranks.gather(mine, "" if err is None else _reason(err))
+    failed = [(r, _LOST, w) for r, v, w in verdicts if v == -2]  # a resolve fails with NoValidCopyError
+    if failed and err is None:
+        raise _peer_error(ck, step, failed)
+    return min(v for _r, v, _w in verdicts)
+
+
+def prepare_agreed(ck: Any, res: Any, shards: Callable[[], dict[str, Any]], doc: dict[str, Any],
+                   only: Iterable[str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's shards (``shards()``: read, or already read) and its validated plan, once every rank's are.
+
+    Collective (:func:`agree`): nothing is loaded on any rank unless every rank read and validated its part.
+    """
+    err: Exception | None = None
+    got: dict[str, Any] = {}
+    plan: dict[str, Any] = {}
+    try:
+        got = shards()
+        plan = ck.view.prepare(got, adapt_document(doc, res, ck.view, only), only)
+    except Exception as e:  # noqa: BLE001 - every failure of this rank's part is voted, then raised here
+        err = e
+    agree(ck, err, res.step)
+    return got, plan
+
+
+def weights_of(state: MutableMapping[str, Any], only: Iterable[str] | None) -> list[str]:
+    """The keys a ``weights_only`` restore loads: the modules of the state (of ``only``, where given).
+
+    Raises:
+        ConfigError: ``only`` names no module.
+    """
+    asked = list(state) if only is None else list(only)
+    keys = [k for k in asked if isinstance(state.get(k), torch.nn.Module)]
+    if not keys:
+        raise ConfigError(f"weights_only: no module among the keys restored ({asked})", field="weights_only")
+    return keys
 
 
 def _describe(failures: list[Failure]) -> str:

@@ -38,6 +38,7 @@ __all__ = [
     "encode",
     "is_stateful",
     "normalise_fqn",
+    "optimizer_types",
     "unwrap",
 ]
 
@@ -106,6 +107,23 @@ def unwrap(module: nn.Module) -> nn.Module:
             continue
         break
     return module
+
+
+def optimizer_types(opt: Any) -> list[str]:
+    """The class qualnames of an optimizer: the innermost first, then the wrappers around it.
+
+    Wrappers that hold the real optimizer as ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``) are peeled: the first name is what a checkpoint stores as the
+    optimizer's type (``"class"`` of its entry) and what a restore compares.
+    """
+    names = []
+    seen = 0
+    while opt is not None and seen < 16:
+        seen += 1
+        names.append(type(opt).__qualname__)
+        inner = getattr(opt, "optimizer", None)
+        opt = inner if isinstance(inner, torch.optim.Optimizer) and inner is not opt else None
+    return names[::-1]
 
 
 def normalise_fqn(name: str) -> str:

@@ -39,7 +39,7 @@ from torch import nn
 
 from tierstore.errors import InvalidValueError, RestoreMismatchError
 from tierstore.train.layers import StateMap
-from tierstore.train.state import decode, encode, is_stateful
+from tierstore.train.state import decode, encode, is_stateful, optimizer_types
 
 __all__ = ["STATE_LAYER", "Collected", "RestoreReport", "Restored", "StateView"]
 
@@ -145,6 +145,54 @@ def _check_tensor(key: str, name: str, t: torch.Tensor) -> None:
         raise InvalidValueError(f"state {key!r}: tensor {name!r} is not dense and strided", key=key, tensor=name)
 
 
+def _check_optimizer(key: str, opt: Any, stored: Mapping[str, Any], m: StateMap) -> None:
+    """Refuse another optimizer type, or param groups of another count or membership, before anything loads.
+
+    The stored type is the entry's ``"class"`` (the innermost optimizer's qualname, since it was saved), else,
+    in older checkpoints, ``meta["type"]`` (the class name of the object held, a wrapper's where wrapped).
+
+    Raises:
+        RestoreMismatchError: naming both types, or the group that differs.
+    """
+    meta = stored.get("meta") or {}
+    mine = optimizer_types(opt)
+    theirs = stored.get("class") or meta.get("type")
+    if theirs is not None and theirs not in (mine if stored.get("class") is None else mine[:1]):
+        raise RestoreMismatchError(
+            f"optimizer {key!r} is a {mine[0]}, the checkpoint's a {theirs}: its state and hyper-parameters do not "
+            "apply (restore(..., weights_only=True) loads the modules alone)", layer=None, tensor=key,
+            stored=theirs, target=mine[0])
+    groups = meta.get("groups")
+    if groups is None:
+        return
+    if len(groups) != len(m.opt_groups):
+        raise RestoreMismatchError(f"optimizer {key!r} has {len(m.opt_groups)} param groups, the checkpoint "
+                                   f"{len(groups)}", layer=None, tensor=key)
+    for gi, (g, sg) in enumerate(zip(m.opt_groups, groups)):
+        n, sn = len(g["params"]), len(sg.get("params") or [])
+        if n != sn:
+            raise RestoreMismatchError(f"optimizer {key!r} param group {gi} holds {n} parameters, the checkpoint's "
+                                       f"{sn}", layer=None, tensor=f"param_groups[{gi}]")
+
+
+def _check_extra(key: str, m: StateMap, stored: Mapping[str, Any]) -> None:
+    """Refuse a module whose non-tensor state (``_extra_state``) the checkpoint lacks, or holds more of."""
+    missing, unexpected = sorted(set(m.extra) - set(stored)), sorted(set(stored) - set(m.extra))
+    if missing or unexpected:
+        raise RestoreMismatchError(f"module {key!r}: missing keys {missing}, unexpected keys {unexpected} (its "
+                                   "non-tensor state)", layer=None, tensor=(missing or unexpected)[0])
+
+
+def _check_state_keys(key: str, m: StateMap, plan: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse optimizer state whose keys differ from the target's, for each parameter both hold state of."""
+    for pname, vals in plan.items():
+        cur = m.opt_state.get(pname) or {}
+        if cur and set(cur) != set(vals):
+            raise RestoreMismatchError(
+                f"optimizer {key!r} state of {pname!r}: the checkpoint holds {sorted(vals)}, the target "
+                f"{sorted(cur)}", layer=None, tensor=pname)
+
+
 class StateView:
     """The trainer state of one rank; see the module docstring.
 
@@ -228,7 +276,8 @@ class StateView:
                            "layers": sorted(m.layers), "extra": m.extra_state(loose, f"state/{mk}/")}
             if m.optimizer is not None:
                 ok = next(k for k, v in self.owner.items() if v == mk)
-                entries[ok] = {"kind": "optimizer", "module": mk, "meta": m.optimizer_meta()}
+                entries[ok] = {"kind": "optimizer", "module": mk, "meta": m.optimizer_meta(),
+                               "class": optimizer_types(self.state[ok])[0]}
         for key, v in self.state.items():
             if key in entries:
                 continue
@@ -312,13 +361,18 @@ class StateView:
                         raise RestoreMismatchError(f"state entry {ok!r} is not the optimizer of {mk!r} in the "
                                                    "checkpoint", layer=None, tensor=ok)
                     opt_meta = entries[ok].get("meta")
+                    _check_optimizer(ok, self.state[ok], entries[ok], m)
+                _check_extra(mk, m, stored.get("extra") or {})
                 tensors = {ln: shards[ln][0] for ln in stored.get("layers", []) if ln in shards}
                 missing = [ln for ln in stored.get("layers", []) if ln not in shards]
                 if missing:
                     raise RestoreMismatchError(f"layer {missing[0]!r} of {mk!r} was not read", layer=missing[0],
                                                tensor=None)
                 metas = {ln: shards[ln][1] for ln in tensors}
-                plan["maps"].append((m, m.prepare(tensors, metas, opt_meta, stored.get("extra"), loose)))
+                p = m.prepare(tensors, metas, opt_meta, stored.get("extra"), loose)
+                if m.optimizer is not None:
+                    _check_state_keys(next(k for k, v in self.owner.items() if v == mk), m, p["optim"])
+                plan["maps"].append((m, p))
         if rest and not modules:  # the hyper-parameters ride with the rest (a learning-rate schedule)
             for mk, m in self.maps(keys).items():
                 if m.optimizer is not None:

@@ -150,6 +150,14 @@ class StoreConfig:
             past it (or where registration fails) copies are pageable.
             ``None`` (default): a quarter of the machine's memory; 0: never.
             Nothing is page-locked in a process that saves no CUDA tensor.
+        lazy_check: how a lazy save (``Checkpointer(..., lazy=True)``) checks that
+            what it copied is what ``save()`` saw, for writes the version counter
+            does not see (``p.data``, a numpy view, ``untyped_storage()``;
+            :mod:`tierstore.train.lazy`): ``"sample"`` (default) compares
+            ``lazy_check_samples`` elements per tensor, ``"full"`` an xxh3-128
+            digest of every byte (certain, costs about one more copy at
+            ``save()``), ``"off"`` only the version counters.
+        lazy_check_samples: elements per tensor ``"sample"`` compares (default 64).
     """
 
     home: str = ".tierstore"
@@ -181,6 +189,8 @@ class StoreConfig:
     device_tier: str = "auto"
     device_capacity_bytes: int | None = None
     pin_host_bytes: int | None = None
+    lazy_check: str = "sample"
+    lazy_check_samples: int = 64
 
     @property
     def retry(self) -> RetryPolicy:
@@ -215,6 +225,13 @@ class StoreConfig:
             raise ConfigError("device_capacity_bytes must be positive", field="device_capacity_bytes")
         if self.pin_host_bytes is not None and self.pin_host_bytes < 0:
             raise ConfigError("pin_host_bytes must be >= 0 (or None: auto)", field="pin_host_bytes")
+        if self.lazy_check not in ("sample", "full", "off"):  # tierstore.train.lazy.CHECKS
+            raise ConfigError(f"lazy_check must be 'sample', 'full' or 'off', got {self.lazy_check!r}",
+                              field="lazy_check")
+        if isinstance(self.lazy_check_samples, bool) or not isinstance(self.lazy_check_samples, int) \
+                or self.lazy_check_samples < 1:
+            raise ConfigError(f"lazy_check_samples must be a positive int, got {self.lazy_check_samples!r}",
+                              field="lazy_check_samples")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:

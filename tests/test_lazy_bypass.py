@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import tierstore
+from tests.test_lazy_d2h import fake_copies  # noqa: F401  # a fixture: DeviceCopies' stand-in on the CPU
 from tests.test_lazy_snapshot import _bits, _CopyAfterStepStarts, _reference
 from tierstore.errors import ConfigError, SnapshotChangedError
 from tierstore.train.checkpointer import Checkpointer
@@ -46,15 +47,16 @@ WRITES: dict[str, Callable[[nn.Module], None]] = {"data-clamp": _clamp, "numpy-v
                                                   "untyped-storage": _storage}
 
 
-def _net() -> nn.Module:
+def _net(device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 1))
+    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 1)).to(device)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, s: int) -> None:
     g = torch.Generator().manual_seed(s)
     opt.zero_grad(set_to_none=True)
-    model(torch.randn(8, DIM, generator=g)).pow(2).mean().backward()
+    x = torch.randn(8, DIM, generator=g).to(next(model.parameters()).device)
+    model(x).pow(2).mean().backward()
     opt.step()
 
 
@@ -68,9 +70,9 @@ def _check_step(store, name: str, step: int, ref: dict) -> int:
     return compared
 
 
-def _run(store, monkeypatch, name: str, write: Callable[[nn.Module], None], steps: int = 4):
+def _run(store, monkeypatch, name: str, write: Callable[[nn.Module], None], steps: int = 4, device: str = "cpu"):
     """Train and save lazily, ``write`` right after each ``save()``; return the references and the errors."""
-    model = _net()
+    model = _net(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ck = Checkpointer(store, name, model, opt, lazy=True, keep_last=None)
     gate = _CopyAfterStepStarts(ck, monkeypatch)
@@ -93,10 +95,22 @@ def _run(store, monkeypatch, name: str, write: Callable[[nn.Module], None], step
     return model, refs, errors, ck
 
 
-@pytest.mark.parametrize("how", list(WRITES))
-def test_a_write_that_bypasses_the_version_counter_is_never_committed(store, monkeypatch, how):
-    name = f"bypass-{how}"
-    _model, refs, errors, ck = _run(store, monkeypatch, name, WRITES[how])
+CASES = [(how, "cpu") for how in WRITES] + [
+    ("data-clamp", "cuda-path-on-cpu"),  # the CUDA code path (second take at the gate) with DeviceCopies' stand-in
+] + [
+    pytest.param(how, "cuda", marks=[pytest.mark.cuda,
+                                     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])
+    for how in ("data-clamp", "untyped-storage")  # a numpy view is of CPU tensors only
+]
+
+
+@pytest.mark.parametrize(("how", "device"), CASES)
+def test_a_write_that_bypasses_the_version_counter_is_never_committed(store, monkeypatch, request, how, device):
+    name = f"bypass-{how}-{device}"
+    if device == "cuda-path-on-cpu":
+        log = request.getfixturevalue("fake_copies")
+        device = "cpu"
+    _model, refs, errors, ck = _run(store, monkeypatch, name, WRITES[how], device=device)
     states = dict(store.steps.steps(name))
     committed = [s for s in refs if states.get(s) in ("committed", "durable")]
     for s in committed:  # what is committed is the state of its save(), bitwise
@@ -111,6 +125,8 @@ def test_a_write_that_bypasses_the_version_counter_is_never_committed(store, mon
     assert "untyped_storage()" in str(errors[0]) and ".data" in str(errors[0])
     assert committed == [1, 2, 3], states
     assert ck.stats.changed_in_forward == 1
+    if request.node.callspec.params["device"] == "cuda-path-on-cpu":
+        assert log.count("enqueued") == 4 and log.count("order_update") >= 4, log  # that path was taken
     # the user's view: a restore gives the state of the last save()
     m2 = _net()
     ck2 = Checkpointer(store, name, m2, torch.optim.Adam(m2.parameters(), lr=0.01))

@@ -249,38 +249,62 @@ class Fingerprint:
                 stride = n // samples
                 self._plan.append((rnd.randrange(stride), stride))
             else:
-                self._plan.append(tuple(torch.randint(d, (samples,), device=t.device) for d in t.shape))
+                self._plan.append(tuple(torch.randint(d, (samples,)) for d in t.shape))  # host: no GPU memory
         self.samples = samples
 
     def take(self) -> list[Any]:
-        """One fingerprint per tensor: a small tensor of sampled elements (``"sample"``) or a digest."""
+        """Fingerprint the tensors now: a digest per tensor (``"full"``), or (``"sample"``) the sampled elements,
+        one host tensor per dtype and device (device tensors: gathered on the current stream and copied to
+        page-locked host memory without waiting, so no GPU memory stays allocated; wait for an event recorded
+        after this call before reading them)."""
         if self.kind == "full":
             return [tensor_digest(t) if t.numel() else "" for t in self.tensors]
-        out: list[Any] = []
         k = self.samples
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         with torch.no_grad():
             for t, plan in zip(self.tensors, self._plan):
                 if isinstance(plan[0], torch.Tensor):
-                    out.append(t.detach()[plan].clone())
-                    continue
-                off, stride = plan
-                flat = t.detach().reshape(-1)  # a view: contiguous, or small enough to take whole
-                out.append(flat[off::stride][:k].clone())
+                    part = t.detach()[plan]
+                else:
+                    off, stride = plan
+                    part = t.detach().reshape(-1)[off::stride][:k]  # a view: contiguous, or small enough
+                groups.setdefault((t.dtype, t.device), []).append(part)
+            out = []
+            for (_dt, dev), parts in groups.items():
+                cat = torch.cat(parts)
+                if dev.type == "cuda":
+                    host = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
+                    host.copy_(cat, non_blocking=True)
+                    cat = host
+                out.append(cat)
         return out
 
     def differ(self, before: list[Any], after: list[Any]) -> list[tuple[str, str]]:
         """The ``(layer, name)`` of the tensors whose fingerprints differ (bitwise; NaN equals itself)."""
         if self.kind == "full":
             return sorted(nm for nm, a, b in zip(self.names, before, after) if a != b)
-        return sorted(nm for nm, a, b in zip(self.names, before, after) if not _same_bits(a, b))
+        # the takes' layout: per (dtype, device) group in order of first appearance, each tensor's sample
+        groups: dict[tuple[torch.dtype, torch.device], list[tuple[tuple[str, str], int]]] = {}
+        for nm, t, plan in zip(self.names, self.tensors, self._plan):
+            n = plan[0].numel() if isinstance(plan[0], torch.Tensor) else len(range(plan[0], t.numel(), plan[1]))
+            groups.setdefault((t.dtype, t.device), []).append((nm, min(n, self.samples)))
+        out = []
+        for entries, a, b in zip(groups.values(), before, after):
+            at = 0
+            for nm, n in entries:
+                if not _same_bits(a[at:at + n], b[at:at + n]):
+                    out.append(nm)
+                at += n
+        return sorted(out)
 
 
 def _event_after(copies: Any) -> Any:
-    """An event recorded on the calling thread's current stream of the copies' device (``None`` on CPU)."""
-    if copies is None:
+    """An event recorded on the calling thread's current stream of the copies' CUDA device (else ``None``)."""
+    dev = getattr(copies, "device", None)
+    if dev is None or torch.device(dev).type != "cuda":
         return None
     ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(copies.device))
+    ev.record(torch.cuda.current_stream(dev))
     return ev
 
 
@@ -356,7 +380,9 @@ class LazySave:
         if not self._on_gate_thread():  # the background thread, once the copies completed: their side stream
             with copies.stream_context():
                 after = self._fp.take()  # type: ignore[union-attr]
-            copies.stream.synchronize()
+                ev = _event_after(copies)
+            if ev is not None:
+                ev.synchronize()
             self._compare(after)
             return
         copies.order_update()  # the trainer's stream waits for the copies, then reads the tensors again

@@ -239,37 +239,49 @@ class Fingerprint:
         self.names = [(ln, n) for ln, n, _t, _v in versions]
         self.tensors = [t for _ln, _n, t, _v in versions]
         rnd = random.Random()
-        # per tensor: (offset, stride) over the flattened tensor, or random indices per dim when not contiguous
+        # per tensor: (offset, stride) over the flattened contiguous tensor (stride 0: all of it), or the random
+        # indices per dim of a non-contiguous one
         self._plan: list[Any] = []
         for t in self.tensors:
             n = t.numel()
-            if n <= samples:
-                self._plan.append((0, 1))
-            elif t.is_contiguous():
+            if not t.is_contiguous():
+                self._plan.append(tuple(torch.randint(d, (samples,)) for d in t.shape) if n > samples else None)
+            elif n <= samples:
+                self._plan.append((0, 0))
+            else:
                 stride = n // samples
                 self._plan.append((rnd.randrange(stride), stride))
-            else:
-                self._plan.append(tuple(torch.randint(d, (samples,)) for d in t.shape))  # host: no GPU memory
         self.samples = samples
 
-    def take(self) -> list[Any]:
-        """Fingerprint the tensors now: a digest per tensor (``"full"``), or (``"sample"``) the sampled elements,
-        one host tensor per dtype and device (device tensors: gathered on the current stream and copied to
-        page-locked host memory without waiting, so no GPU memory stays allocated; wait for an event recorded
-        after this call before reading them)."""
+    def _part(self, t: torch.Tensor, plan: Any) -> torch.Tensor:
+        if plan is None:
+            return t.reshape(-1)  # non-contiguous and small: all of it
+        if isinstance(plan[0], torch.Tensor):
+            return t[plan]
+        off, stride = plan
+        if not stride:
+            return t.view(-1)
+        return torch.as_strided(t, (self.samples,), (stride,), t.storage_offset() + off)
+
+    def _count(self, t: torch.Tensor, plan: Any) -> int:
+        if plan is None or (not isinstance(plan[0], torch.Tensor) and not plan[1]):
+            return t.numel()
+        return self.samples
+
+    def take(self) -> tuple[list[int], list[Any]]:
+        """Fingerprint the tensors now: their data pointers (a tensor whose storage was replaced, ``p.data = x``,
+        differs), and a digest per tensor (``"full"``) or (``"sample"``) the sampled elements, one host tensor
+        per dtype and device (device tensors: gathered on the current stream and copied to page-locked host
+        memory without waiting, so no GPU memory stays allocated; wait for an event recorded after this call
+        before reading them)."""
+        ptrs = [t.data_ptr() for t in self.tensors]
         if self.kind == "full":
-            return [tensor_digest(t) if t.numel() else "" for t in self.tensors]
-        k = self.samples
+            return ptrs, [tensor_digest(t) if t.numel() else "" for t in self.tensors]
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         with torch.no_grad():
             for t, plan in zip(self.tensors, self._plan):
-                if isinstance(plan[0], torch.Tensor):
-                    part = t.detach()[plan]
-                else:
-                    off, stride = plan
-                    part = t.detach().reshape(-1)[off::stride][:k]  # a view: contiguous, or small enough
-                groups.setdefault((t.dtype, t.device), []).append(part)
-            out = []
+                groups.setdefault((t.dtype, t.device), []).append(self._part(t.detach(), plan))
+            out: list[Any] = []
             for (_dt, dev), parts in groups.items():
                 cat = torch.cat(parts)
                 if dev.type == "cuda":
@@ -277,25 +289,24 @@ class Fingerprint:
                     host.copy_(cat, non_blocking=True)
                     cat = host
                 out.append(cat)
-        return out
+        return ptrs, out
 
-    def differ(self, before: list[Any], after: list[Any]) -> list[tuple[str, str]]:
+    def differ(self, before: tuple[list[int], list[Any]], after: tuple[list[int], list[Any]]) -> list[tuple[str, str]]:
         """The ``(layer, name)`` of the tensors whose fingerprints differ (bitwise; NaN equals itself)."""
+        moved = {nm for nm, a, b in zip(self.names, before[0], after[0]) if a != b}
         if self.kind == "full":
-            return sorted(nm for nm, a, b in zip(self.names, before, after) if a != b)
+            return sorted(moved | {nm for nm, a, b in zip(self.names, before[1], after[1]) if a != b})
         # the takes' layout: per (dtype, device) group in order of first appearance, each tensor's sample
         groups: dict[tuple[torch.dtype, torch.device], list[tuple[tuple[str, str], int]]] = {}
         for nm, t, plan in zip(self.names, self.tensors, self._plan):
-            n = plan[0].numel() if isinstance(plan[0], torch.Tensor) else len(range(plan[0], t.numel(), plan[1]))
-            groups.setdefault((t.dtype, t.device), []).append((nm, min(n, self.samples)))
-        out = []
-        for entries, a, b in zip(groups.values(), before, after):
+            groups.setdefault((t.dtype, t.device), []).append((nm, self._count(t, plan)))
+        for entries, a, b in zip(groups.values(), before[1], after[1]):
             at = 0
             for nm, n in entries:
                 if not _same_bits(a[at:at + n], b[at:at + n]):
-                    out.append(nm)
+                    moved.add(nm)
                 at += n
-        return sorted(out)
+        return sorted(moved)
 
 
 def _event_after(copies: Any) -> Any:
@@ -334,7 +345,7 @@ class LazySave:
         self._fp = fingerprint
         self._at_save = fingerprint.take() if fingerprint is not None else None
         self._at_save_ev = _event_after(copies) if fingerprint is not None else None
-        self._after: tuple[list[Any], Any] | None = None  # the second take, enqueued at the gate, and its event
+        self._after: tuple[Any, Any] | None = None  # the second take, enqueued at the gate, and its event
         self._gate_thread = threading.current_thread()  # the trainer's (save()); its update's gate settles there
 
     def release(self) -> None:
@@ -389,7 +400,7 @@ class LazySave:
         after = self._fp.take()  # type: ignore[union-attr]
         self._after = (after, _event_after(copies))
 
-    def _compare(self, after: list[Any]) -> None:
+    def _compare(self, after: Any) -> None:
         fp, before = self._fp, self._at_save
         self._fp = self._at_save = None
         if fp is None or before is None:

@@ -148,11 +148,12 @@ class Attempts(StepBase):
             lease, quiet = float(out[5] or 0), float(out[6] or 0)
             # unrenewed, the quiet time grew by the time slept; renewed (the holder is alive), it fell behind
             renewed = slept is not None and quiet < quiet_before + slept / 2
-            left = deadline - time.monotonic()
-            if lease <= 0 or renewed or left <= 0:
+            lapses_in = max(lease - quiet, 0.0)
+            # wait only for a lease that lapses within the wait (0.5 s of slack for the index's round trips)
+            if lease <= 0 or renewed or wait_s <= 0 or lapses_in > max(deadline - time.monotonic(), 0.0) + 0.5:
                 raise self._busy(model, step, out)
             quiet_before, t0 = quiet, time.monotonic()
-            time.sleep(min(max(lease - quiet, 0.0) + 0.05, lease / 3, left))
+            time.sleep(min(lapses_in + 0.05, lease / 3))  # at most a renewal interval: a live holder shows
             slept = time.monotonic() - t0
 
     @staticmethod

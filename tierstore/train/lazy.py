@@ -78,7 +78,9 @@ kernels go on the trainer's stream, device side, no host sync), and
 complete and before the update may run (CPU: on the background thread right
 after the copies; CUDA: at the update's gate on the trainer's stream ordered
 after the copies' event, or on the copies' side stream once they completed,
-compared on the background thread). The tensor did not change between
+compared on the background thread). Each fingerprint also holds the
+tensors' data pointers, so a storage replaced behind the tensor
+(``p.data = x``) differs too. The tensor did not change between
 ``save()`` and the end of its copy if both agree, so the copy holds the
 values of ``save()``; a tensor whose fingerprints differ is treated as a
 changed counter: the step is voted down with ``SnapshotChangedError``, and it

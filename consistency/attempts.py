@@ -30,8 +30,8 @@ number again within seconds instead of after the attempt's timeout. A live
 writer renews, so two live writers of one step are still refused
 (:class:`~tierstore.errors.StepBusyError` names the lease and when it
 lapses). A claim refused by a leased attempt may wait (``wait_s``) for the
-lease to lapse: it polls every ``lease_s / 3`` and gives up at once when it
-sees the holder renew (alive), else after ``wait_s``. The timeout still
+lease to lapse: it polls (every ``lease_s / 3``, at most 1 s) and gives up at once
+when it sees the holder renew (alive), else after ``wait_s``. The timeout still
 bounds every attempt (a writer alive but hung keeps renewing until then).
 What the lapsed attempt wrote is never part of the new attempt's commit: its
 votes are dropped by the new claim, its late writes and votes are refused
@@ -153,7 +153,7 @@ class Attempts(StepBase):
             if lease <= 0 or renewed or wait_s <= 0 or lapses_in > max(deadline - time.monotonic(), 0.0) + 0.5:
                 raise self._busy(model, step, out)
             quiet_before, t0 = quiet, time.monotonic()
-            time.sleep(min(lapses_in + 0.05, lease / 3))  # at most a renewal interval: a live holder shows
+            time.sleep(min(lapses_in + 0.05, lease / 3, 1.0))  # a renewal, a decision or the lapse shows soon
             slept = time.monotonic() - t0
 
     @staticmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 from consistency.manifest import MANIFEST_VERSION
 
 __all__ = ["BEGIN", "CLAIM", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED", "OWNER_CHECK",
-           "READERS", "SUPERSEDE", "VOTE"]
+           "READERS", "RENEW", "SUPERSEDE", "VOTE"]
 
 # Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
 # last ARGV, a negative value meaning "ask the server".
@@ -246,35 +246,47 @@ return open_step(true)
 
 # Begin a step for one writer only (see consistency.attempts): the attempt is owned by the writer's token,
 # and only writes and votes carrying it count (see OWNER_CHECK). A step preparing under another token is refused
-# ({'busy', ...}, nothing changed) unless it is past its own timeout, or of an older epoch than the caller's
+# ({'busy', ...}, nothing changed) unless it is past its own timeout, or its lease lapsed (a lease > 0 not renewed
+# (RENEW) for longer than the lease: its writer is dead), or of an older epoch than the caller's
 # (then it is recorded aborted, with why, and its decision published); an aborted step is begun again. Either
 # way the new attempt is the old one's number + 1. A committed step is immutable (TSCOMMITTED).
 # KEYS: epoch, step, steps, votes, objs, vinfo; ARGV: epoch, step, world, layout_json, timeout_s, check, token,
-# events channel, decided channel, now. With check = '1', a model the index holds no record of is answered
-# {'unknown'}, as BEGIN does. Returns {'preparing', attempt, previous reason, previous state} (reason and state
-# '' for a first attempt or a repeated claim of the same token) or {'busy', attempt, world, age_s, timeout_s}.
+# events channel, decided channel, lease_s (0: none), now. With check = '1', a model the index holds no record of
+# is answered {'unknown'}, as BEGIN does. Returns {'preparing', attempt, previous reason, previous state} (reason
+# and state '' for a first attempt or a repeated claim of the same token, which renews the lease) or
+# {'busy', attempt, world, age_s, timeout_s, lease_s, seconds since its last renewal}.
 CLAIM = _FENCE + _NOW + """
 if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then return {'unknown'} end
-local h = redis.call('HMGET', KEYS[2], 'state', 'owner', 'attempt', 'started', 'timeout', 'epoch', 'reason', 'world')
+local h = redis.call('HMGET', KEYS[2], 'state', 'owner', 'attempt', 'started', 'timeout', 'epoch', 'reason', 'world',
+                    'lease', 'renewed')
 local st, owner, attempt = h[1], h[2] or '', tonumber(h[3] or '1') or 1
 if st == 'committed' or st == 'durable' then
   return redis.error_reply('TSCOMMITTED step ' .. ARGV[2] .. ' is ' .. st .. ': it cannot be saved again')
 end
 local why, was = '', ''
 if st == 'preparing' then
-  if owner == ARGV[7] then return {'preparing', tostring(attempt), '', ''} end
+  if owner == ARGV[7] then
+    redis.call('HSET', KEYS[2], 'renewed', now)
+    return {'preparing', tostring(attempt), '', ''}
+  end
   local started = tonumber(h[4] or '0') or 0
   local timeout = tonumber(h[5] or '0') or 0
   local sep = tonumber(h[6] or '-1') or -1
+  local lease = tonumber(h[9] or '0') or 0
+  local quiet = now - (tonumber(h[10] or h[4] or '0') or 0)
   local age = now - started
   if timeout > 0 and age > timeout then
     why = 'timed out'
     was = string.format('timed out: it began %.1f s before, its timeout is %g s', age, timeout)
+  elseif lease > 0 and quiet > lease then
+    why = 'lease lapsed'
+    was = string.format('lease lapsed: its writer last renewed it %.1f s before, its lease is %g s', quiet, lease)
   elseif ep >= 0 and sep >= 0 and ep > sep then
     why = 'fenced by epoch ' .. ARGV[1]
     was = 'fenced: it is of epoch ' .. sep .. ', the new writer of epoch ' .. ARGV[1]
   else
-    return {'busy', tostring(attempt), h[8] or '0', string.format('%.3f', age), string.format('%g', timeout)}
+    return {'busy', tostring(attempt), h[8] or '0', string.format('%.3f', age), string.format('%g', timeout),
+            string.format('%g', lease), string.format('%.3f', quiet)}
   end
   redis.call('HSET', KEYS[2], 'state', 'aborted', 'decided', now, 'reason', why)
   redis.call('PUBLISH', ARGV[8], ARGV[2] .. ' aborted')
@@ -287,9 +299,21 @@ local n = 1
 if st then n = attempt + 1 end
 redis.call('DEL', KEYS[2], KEYS[4], KEYS[6])
 redis.call('HSET', KEYS[2], 'state', 'preparing', 'world', ARGV[3], 'epoch', ARGV[1], 'started', now,
-           'layout', ARGV[4], 'timeout', ARGV[5], 'nmigrated', 0, 'attempt', n, 'owner', ARGV[7])
+           'layout', ARGV[4], 'timeout', ARGV[5], 'nmigrated', 0, 'attempt', n, 'owner', ARGV[7],
+           'lease', ARGV[10], 'renewed', now)
 redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), ARGV[2])
 return {'preparing', tostring(n), was, st or ''}
+"""
+
+# Renew the lease of a claimed step's attempt (see CLAIM): only its owner's token, only while it is preparing
+# and not past its timeout. KEYS: step; ARGV: token, now. Returns {state ('expired': past its timeout), lease}.
+RENEW = _NOW + """
+local h = redis.call('HMGET', KEYS[1], 'state', 'owner', 'started', 'timeout', 'lease')
+if h[1] ~= 'preparing' or (h[2] or '') ~= ARGV[1] then return {h[1] or '', ''} end
+local timeout = tonumber(h[4] or '0') or 0
+if timeout > 0 and now - (tonumber(h[3] or '0') or 0) > timeout then return {'expired', ''} end
+redis.call('HSET', KEYS[1], 'renewed', now)
+return {'preparing', h[5] or ''}
 """
 
 # A write or vote counts only for the attempt that holds its step: one carrying a token (see CLAIM) only while

@@ -429,7 +429,7 @@ def test_named_step_load_refuses_a_step_whose_coordinator_died_before_its_vote(s
             return rec
         TierStore.put = dying_put
         store = tierstore.open(config=StoreConfig(**json.loads({cfg!r})))
-        w = TierStoreWriter(store, "crash", 2, epoch=store.open_epoch("crash"))  # the job's incarnation
+        w = TierStoreWriter(store, "crash", 2, epoch=store.open_epoch("crash"), lease=0)  # no lease: held till timeout
         dcp.save({{"w": torch.full((3,), 2.0)}}, storage_writer=w, no_dist=True)
     """)
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -441,7 +441,8 @@ def test_named_step_load_refuses_a_step_whose_coordinator_died_before_its_vote(s
     target = {"w": torch.zeros(3)}
     tsdcp.load(target, TierStoreReader(store, "crash"), no_dist=True)  # newest committed: step 1
     assert torch.equal(target["w"], torch.ones(3))
-    # another writer cannot tell a dead attempt from a live one before its timeout: refused, nothing written
+    # without a lease another writer cannot tell a dead attempt from a live one before its timeout: refused,
+    # nothing written (with one, the claim lapses: tests/test_dcp_lease.py)
     with pytest.raises(StepBusyError):
         tsdcp.save({"w": torch.full((3,), 3.0)}, TierStoreWriter(store, "crash", 2), no_dist=True)
     # the job restarting takes a new epoch: the attempt of the old incarnation is taken over at once

@@ -166,6 +166,14 @@ class StoreConfig:
             background work (migration, replication, ``finish_async``); past it close returns anyway,
             with a warning naming the steps that stay memory-only (also its return value and
             ``TierStore.memory_only_at_close``). ``None``: unbounded.
+        lazy_check: how a lazy save (``Checkpointer(..., lazy=True)``) checks that
+            what it copied is what ``save()`` saw, for writes the version counter
+            does not see (``p.data``, a numpy view, ``untyped_storage()``;
+            :mod:`tierstore.train.lazy`): ``"sample"`` (default) compares
+            ``lazy_check_samples`` elements per tensor, ``"full"`` an xxh3-128
+            digest of every byte (certain, costs about one more copy at
+            ``save()``), ``"off"`` only the version counters.
+        lazy_check_samples: elements per tensor ``"sample"`` compares (default 64).
     """
 
     home: str = ".tierstore"
@@ -201,6 +209,8 @@ class StoreConfig:
     durable_stall_s: float | None = 10.0
     flush_timeout_s: float | None = 600.0
     close_timeout_s: float | None = 30.0
+    lazy_check: str = "sample"
+    lazy_check_samples: int = 64
 
     @property
     def retry(self) -> RetryPolicy:
@@ -241,6 +251,13 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be positive (or None: unbounded)", field=name)
         if self.pin_host_bytes is not None and self.pin_host_bytes < 0:
             raise ConfigError("pin_host_bytes must be >= 0 (or None: auto)", field="pin_host_bytes")
+        if self.lazy_check not in ("sample", "full", "off"):  # tierstore.train.lazy.CHECKS
+            raise ConfigError(f"lazy_check must be 'sample', 'full' or 'off', got {self.lazy_check!r}",
+                              field="lazy_check")
+        if isinstance(self.lazy_check_samples, bool) or not isinstance(self.lazy_check_samples, int) \
+                or self.lazy_check_samples < 1:
+            raise ConfigError(f"lazy_check_samples must be a positive int, got {self.lazy_check_samples!r}",
+                              field="lazy_check_samples")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> StoreConfig:

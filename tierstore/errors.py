@@ -139,7 +139,9 @@ class StepBusyError(CommitError):
     new attempt took the step over). Fields where known: ``model``, ``step``,
     ``attempt`` (the attempt holding the step), ``world`` (its voters),
     ``age_s`` (seconds since it began) and ``expires_in_s`` (seconds until its
-    timeout lets a new attempt take the step; ``None``: it never times out).
+    timeout lets a new attempt take the step; ``None``: it never times out);
+    for a leased attempt (:mod:`consistency.attempts`) ``lease_s`` and
+    ``lapses_in_s`` (seconds until its lease lapses unless its writer renews it).
     """
 
 

@@ -19,9 +19,20 @@ Write protocol (DCP's calls in order, who makes them, what tierstore does):
    committed or durable is refused (:class:`KeyExistsError`), and so is one
    another writer's attempt is still saving (:class:`StepBusyError`, the
    second of two concurrent saves); a step whose earlier attempt was aborted,
-   or is past its timeout (``step_timeout``), is saved again as a new attempt
-   (logged, naming why the earlier one ended). Each rank learns its slot, the
-   world and the attempt token through ``plan.storage_data``.
+   or is past its timeout (``step_timeout``), or whose lease lapsed, is saved
+   again as a new attempt (logged, naming why the earlier one ended). Each rank
+   learns its slot, the world and the attempt token through ``plan.storage_data``.
+
+   The claim is a *lease* (``lease``, 10 s by default): the coordinator renews
+   it from a daemon thread (:class:`consistency.attempts.Lease`, every
+   ``lease / 3``) from the claim until ``finish`` returns (or its write fails),
+   whatever the write is doing, so a slow write keeps it. A coordinator that
+   dies (SIGKILL, a lost node) stops renewing, and the lease lapses within
+   ``lease`` seconds: a job restarted at once saves the same step number again
+   (its claim waits up to ``claim_wait``, default one lease, for a leased
+   attempt to lapse, and is refused at once when it sees the holder renew:
+   two live writers are still refused). The renewals stop by themselves once
+   the step is decided or past its timeout.
 4. all ranks, ``write_data``: every item goes into ONE object per rank,
    ``ShardKey(model, "dcp", step, rank)``: tensors (their projection, on
    CPU) as themselves, non-tensor values (``BYTE_IO``) as the bytes DCP's
@@ -78,6 +89,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from consistency.attempts import DEFAULT_LEASE_S, Lease
 from tierstore.codec import DTYPES
 from tierstore.config import StoreConfig
 from tierstore.errors import (
@@ -171,6 +183,11 @@ class TierStoreWriter(StorageWriter):
         epoch: the job incarnation's epoch (e.g. ``store.open_epoch(model)`` taken once when the
             job starts, the same on every rank): writes and votes of older epochs are fenced, and
             an attempt of an older epoch is taken over at once, without waiting for its timeout.
+        lease: seconds the coordinator's claim of the step outlives its last renewal (renewed every
+            ``lease / 3`` while the writer lives; see the module docstring); 0: no lease (the attempt
+            holds the step until it is decided or times out).
+        claim_wait: seconds a claim refused by another writer's leased attempt waits for that lease to
+            lapse (default: one ``lease``; 0: refuse at once); a holder seen renewing is refused at once.
 
     After a save, the coordinator's writer holds ``attempt`` (the attempt's
     number) and ``previous_attempt`` (why the attempt before it ended, or
@@ -179,7 +196,8 @@ class TierStoreWriter(StorageWriter):
 
     def __init__(self, store: TierStore | StoreConfig | Mapping[str, Any] | None, model: str, step: int, *,
                  timeout: float = 120.0, safe_globals: Iterable[Any] = (), step_timeout: float | None = None,
-                 epoch: int | None = None) -> None:
+                 epoch: int | None = None, lease: float = DEFAULT_LEASE_S,
+                 claim_wait: float | None = None) -> None:
         super().__init__()
         self._store = StoreRef(store)
         self.model = validate_name(model, "model")
@@ -193,6 +211,12 @@ class TierStoreWriter(StorageWriter):
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
             raise InvalidValueError(f"epoch must be a non-negative int, got {epoch!r}")
         self.epoch = epoch
+        for what, v in (("lease", lease), ("claim_wait", claim_wait)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                raise InvalidValueError(f"{what} must be a non-negative number of seconds, got {v!r}")
+        self.lease = float(lease)
+        self.claim_wait = self.lease if claim_wait is None else float(claim_wait)
+        self._lease: Lease | None = None
         self.attempt: int | None = None
         self.previous_attempt: str | None = None
         self.save_id = uuid.uuid4().hex
@@ -218,6 +242,13 @@ class TierStoreWriter(StorageWriter):
                 self.step = step
         self.save_id = uuid.uuid4().hex
         self._slot = None
+        self._release()
+
+    def _release(self) -> None:
+        """Stop renewing this writer's claim (its save finished, failed, or a new one begins)."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.stop()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -231,6 +262,7 @@ class TierStoreWriter(StorageWriter):
         self.rank = int(kwargs.get("rank") or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
         self._slot = None
+        self._release()
         self.attempt = self.previous_attempt = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -253,10 +285,14 @@ class TierStoreWriter(StorageWriter):
         """Take the step for this save alone, before any rank writes (see the module docstring)."""
         try:
             claim = self.store.steps.claim(model, self.step, voters, token, layout=_LAYOUT, epoch=self.epoch,
-                                           timeout_s=self.step_timeout)
+                                           timeout_s=self.step_timeout, lease_s=self.lease,
+                                           wait_s=self.claim_wait if self.lease > 0 else 0.0)
         except StepCommittedError as e:
             raise KeyExistsError(f"step {self.step} of {model} is already saved; a committed step is never "
                                  "overwritten: save under a new step number", model=model, step=self.step) from e
+        self._release()
+        if self.lease > 0:
+            self._lease = Lease(self.store.steps, model, self.step, token, self.lease)
         self.attempt, self.previous_attempt = claim.attempt, claim.previous
         if claim.retried:
             log.warning("step %d of %s: attempt %d did not commit (%s); saving the step again as attempt %d",
@@ -310,6 +346,7 @@ class TierStoreWriter(StorageWriter):
                                     attempt=slot.attempt)
         except BaseException as e:
             self._abort(slot, slot.rank, e)
+            self._release()
             raise
         state = self._vote(slot, slot.rank, [record])
         if state == "aborted":
@@ -322,6 +359,12 @@ class TierStoreWriter(StorageWriter):
         slot = self._slot
         if slot is None:
             raise CommitError("finish() before write_data() on the coordinator")
+        try:
+            self._finish(slot, metadata, results)
+        finally:
+            self._release()
+
+    def _finish(self, slot: _Slot, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
             md = Metadata(
                 state_dict_metadata=metadata.state_dict_metadata,
@@ -349,4 +392,5 @@ class TierStoreWriter(StorageWriter):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_slot"] = None
+        state["_lease"] = None  # the renewals stay with the process that claimed (they end with the step)
         return state

@@ -196,7 +196,7 @@ class Checkpointer(RestoreSide):
         # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
         # whose copies verify after they returned hold the next update back
         self.lazy = lazy
-        self._gate = UpdateGate(self.stats)
+        self._gate = UpdateGate(self.stats, getattr(store, "config", None))  # StoreConfig.lazy_check
         self._gate.watch(self._optimizers())
         self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()
         self._restoring: PendingRestore | None = None  # a restore whose copies are still being verified

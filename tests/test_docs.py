@@ -455,3 +455,22 @@ def test_the_repl_check_fails_a_block_that_only_works_as_a_file(tmp_path):
                            timeout=60, check=False)
         assert (p.returncode == 0) is ok, p.stderr
         assert ("SyntaxError" in p.stderr) is not ok and ("done" in p.stdout) is ok
+
+
+def test_the_built_site_loads_no_script_or_stylesheet_from_the_network(tmp_path):
+    """Issue 31: every page loaded highlight.js and its stylesheet from a CDN, so offline the code had no colours.
+    The site built here references no external script or stylesheet (nor a stylesheet that imports one), and its
+    code blocks come highlighted from the build (Pygments' spans), with their colours in a local stylesheet."""
+    p = _build(REPO / "mkdocs.yml", tmp_path / "site")
+    assert p.returncode == 0, p.stdout + p.stderr
+    site = tmp_path / "site"
+    external = re.compile(r"""<script\b[^>]*\bsrc=["']?(?:https?:)?//|<link\b[^>]*\bhref=["']?(?:https?:)?//""", re.I)
+    found = {f"{page.relative_to(site)}: {m.group(0)}" for page in site.rglob("*.html")
+             for m in external.finditer(page.read_text())}
+    found |= {f"{css.relative_to(site)}: {m.group(0)}" for css in site.rglob("*.css")
+              for m in re.finditer(r"""(?:@import\s+|url\(\s*["']?)(?:https?:)?//[^)"'\s]+""", css.read_text())}
+    assert found == set(), sorted(found)[:10]
+    page = (site / "getting-started" / "index.html").read_text()
+    assert '<div class="codehilite"><pre>' in page and '<span class="kn">import</span>' in page  # highlighted
+    assert 'href="../css/pygments.css"' in page and ".codehilite .kn" in (site / "css" / "pygments.css").read_text()
+    assert "hljs" not in page

@@ -287,3 +287,18 @@ def test_the_demo_as_written(venv):
     purge = p.stdout.rsplit("remove it all with: ", 1)[1].strip()
     venv.run(purge, cwd, input="y\n")
     assert not (cwd / ".tierstore").exists()
+
+
+def test_the_first_screen_example_as_written_saves_then_resumes(venv):
+    """The README's first example ("In a minute"), installed by its own line: a save on a fresh job, then, run
+    again, a restore of that step and a save of the next."""
+    cwd = _scratch(venv, "minute")
+    minute = _section(README, "## In a minute")
+    (code,) = _blocks(minute, "python")
+    (install,) = [ln for ln in _commands(minute) if ln.startswith("pip install")]
+    assert install == INSTALL_LINE.partition(" && ")[0].replace(" '.[plot]'", " .")  # the fixture's, less [plot]
+    assert venv.run(["python", "-c", code], cwd).stdout.strip() == "committed"
+    again = code.replace("print(ckpt.wait())", "print(step, ckpt.wait())")
+    assert again != code
+    assert venv.run(["python", "-c", again], cwd).stdout.strip() == "0 committed"  # it restored step 0, saved 1
+    venv.run("tierstore server stop --purge --yes --home .tierstore", cwd)

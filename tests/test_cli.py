@@ -306,7 +306,9 @@ def test_demo_plot_draws_a_full_checkpoint_baseline_beside_the_bytes_written(tmp
     (baseline,) = [ln for ln in bytes_ax.get_lines() if "full checkpoint" in ln.get_label()]
     assert list(baseline.get_ydata()) == [2.0] * 5 and bytes_ax.get_ylim()[1] > 2.0
     legend = bytes_ax.get_legend()
-    assert [t.get_text() for t in legend.get_texts()][1:] == ["written: full", "written: delta", "written: ref"]
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts[1:4] == ["written: full", "written: delta", "written: ref (4.0 KiB in all)"], texts
+    assert texts[4].startswith("not written:\nthe ranks' identical tensors, stored once (dedup: refs)"), texts
     fig.canvas.draw()
     box, axes_box = legend.get_window_extent(), bytes_ax.get_window_extent()
     assert box.x0 >= axes_box.x1, "the legend covers the bars"

@@ -26,7 +26,7 @@ def test_demo_short_run(tmp_path, shm_root):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "tierstore demo summary" in p.stdout
     assert "rank 1 killed at step 3" in p.stdout
-    assert "(after restore, 2 ranks)" in p.stdout  # the written bytes are every rank's
+    assert "written vs full checkpoints (steps 0-5, 2 ranks)" in p.stdout  # every rank's bytes, every step drawn
     assert f"remove them with: tierstore server stop --purge --home {home}" in p.stdout  # --host-root: not the host tier
     # the last store to close the host tier freed the segments it kept for reuse: only objects stay
     assert list((shm_root / "node0" / ".pool").iterdir()) == []
@@ -57,3 +57,27 @@ def test_demo_short_run(tmp_path, shm_root):
         im.verify()
     with Image.open(png) as im:
         assert im.size[0] > 300 and im.size[1] > 300
+
+
+    # the picture's numbers are the summary's: one record (summary.json's figures), printed and drawn
+    from tierstore.cli.demo_plot import figures, numbers
+
+    shown = numbers(png)
+    assert shown == summary["figures"] == figures(summary), (shown, summary["figures"])
+
+    def row(label: str) -> str:
+        (line,) = [ln for ln in p.stdout.splitlines() if f"│ {label}" in ln]
+        return line
+
+    assert f"│ {shown['stall_median']}, {shown['stall_max']} " in row("stall per save (median, max)")
+    assert f"│ {shown['torch_save_median']}, {shown['torch_save_max']} (5 per rank" in row("torch.save of the same")
+    assert f" in {shown['restore']}: " in row("restore (2 ranks)")
+    assert f"│ {shown['torch_load']} " in row("torch.load + load_state_dict")
+    assert f"│ {shown['written']} vs {shown['full']} ({shown['smaller']} smaller; refs {shown['refs']})" in row(
+        "written vs full checkpoints")
+    # torch.save and torch.load of the same state were measured in the demo: 5 times on each of the 2 ranks
+    ts = summary["torch_save"]
+    assert ts["repeats"] == 5 and ts["save_s"]["n"] == 10 and ts["load_s"]["n"] == 2, ts
+    assert ts["save_s"]["median"] > 0 and ts["load_s"]["seconds"] > 0 and ts["bytes"] > 0
+    assert "-" not in (shown["torch_save_median"], shown["torch_load"], shown["restore"], shown["stall_median"])
+    assert not list(Path(ts["where"]).glob("tierstore-demo-torch-save-*"))  # its files were removed

@@ -397,7 +397,8 @@ def test_every_block_is_a_kind_this_file_tests():
     transcripts = {b.id.split(":")[0] for b in blocks() if b.lang == "console"}
     assert transcripts <= {"docs/operating/admin.md", "docs/operating/demo.md"}  # compared in tests/test_readme.py
     diagrams = [b for b in blocks() if b.lang == ""]
-    assert all(b.id.startswith("docs/concepts.md") for b in diagrams), [b.id for b in diagrams]
+    diagram_pages = ("docs/concepts.md", "README.md", "docs/index.md")  # the architecture diagram, one text in three
+    assert all(b.id.startswith(diagram_pages) for b in diagrams), [b.id for b in diagrams]
 
 
 # -- the site ------------------------------------------------------------------------------------------------
@@ -455,3 +456,67 @@ def test_the_repl_check_fails_a_block_that_only_works_as_a_file(tmp_path):
                            timeout=60, check=False)
         assert (p.returncode == 0) is ok, p.stderr
         assert ("SyntaxError" in p.stderr) is not ok and ("done" in p.stdout) is ok
+
+
+def test_the_built_site_loads_no_script_or_stylesheet_from_the_network(tmp_path):
+    """Issue 31: every page loaded highlight.js and its stylesheet from a CDN, so offline the code had no colours.
+    The site built here references no external script or stylesheet (nor a stylesheet that imports one), and its
+    code blocks come highlighted from the build (Pygments' spans), with their colours in a local stylesheet."""
+    p = _build(REPO / "mkdocs.yml", tmp_path / "site")
+    assert p.returncode == 0, p.stdout + p.stderr
+    site = tmp_path / "site"
+    external = re.compile(r"""<script\b[^>]*\bsrc=["']?(?:https?:)?//|<link\b[^>]*\bhref=["']?(?:https?:)?//""", re.I)
+    found = {f"{page.relative_to(site)}: {m.group(0)}" for page in site.rglob("*.html")
+             for m in external.finditer(page.read_text())}
+    found |= {f"{css.relative_to(site)}: {m.group(0)}" for css in site.rglob("*.css")
+              for m in re.finditer(r"""(?:@import\s+|url\(\s*["']?)(?:https?:)?//[^)"'\s]+""", css.read_text())}
+    assert found == set(), sorted(found)[:10]
+    page = (site / "getting-started" / "index.html").read_text()
+    assert '<div class="codehilite"><pre>' in page and '<span class="kn">import</span>' in page  # highlighted
+    assert 'href="../css/pygments.css"' in page and ".codehilite .kn" in (site / "css" / "pygments.css").read_text()
+    assert "hljs" not in page
+
+
+def test_the_architecture_diagram_is_one_text_on_the_first_screen_and_the_concepts_page():
+    """The README, the docs home and the concepts page show the same diagram of the tiers and the commit."""
+    def diagram(page: str) -> str:
+        (b,) = [b for b in blocks([REPO / page]) if b.lang == ""]
+        return b.text
+
+    first = diagram("README.md")
+    assert diagram("docs/index.md") == first == diagram("docs/concepts.md")
+    for part in ("host tier", "peer tier", "durable tier", "device tier", "vote(step, objects)", "committed",
+                 "durable", "ckpt.restore()"):
+        assert part in first, part
+
+
+TROUBLESHOOTING = REPO / "docs" / "troubleshooting.md"
+
+
+def _source_text() -> str:
+    """The project's sources, adjacent string literals joined (a message split over lines reads whole)."""
+    text = "".join(p.read_text() for d in ("tierstore", "backends", "consistency") for p in (REPO / d).rglob("*.py"))
+    return re.sub(r"""(?<!\\)["']\s*\n\s*[rbfRBF]*["']""", "", text)
+
+
+def test_every_message_the_troubleshooting_page_quotes_is_the_codes():
+    """Each quoted message (a ``> `` line) names an error class of tierstore.errors and is the code's text, ``…``
+    where the code puts a value: a message reworded in the code fails here until the page follows."""
+    import tierstore.errors as errors
+
+    quotes = [ln[2:] for ln in TROUBLESHOOTING.read_text().splitlines() if ln.startswith("> ")]
+    assert len(quotes) >= 15, quotes
+    source = _source_text()
+    missing = []
+    for quote in quotes:
+        m = re.match(r"(\w+Error): (.*)", quote)
+        if m:
+            assert isinstance(getattr(errors, m[1], None), type) and issubclass(getattr(errors, m[1]),
+                                                                                errors.TierStoreError), m[1]
+        for part in (m[2] if m else quote).split("…"):
+            if len(part.strip()) >= 8 and part not in source:
+                missing.append(part)
+    assert missing == [], missing
+    named = set(re.findall(r"^> (\w+Error):", TROUBLESHOOTING.read_text(), re.M))
+    assert {"TierUnavailableError", "TierFullError", "NoValidCopyError", "StepBusyError", "RestoreMismatchError",
+            "InvalidValueError", "MissingDependencyError", "FencedError", "StepCommittedError"} <= named

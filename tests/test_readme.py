@@ -287,3 +287,41 @@ def test_the_demo_as_written(venv):
     purge = p.stdout.rsplit("remove it all with: ", 1)[1].strip()
     venv.run(purge, cwd, input="y\n")
     assert not (cwd / ".tierstore").exists()
+
+
+def test_the_first_screen_example_as_written_saves_then_resumes(venv):
+    """The README's first example ("In a minute"), installed by its own line: a save on a fresh job, then, run
+    again, a restore of that step and a save of the next."""
+    cwd = _scratch(venv, "minute")
+    minute = _section(README, "## In a minute")
+    (code,) = _blocks(minute, "python")
+    (install,) = [ln for ln in _commands(minute) if ln.startswith("pip install")]
+    assert install == INSTALL_LINE.partition(" && ")[0].replace(" '.[plot]'", " .")  # the fixture's, less [plot]
+    assert venv.run(["python", "-c", code], cwd).stdout.strip() == "committed"
+    again = code.replace("print(ckpt.wait())", "print(step, ckpt.wait())")
+    assert again != code
+    assert venv.run(["python", "-c", again], cwd).stdout.strip() == "0 committed"  # it restored step 0, saved 1
+    venv.run("tierstore server stop --purge --yes --home .tierstore", cwd)
+
+
+def test_the_docs_picture_the_transcript_and_the_benchmarks_page_are_one_run():
+    """docs/demo.png records the figures it drew (tierstore.cli.demo_plot.numbers): the demo page's transcript is
+    the summary of that same run, and the benchmarks page quotes the same figures. Redraw the three together."""
+    pytest.importorskip("PIL", reason="Pillow is not installed (matplotlib's dependency, tierstore[plot])")
+    from tierstore.cli.demo_plot import numbers
+
+    shown = numbers(REPO / "docs" / "demo.png")
+    assert shown, "docs/demo.png records no figures: redraw it with `tierstore demo`"
+    (transcript,) = _blocks(DEMO_PAGE, "console")
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in transcript.splitlines() if ln.startswith("│")}
+    assert rows["stall per save (median, max)"] == f"{shown['stall_median']}, {shown['stall_max']}"
+    assert rows["torch.save of the same state (median, max)"].startswith(
+        f"{shown['torch_save_median']}, {shown['torch_save_max']} (")
+    assert f" in {shown['restore']}: " in rows["restore (2 ranks)"]
+    assert rows["torch.load + load_state_dict of that file (slowest rank, median)"] == shown["torch_load"]
+    assert rows[f"written vs full checkpoints (steps {shown['steps']}, 2 ranks)"] == (
+        f"{shown['written']} vs {shown['full']} ({shown['smaller']} smaller; refs {shown['refs']})")
+    bench = _section((REPO / "docs" / "benchmarks.md").read_text(), "## The demo against torch.save")
+    for key in ("stall_median", "stall_max", "torch_save_median", "torch_save_max", "restore", "torch_load",
+                "written", "full", "refs"):
+        assert shown[key] in bench, key

@@ -11,14 +11,21 @@ What it does (no set-up needed: the embedded default of ``--home``):
 3. Phase 1: spawns the ranks again; each restores (the newest step every
    rank can rebuild, from the fastest tier holding it) and trains on to
    ``--steps``.
-4. Prints a summary (stall per save, bytes per tier and policy, commit
-   latency, restore time and tier, loss before and after the failure,
-   whether the replayed steps reproduce the lost run bitwise) and writes
-   ``demo.png`` (loss curve with the failure marked; checkpoint bytes per
-   step by kind) and ``summary.json`` to ``--out``.
+4. After training, each rank times ``torch.save`` and ``torch.load`` of the
+   same state to a file beside the host tier, ``--compare-repeats`` times
+   (:func:`torch_save_baseline`): what a user would do instead.
+5. Prints a summary (stall per save against ``torch.save``'s, bytes per tier
+   and policy, commit latency, restore time and tier against ``torch.load``'s,
+   loss before and after the failure, whether the replayed steps reproduce
+   the lost run bitwise) and writes ``demo.png`` (the loss with the failure
+   marked; the stall and the restore against ``torch.save``/``torch.load``;
+   the bytes per step by kind against a full checkpoint) and
+   ``summary.json`` to ``--out``. The summary's figures and the plot's come
+   from one function of the summary record
+   (:func:`tierstore.cli.demo_plot.figures`); the PNG records the ones it drew.
 
 Protocol between the launcher and its ranks: each rank appends JSON lines
-to ``OUT/rank<r>.phase<p>.jsonl`` (``restore``, ``step``, ``done`` events)
+to ``OUT/rank<r>.phase<p>.jsonl`` (``restore``, ``step``, ``done``, ``torch_save`` events)
 and logs to ``rank<r>.phase<p>.log``; the launcher tails rank 0's file for
 progress and reads the rest from the index.
 """
@@ -29,11 +36,13 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -57,13 +66,13 @@ from tierstore.cli import metrics
 from tierstore.cli import views as V
 from tierstore.cli.admin import human_bytes
 from tierstore.cli.common import HelpFormatter
-from tierstore.cli.demo_plot import draw
+from tierstore.cli.demo_plot import draw, figures
 from tierstore.errors import ConfigError
 from tierstore.testing import gpt
 from tierstore.train import policies as P
 from tierstore.train.checkpointer import Checkpointer
 
-__all__ = ["build_parser", "draw", "main", "make_policy"]
+__all__ = ["build_parser", "draw", "main", "make_policy", "torch_save_baseline"]
 
 _PHASE_TIMEOUT_S = 600.0
 
@@ -99,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of the data order")
     p.add_argument("--out", default="demo-out", help="where the plot, summary and logs go")
     p.add_argument("--keep-all", action="store_true", help="keep every step (default: gc keeps the last 2)")
+    p.add_argument("--compare-repeats", type=int, default=5,
+                   help="after training, each rank times torch.save and torch.load of the same state this many "
+                        "times, the baseline the summary and plot compare against (0: not measured)")
     p.add_argument("--torchrun", action="store_true",
                    help="be one rank under torchrun (RANK/WORLD_SIZE from its environment): restore, train, save")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON config of one rank
@@ -186,10 +198,45 @@ def _worker(cfg: dict[str, Any]) -> int:
         last_wall, last_stall = wall, stall
     state = ckpt.wait()
     emit(event="done", state=state, stats=ckpt.stats.as_dict(), per_step=ckpt.stats.per_step)
+    where = Path(store.config.host_root).parent  # torch.save's file beside the host tier: the same medium
     ckpt.close()
     store.close()
+    if phase == 1 and cfg.get("compare_repeats"):
+        dist.barrier()  # every rank at once, as the saves ran
+        emit(event="torch_save", **torch_save_baseline(model, opt, cfg["compare_repeats"], where))
     dist.destroy_process_group()
     return 0
+
+
+def torch_save_baseline(model: Any, opt: Any, repeats: int, where: str | os.PathLike) -> dict[str, Any]:
+    """What a user would do instead: ``torch.save`` of this rank's state (the model's and the optimizer's
+    ``state_dict()``, what the Checkpointer saved) to a file in a new directory under ``where``, ``repeats``
+    times, each followed by ``torch.load`` + ``load_state_dict`` of it into the model and optimizer (the state
+    they already hold: the run is over). Returns the seconds of each and the file's size; the directory is
+    removed. Run after training, with no save in flight (the Checkpointer's stalls were measured during it)."""
+    import torch  # lazy: the worker's torch, loaded there already (the launcher needs none)
+
+    tmp = tempfile.mkdtemp(prefix="tierstore-demo-torch-save-", dir=where)
+    path = os.path.join(tmp, "state.pt")
+    save_s: list[float] = []
+    load_s: list[float] = []
+    try:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+            save_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            sd = torch.load(path, weights_only=True)
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+            load_s.append(time.perf_counter() - t)
+        size = os.path.getsize(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    mount = Path(where).resolve()
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    return {"where": str(where), "filesystem": str(mount), "save_s": save_s, "load_s": load_s, "bytes": size}
 
 
 def full_checkpoint_bytes(model: Any, opt: Any) -> int:
@@ -297,8 +344,9 @@ def _collect(store: Any, model: str, ev: dict[int, dict[int, list[dict]]], world
                for r in range(world) for s in sorted({e["step"] for e in of(0, "step", r)} &
                                                       {e["step"] for e in of(1, "step", r)}))
     done = of(1, "done")
-    logical = sum(d["stats"]["logical_bytes"] for d in done)
-    written = sum(d["stats"]["bytes"] for d in done)
+    baseline = of(1, "torch_save")  # what torch.save and torch.load of the same state took, per rank
+    saves = [x for e in baseline for x in e["save_s"]]
+    loads = [statistics.median(e["load_s"]) for e in baseline if e["load_s"]]
 
     def med(xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
@@ -317,7 +365,13 @@ def _collect(store: Any, model: str, ev: dict[int, dict[int, list[dict]]], world
         "stall_s": {"median": med(stalls), "max": max(stalls) if stalls else None, "n": len(stalls)},
         "commit_latency_s": {"median": med(commit), "max": max(commit) if commit else None, "n": len(commit)},
         "bytes_per_tier": {f"{r['tier']}/{r['kind']}": r["bytes"] for r in V.du_view(store, model)},
-        "bytes_written_phase1": written, "logical_bytes_phase1": logical, "ranks_reporting": len(done),
+        "ranks_reporting": len(done),
+        "torch_save": {"where": baseline[0]["where"] if baseline else None,
+                       "filesystem": baseline[0]["filesystem"] if baseline else None,
+                       "repeats": len(baseline[0]["save_s"]) if baseline else 0,
+                       "bytes": sum(e["bytes"] for e in baseline),
+                       "save_s": {"median": med(saves), "max": max(saves) if saves else None, "n": len(saves)},
+                       "load_s": {"seconds": max(loads) if loads else None, "n": len(loads)}},
         "restore": {"step": restore.get("step"), "seconds": max(seconds) if seconds else None, "tiers": tiers,
                     "steps_by_rank": {r: v.get("step") for r, v in restores.items()}},
         "loss_before": loss0.get(max(loss0)) if loss0 else None,
@@ -341,27 +395,31 @@ def _print_summary(s: dict[str, Any]) -> None:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.1f} ms"
 
+    f = s["figures"]  # the numbers the plot draws too (tierstore.cli.demo_plot.figures)
+    ts = s["torch_save"]
     t = Table(title="tierstore demo summary", title_justify="left", show_header=False)
     t.add_column("figure")
     t.add_column("value")
     t.add_row("model / policy / ranks", f"{s['model']} / {s['policy']} / {s['world']}")
-    t.add_row("stall per save (median, max)", f"{ms(s['stall_s']['median'])}, {ms(s['stall_s']['max'])}")
+    t.add_row("stall per save (median, max)", f"{f['stall_median']}, {f['stall_max']}")
+    t.add_row("torch.save of the same state (median, max)",
+              f"{f['torch_save_median']}, {f['torch_save_max']} ({ts['repeats']} per rank, a file in "
+              f"{ts['filesystem']})" if ts["repeats"] else "not measured (--compare-repeats 0)")
     t.add_row("commit latency (median, max)",
               f"{ms(s['commit_latency_s']['median'])}, {ms(s['commit_latency_s']['max'])}")
     for k, v in sorted(s["bytes_per_tier"].items()):
         t.add_row(f"bytes in {k}", human_bytes(v))
-    if s["logical_bytes_phase1"]:
-        ratio = s["logical_bytes_phase1"] / max(1, s["bytes_written_phase1"])
-        t.add_row(f"written vs full checkpoints (after restore, {_plural(s['ranks_reporting'], 'rank')})",
-                  f"{human_bytes(s['bytes_written_phase1'])} vs {human_bytes(s['logical_bytes_phase1'])} "
-                  f"({ratio:.1f}x smaller)")
+    t.add_row(f"written vs full checkpoints (steps {f['steps']}, {_plural(s['world'], 'rank')})",
+              f"{f['written']} vs {f['full']} ({f['smaller']} smaller; refs {f['refs']})")
     t.add_row("steps committed / durable", f"{s['steps_committed']} / {s['steps_durable']}")
     r = s["restore"]
     t.add_row("failure", f"rank {s['killed_rank']} killed at step {s['kill_at']}")
     for step, reason in sorted(s["steps_aborted"].items()):
         t.add_row(f"step {step}", f"aborted: {reason or '-'}")
     tiers = ", ".join(f"{_plural(n, 'object')} from {tier}" for tier, n in sorted(r["tiers"].items())) or "-"
-    t.add_row(f"restore ({_plural(s['world'], 'rank')})", f"step {r['step']} in {ms(r['seconds'])}: {tiers}")
+    t.add_row(f"restore ({_plural(s['world'], 'rank')})", f"step {r['step']} in {f['restore']}: {tiers}")
+    t.add_row("torch.load + load_state_dict of that file (slowest rank, median)",
+              f["torch_load"] if ts["repeats"] else "not measured (--compare-repeats 0)")
     curve = s["loss_curve"]
     at = [curve["phase0"][-1][0] if curve["phase0"] else "-", curve["phase1"][0][0] if curve["phase1"] else "-",
           curve["phase1"][-1][0] if curve["phase1"] else "-"]
@@ -403,6 +461,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("tierstore demo: --steps must be >= 3 and --ranks >= 1", file=sys.stderr)
         return 2
     kill_at = a.steps // 2 if a.kill_at is None else a.kill_at
+    if a.compare_repeats < 0:
+        print("tierstore demo: --compare-repeats must be >= 0", file=sys.stderr)
+        return 2
     if not 1 <= kill_at < a.steps - 1:
         print(f"tierstore demo: --kill-at must be in 1..{a.steps - 2}", file=sys.stderr)
         return 2
@@ -414,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = {"home": str(Path(home).resolve()), "redis": a.redis, "durable": a.s3, "s3_endpoint": a.s3_endpoint,
             "host_root": a.host_root, "steps": a.steps, "world": a.ranks, "kill_at": kill_at, "policy": a.policy,
             "model": a.model_name or f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
-            "batch_size": a.batch_size, "seed": a.seed}
+            "batch_size": a.batch_size, "seed": a.seed, "compare_repeats": a.compare_repeats}
     store = _open_store(base, migrate=False)  # starts the embedded server before the ranks race to
     try:
         events: dict[int, dict[int, list[dict]]] = {}
@@ -434,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return 1
                 progress.update(task, completed=total)
         summary = _collect(store, base["model"], events, a.ranks, a.policy, kill_at, out)
+        summary["figures"] = figures(summary)  # the one source of the numbers the summary prints and the plot draws
         summary["plot"] = draw(summary, out / "demo.png")
         if not a.keep_all:
             summary["gc"] = store.gc(base["model"], Retention(keep_last=2), dry_run=False).to_json()

@@ -1,6 +1,6 @@
 """The benchmark harness runs end to end on a tiny state and writes well-formed results.
 
-No speed assertions: only that ``python -m tierstore.cli.bench.run --quick`` exits 0, writes
+No speed assertions: only that ``python -m tierstore.bench.run --quick`` exits 0, writes
 ``results.json`` with the expected keys and figures for every peer, and a
 markdown table in ``results.md``.
 """
@@ -23,7 +23,7 @@ PEERS = ["copy", "torch_save_shm", "torch_save_disk", "dcp_save", "dcp_async", "
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]:
     out = tmp_path_factory.mktemp("bench") / "tmp"
     proc = subprocess.run(
-        [sys.executable, "-m", "tierstore.cli.bench.run", "--quick", "--size-gib", "0.02", "--repeats", "1",
+        [sys.executable, "-m", "tierstore.bench.run", "--quick", "--size-gib", "0.02", "--repeats", "1",
          "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
         env={**os.environ, "PYTHONPATH": str(ROOT)},

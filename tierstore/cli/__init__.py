@@ -27,7 +27,7 @@ _COMMANDS = {
                "the embedded index server: status | start | stop [--purge] | list", ""),
     "agent": ("tierstore.cli.agent", "main", "run this node's agent (host tier served to peers over UCX)",
               "tierstore[ucx]"),
-    "bench": ("tierstore.cli.bench.run", "main", "benchmarks side by side with torch.save and DCP", ""),
+    "bench": ("tierstore.bench.run", "main", "benchmarks side by side with torch.save and DCP", ""),
     "testbed": ("tierstore.cli.testbed", "main", "the docker-compose topology as local processes",
                 "tierstore[testbed] (and tierstore[ucx] for the peer tier)"),
     "export": ("tierstore.cli.transfer", "export_main", "write a committed step as safetensors or torch.save", ""),

@@ -1,6 +1,6 @@
 """``tierstore bench [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--out DIR]``.
 
-Spawns ``--ranks`` processes (gloo on loopback), runs :func:`tierstore.cli.bench.harness.rank_main`
+Spawns ``--ranks`` processes (gloo on loopback), runs :func:`tierstore.bench.harness.rank_main`
 in each, and prints the markdown table rank 0 wrote to ``OUT/results.md``
 (raw figures in ``OUT/results.json``). :func:`main` is what ``tierstore bench``
 calls.
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from tierstore.cli.bench.harness import rank_main
-from tierstore.cli.bench.report import machine_info
+from tierstore.bench.harness import rank_main
+from tierstore.bench.report import machine_info
 from tierstore.cli.common import HelpFormatter
 from tierstore.embedded import stop_server
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=2, help="ranks (processes, gloo on loopback)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default: 3, quick 2)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated; see tierstore.cli.bench.systems (default: %(default)s)")
+                   help="comma-separated; see tierstore.bench.systems (default: %(default)s)")
     p.add_argument("--out", default=None, help="output directory (default: bench/results/<timestamp>)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs // ranks)")
     p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default: a temp dir)")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size_gib if args.size_gib is not None else (1 / 16 if args.quick else 1.0)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
     if args.durable:
-        from tierstore.cli.bench.durable import run_durable  # lazy: only this mode needs it
+        from tierstore.bench.durable import run_durable  # lazy: only this mode needs it
 
         _, md = run_durable(mib=size * 1024 if args.size_gib is not None else 64.0, repeats=repeats,
                             slow_ms=args.slow_ms, interval_ms=args.interval_ms)

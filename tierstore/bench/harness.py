@@ -5,7 +5,7 @@ before ``setup`` through a warm-up save), then ``repeats`` rounds in which the
 systems take turns (the order rotates each round), a barrier around every
 save and restore; then the slowdown pass (training steps idle, while each system
 saves, idle again; idle and busy in the same window); then the extras. Each rank writes ``raw/rank<r>.json``; rank 0
-merges them (:mod:`tierstore.cli.bench.report`).
+merges them (:mod:`tierstore.bench.report`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierstore.cli.bench import systems as S
-from tierstore.cli.bench.report import merge_and_write
-from tierstore.cli.bench.workload import (
+from tierstore.bench import systems as S
+from tierstore.bench.report import merge_and_write
+from tierstore.bench.workload import (
     Peak,
     make_workload,
     matmul_step,
@@ -35,7 +35,14 @@ from tierstore.cli.bench.workload import (
     shm_used_bytes,
 )
 
-__all__ = ["rank_main"]
+__all__ = ["load_builtin", "rank_main"]
+
+
+def load_builtin() -> None:
+    """Import the built-in systems (the bound, the peers, tierstore's): each registers itself in
+    :data:`tierstore.bench.systems.SYSTEMS` when imported. Here, not in ``systems``, which they import."""
+    import tierstore.bench.peers  # lazy: torch.distributed.checkpoint, only in a rank
+    import tierstore.bench.tierstore_systems  # noqa: F401  # lazy: the store and the checkpointer, only in a rank
 
 
 def _agree(ok: bool) -> bool:
@@ -116,7 +123,7 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> None:
 
 
 def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
-    S.load_builtin()
+    load_builtin()
     pg = dist.new_group(backend="gloo")
     device = cfg.get("device", "cpu")
     if device != "cpu":

@@ -176,6 +176,38 @@ class StepRecords(StepBase):
                     pipe.zrem(k(model, "steps"), s)
             pipe.execute()
 
+    def note_retention(self, model: str, retired: Iterable[int], *, memory: Iterable[int],
+                       durable: Iterable[int], keep_last: int | None, time_s: float) -> None:
+        """Record a retention pass that retired ``retired`` (committed steps whose records it dropped), so
+        ``tierstore admin steps`` can say how many steps were committed and why only some are listed.
+
+        One hash per model (``retention``): ``retired`` counts every step retired so far; ``newest_retired``,
+        ``memory`` / ``durable`` (the steps each window kept), ``keep_last`` and ``at`` describe the last pass
+        that retired one. Removed with the model (``delete``), rebuilt as absent (an index rebuild counts
+        nothing retired before it).
+        """
+        retired = sorted(set(retired))
+        if not retired:
+            return
+        key = self.index._k(model, "retention")
+        with translate_redis_errors(f"note retention of {model}", self.index.url):
+            pipe = self.index._r.pipeline(transaction=False)
+            pipe.hincrby(key, "retired", len(retired))
+            pipe.hset(key, mapping={"newest_retired": retired[-1], "memory": json.dumps(sorted(memory)),
+                                    "durable": json.dumps(sorted(durable)), "at": f"{time_s:.3f}",
+                                    "keep_last": "" if keep_last is None else keep_last})
+            pipe.execute()
+
+    def retention_note(self, model: str) -> dict[str, Any] | None:
+        """The record :meth:`note_retention` keeps (``None``: no pass retired a step of ``model``)."""
+        with translate_redis_errors(f"read retention of {model}", self.index.url):
+            h = {_s(a): _s(b) for a, b in self.index._r.hgetall(self.index._k(model, "retention")).items()}
+        if not h:
+            return None
+        return {"retired": int(h.get("retired") or 0), "newest_retired": int(h.get("newest_retired") or -1),
+                "memory": json.loads(h.get("memory") or "[]"), "durable": json.loads(h.get("durable") or "[]"),
+                "keep_last": int(h["keep_last"]) if h.get("keep_last") else None, "at": _f(h.get("at"))}
+
     def supersede(self, model: str, step: int, *, epoch: int, reason: str) -> str:
         """Record committed ``step`` aborted, with ``reason``, so incarnation ``epoch`` can save it again.
 

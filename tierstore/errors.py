@@ -35,6 +35,7 @@ __all__ = [
     "ReplicaAckError",
     "RestoreMismatchError",
     "RestoreVerifyError",
+    "ServerStoppedError",
     "SnapshotChangedError",
     "StepAbortedError",
     "StepBusyError",
@@ -229,3 +230,9 @@ class CheckpointFailedError(TierStoreError):
     Raised by :mod:`tierstore.interop.dcp`'s ``save``/``async_save``/``load`` in place of DCP's
     ``CheckpointException`` (a ``BaseException``); ``failures`` maps each failed rank to its error.
     """
+
+
+class ServerStoppedError(TierUnavailableError):
+    """A read-only tool found the embedded index server of a home stopped and did not start it (it creates
+    nothing). ``home`` names the home, ``start`` the command that starts its server
+    (``tierstore server start --home HOME``); ``tierstore admin --start-server`` starts it instead."""

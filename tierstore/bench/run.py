@@ -8,7 +8,7 @@ calls.
 Progress goes to stderr (:mod:`tierstore.bench.progress`): at once a line with
 the plan and the scratch directories, then a line per system and round (a
 redrawn bar on a terminal). SIGTERM or Ctrl-C stops the ranks (SIGTERM, then
-SIGKILL after ``STOP_RANKS_S``), stops every index server of a home under the
+SIGKILL after ``--stop-ranks-s``, default :data:`STOP_RANKS_S`), stops every index server of a home under the
 run's scratch directory and removes the scratch directories (``/dev/shm`` and
 disk), then exits 143 (130); what the benchmark already wrote to ``--out``
 stays.
@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval-ms", type=float, default=50.0, help="--durable: the stand-in step between saves")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the state lives (cuda: one GPU per rank; bench/gpu_check.sh)")
+    p.add_argument("--stop-ranks-s", type=float, default=STOP_RANKS_S,
+                   help="after SIGTERM, Ctrl-C or a failed rank: seconds the ranks get to exit on SIGTERM "
+                        "before SIGKILL")
     p.add_argument("--fwd-bwd-ms", type=float, default=None,
                    help="lazy systems: the stand-in forward/backward between a save and the next update, "
                         "in ms idle (default: 1000 per GiB of state, at least 100)")
@@ -94,20 +97,20 @@ def _stop_embedded(root: str) -> None:
             print(f"bench: could not stop the index server of {home}: {e}", file=sys.stderr)
 
 
-def _stop_ranks(ctx: Any) -> None:
-    """SIGTERM the ranks still running, SIGKILL those left after :data:`STOP_RANKS_S`, and reap them."""
+def _stop_ranks(ctx: Any, grace_s: float = STOP_RANKS_S) -> None:
+    """SIGTERM the ranks still running, SIGKILL those left after ``grace_s`` (``--stop-ranks-s``), reap them."""
     procs = [p for p in getattr(ctx, "processes", []) if p.is_alive()]
     for p in procs:
         p.terminate()
     for p in procs:
-        p.join(STOP_RANKS_S)
+        p.join(grace_s)
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join(5.0)
 
 
-def _spawn(cfg: dict[str, Any], nprocs: int) -> None:
+def _spawn(cfg: dict[str, Any], nprocs: int, grace_s: float = STOP_RANKS_S) -> None:
     """Run the ranks to their end; on any exception (a rank failed, :class:`Interrupted`) stop the others."""
     ctx = mp.start_processes(rank_main, args=(cfg,), nprocs=nprocs, join=False, start_method="spawn")
     try:
@@ -115,7 +118,7 @@ def _spawn(cfg: dict[str, Any], nprocs: int) -> None:
             pass
     finally:
         with uninterrupted():
-            _stop_ranks(ctx)
+            _stop_ranks(ctx, grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +183,7 @@ def _main(argv: list[str] | None) -> int:
           f"{size * 1024:g} MiB of state per rank; scratch {shm_dir} and {disk_dir}; results in {out}",
           file=sys.stderr, flush=True)
     try:
-        _spawn(cfg, args.ranks)
+        _spawn(cfg, args.ranks, args.stop_ranks_s)
     except Interrupted as e:
         print(f"bench: {e}: stopping the ranks and removing {shm_dir} and {disk_dir}", file=sys.stderr, flush=True)
         raise

@@ -305,7 +305,8 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     """Carry out ``plan`` on ``keys`` (the objects considered: a writer's own, or every object of ``model``).
 
     In this order: the records of the retired and collected steps (so no step is reported, or restored,
-    while its copies go; an aborted step keeps its ``state``, so a late vote cannot re-open it); their
+    while its copies go; an aborted step keeps its ``state``, so a late vote cannot re-open it; the retired
+    ones are counted in the model's retention note, which ``tierstore admin steps`` shows); their
     durable manifests (so an index rebuild can never resurrect a step whose objects are going); the
     memory copies of what only the durable tier keeps (``release``, only where the index records a
     durable copy); the objects no kept step reaches (``delete``: from every tier and the index, while
@@ -329,8 +330,8 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     todo = [k for k, f in fates.items() if f != "keep"]
     recs = dict(zip(todo, steps.index.get_objects(todo))) if todo else {}
     if not dry_run:  # no longer reported (nor restorable) before anything of them goes
-        steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True)
-        steps.note_retention(model, plan.retired, memory=plan.memory, durable=plan.durable,
+        dropped = set(steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True))
+        steps.note_retention(model, sorted(dropped & set(plan.retired)), memory=plan.memory, durable=plan.durable,
                              keep_last=plan.retention.keep_last if plan.retention else None,
                              time_s=steps.index.server_time())  # what admin steps says of the missing steps
         steps.delete_durable_manifests(model, plan.retired)  # before the objects: no rebuild resurrects them

@@ -151,34 +151,42 @@ class StepRecords(StepBase):
             ))
         return out
 
-    def drop_steps(self, model: str, steps: Iterable[int], *, keep_aborted_state: bool = True) -> None:
+    def drop_steps(self, model: str, steps: Iterable[int], *, keep_aborted_state: bool = True) -> list[int]:
         """Delete the records of ``steps`` (manifest, votes, step record) from the index.
 
         With ``keep_aborted_state`` an aborted step keeps its record (a
         tombstone: a late vote of it cannot re-open it); otherwise every
         record goes and the step number can be begun again. Objects and
         durable manifests are the caller's (garbage collection deletes them
-        first).
+        first). Returns the steps whose step record this call deleted (of
+        ranks dropping the same step at once, one gets it).
         """
         k = self.index._k
         steps = sorted(set(steps))
         if not steps:
-            return
+            return []
         states = dict(self.steps(model)) if keep_aborted_state else {}
         with translate_redis_errors(f"drop steps of {model}", self.index.url):
             pipe = self.index._r.pipeline(transaction=False)
+            at: dict[int, int] = {}  # step -> the position of its step record's DEL in the replies
+            n = 0
             for s in steps:
                 pipe.delete(k(model, "manifest", s))  # one key per DEL: a cluster pipeline refuses multi-key DEL
                 pipe.delete(k(model, "votes", s))
                 pipe.delete(k(model, "vinfo", s))
+                n += 3
                 if states.get(s) != "aborted":
                     pipe.delete(k(model, "step", s))
                     pipe.zrem(k(model, "steps"), s)
-            pipe.execute()
+                    at[s] = n
+                    n += 2
+            replies = pipe.execute()
+        return [s for s, i in at.items() if replies[i]]
 
     def note_retention(self, model: str, retired: Iterable[int], *, memory: Iterable[int],
                        durable: Iterable[int], keep_last: int | None, time_s: float) -> None:
-        """Record a retention pass that retired ``retired`` (committed steps whose records it dropped), so
+        """Record a retention pass that retired ``retired`` (committed steps whose records it dropped: what
+        :meth:`drop_steps` returned, so a step that several ranks retire at once counts once), so
         ``tierstore admin steps`` can say how many steps were committed and why only some are listed.
 
         One hash per model (``retention``): ``retired`` counts every step retired so far; ``newest_retired``,

@@ -1,7 +1,7 @@
 """The wire protocol between the peer tier (:mod:`backends.peer`) and the node agent.
 
 It lives in ``backends/`` so that both :mod:`backends.peer` and
-:mod:`tierstore.cli.agent` can import it without breaking the import layering.
+:mod:`tierstore.agent` can import it without breaking the import layering.
 This module is the one owner of the format: every frame is packed and
 unpacked with the same ``Struct`` constant (:data:`CHALLENGE`,
 :data:`REQUEST`, :data:`REPLY`), little-endian.
@@ -62,7 +62,7 @@ A connection is one UCX endpoint from the agent's listener; it carries one
    reader without error handling, which is why UCX's CMA transport is off
    (:data:`backends.ucx_util.UCX_ENV_DEFAULTS`).
 
-Timeouts and caps are the agent's (:class:`tierstore.cli.agent.AgentConfig`):
+Timeouts and caps are the agent's (:class:`tierstore.agent.AgentConfig`):
 a first valid request within the handshake timeout, an idle timeout between
 requests, payload progress within the header timeout after ``READY``, a cap
 on connections and on unauthenticated ones.

@@ -1,7 +1,7 @@
 """Standalone benchmarks, run from a checkout: ``python -m bench.<name> --help``.
 
 Not installed with the package. The side-by-side harness is ``tierstore bench``
-(:mod:`tierstore.cli.bench`).
+(:mod:`tierstore.bench`).
 """
 
 __all__: list[str] = []

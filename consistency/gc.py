@@ -134,6 +134,7 @@ class RetentionPlan:
         keep_memory / keep_durable: objects the memory tiers / the durable tier keep.
         protected: objects of steps in flight and what they reach (never touched).
         newest_decided: objects of steps newer than this are in flight; ``recorded``: steps with a record.
+        retention: the windows the plan was made with (recorded by :func:`retire`, shown by ``admin steps``).
     """
 
     memory: list[int]
@@ -147,6 +148,7 @@ class RetentionPlan:
     newest_decided: int
     recorded: set[int]
     newest_durable: int = -1
+    retention: Retention | None = None
     _gone: set[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -232,7 +234,7 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
         keep_memory=reachable(steps, model, sorted(memory), cache=cache),
         keep_durable=reachable(steps, model, sorted(kept_durable), cache=cache),
         protected=closure(steps.index, objects_in_flight) if objects_in_flight else set(),
-        newest_decided=newest_decided, recorded=set(state), newest_durable=newest_durable,
+        newest_decided=newest_decided, recorded=set(state), newest_durable=newest_durable, retention=retention,
     )
 
 
@@ -243,7 +245,8 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     """Carry out ``plan`` on ``keys`` (the objects considered: a writer's own, or every object of ``model``).
 
     In this order: the records of the retired and collected steps (so no step is reported, or restored,
-    while its copies go; an aborted step keeps its ``state``, so a late vote cannot re-open it); their
+    while its copies go; an aborted step keeps its ``state``, so a late vote cannot re-open it; the retired
+    ones are counted in the model's retention note, which ``tierstore admin steps`` shows); their
     durable manifests (so an index rebuild can never resurrect a step whose objects are going); the
     memory copies of what only the durable tier keeps (``release``, only where the index records a
     durable copy); the objects no kept step reaches (``delete``: from every tier and the index, while
@@ -267,7 +270,10 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     todo = [k for k, f in fates.items() if f != "keep"]
     recs = dict(zip(todo, steps.index.get_objects(todo))) if todo else {}
     if not dry_run:  # no longer reported (nor restorable) before anything of them goes
-        steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True)
+        dropped = set(steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True))
+        steps.note_retention(model, sorted(dropped & set(plan.retired)), memory=plan.memory, durable=plan.durable,
+                             keep_last=plan.retention.keep_last if plan.retention else None,
+                             time_s=steps.index.server_time())  # what admin steps says of the missing steps
         steps.delete_durable_manifests(model, plan.retired)  # before the objects: no rebuild resurrects them
     for key in todo:
         rec = recs.get(key)

@@ -151,30 +151,70 @@ class StepRecords(StepBase):
             ))
         return out
 
-    def drop_steps(self, model: str, steps: Iterable[int], *, keep_aborted_state: bool = True) -> None:
+    def drop_steps(self, model: str, steps: Iterable[int], *, keep_aborted_state: bool = True) -> list[int]:
         """Delete the records of ``steps`` (manifest, votes, step record) from the index.
 
         With ``keep_aborted_state`` an aborted step keeps its record (a
         tombstone: a late vote of it cannot re-open it); otherwise every
         record goes and the step number can be begun again. Objects and
         durable manifests are the caller's (garbage collection deletes them
-        first).
+        first). Returns the steps whose step record this call deleted (of
+        ranks dropping the same step at once, one gets it).
         """
         k = self.index._k
         steps = sorted(set(steps))
         if not steps:
-            return
+            return []
         states = dict(self.steps(model)) if keep_aborted_state else {}
         with translate_redis_errors(f"drop steps of {model}", self.index.url):
             pipe = self.index._r.pipeline(transaction=False)
+            at: dict[int, int] = {}  # step -> the position of its step record's DEL in the replies
+            n = 0
             for s in steps:
                 pipe.delete(k(model, "manifest", s))  # one key per DEL: a cluster pipeline refuses multi-key DEL
                 pipe.delete(k(model, "votes", s))
                 pipe.delete(k(model, "vinfo", s))
+                n += 3
                 if states.get(s) != "aborted":
                     pipe.delete(k(model, "step", s))
                     pipe.zrem(k(model, "steps"), s)
+                    at[s] = n
+                    n += 2
+            replies = pipe.execute()
+        return [s for s, i in at.items() if replies[i]]
+
+    def note_retention(self, model: str, retired: Iterable[int], *, memory: Iterable[int],
+                       durable: Iterable[int], keep_last: int | None, time_s: float) -> None:
+        """Record a retention pass that retired ``retired`` (committed steps whose records it dropped: what
+        :meth:`drop_steps` returned, so a step that several ranks retire at once counts once), so
+        ``tierstore admin steps`` can say how many steps were committed and why only some are listed.
+
+        One hash per model (``retention``): ``retired`` counts every step retired so far; ``newest_retired``,
+        ``memory`` / ``durable`` (the steps each window kept), ``keep_last`` and ``at`` describe the last pass
+        that retired one. Removed with the model (``delete``), rebuilt as absent (an index rebuild counts
+        nothing retired before it).
+        """
+        retired = sorted(set(retired))
+        if not retired:
+            return
+        key = self.index._k(model, "retention")
+        with translate_redis_errors(f"note retention of {model}", self.index.url):
+            pipe = self.index._r.pipeline(transaction=False)
+            pipe.hincrby(key, "retired", len(retired))
+            pipe.hset(key, mapping={"newest_retired": retired[-1], "memory": json.dumps(sorted(memory)),
+                                    "durable": json.dumps(sorted(durable)), "at": f"{time_s:.3f}",
+                                    "keep_last": "" if keep_last is None else keep_last})
             pipe.execute()
+
+    def retention_note(self, model: str) -> dict[str, Any] | None:
+        """The record :meth:`note_retention` keeps (``None``: no pass retired a step of ``model``)."""
+        with translate_redis_errors(f"read retention of {model}", self.index.url):
+            h = {_s(a): _s(b) for a, b in self.index._r.hgetall(self.index._k(model, "retention")).items()}
+        if not h:
+            return None
+        return {"retired": int(h.get("retired") or 0), "newest_retired": int(h.get("newest_retired") or -1),
+                "memory": json.loads(h.get("memory") or "[]"), "durable": json.loads(h.get("durable") or "[]"),
+                "keep_last": int(h["keep_last"]) if h.get("keep_last") else None, "at": _f(h.get("at"))}
 
     def supersede(self, model: str, step: int, *, epoch: int, reason: str) -> str:
         """Record committed ``step`` aborted, with ``reason``, so incarnation ``epoch`` can save it again.

@@ -216,7 +216,7 @@ def test_verify_reports_a_copy_missing_from_an_indexed_tier(populated, conn, cap
 def test_nodes(populated, conn, capsys, redis_url):
     from consistency.index import Index
     from consistency.nodes import NodeRegistry
-    from tierstore.cli.agent import NodeRegistration
+    from tierstore.agent import NodeRegistration
 
     client = redis.Redis.from_url(redis_url)
     reg = NodeRegistration(NodeRegistry(Index(redis_url)), "nodeA", {"node_id": "nodeA", "address": "127.0.0.1:4567", "capacity": 1 << 30,

@@ -316,7 +316,7 @@ class _FakeEndpoint:
 def _fake_agent(**cfg):
     from types import SimpleNamespace
 
-    from tierstore.cli.agent import AgentConfig
+    from tierstore.agent import AgentConfig
 
     config = AgentConfig(node_id="n0", host_root="/nonexistent", secret=b"s", **cfg)
     agent = SimpleNamespace(config=config, stats={}, conns={}, shm_lanes=False)
@@ -334,8 +334,8 @@ def test_session_base_names_the_session_whatever_the_slot_direction_and_lane():
 
 
 def test_a_connection_is_closed_past_its_budget_of_unasked_bytes(caplog):
-    from tierstore.cli.agent_conn import Connection
-    from tierstore.cli.agent_unasked import UNEXPECTED_MESSAGE_COST, Unasked
+    from tierstore.agent.conn import Connection
+    from tierstore.agent.unasked import UNEXPECTED_MESSAGE_COST, Unasked
 
     agent = _fake_agent(max_peer_unexpected_bytes=10_000)
     unasked = Unasked(agent)
@@ -344,7 +344,7 @@ def test_a_connection_is_closed_past_its_budget_of_unasked_bytes(caplog):
     agent.conns[conn.session.tag_base] = conn
     other = Connection(agent, _FakeEndpoint(), P.new_tag_base())
     agent.conns[other.session.tag_base] = other
-    with caplog.at_level("WARNING", logger="tierstore.cli.agent"):
+    with caplog.at_level("WARNING", logger="tierstore.agent"):
         for _ in range(2):
             unasked.charge_tag(P.tag(conn.session.tag_base, 9), 4096)
         assert not conn.closed and conn.unexpected_bytes == 2 * (4096 + UNEXPECTED_MESSAGE_COST)
@@ -358,14 +358,14 @@ def test_a_connection_is_closed_past_its_budget_of_unasked_bytes(caplog):
 
 
 def test_drops_are_reported_once_per_interval_and_the_heap_trimmed_when_quiet(monkeypatch, caplog):
-    import tierstore.cli.agent_unasked as U
+    import tierstore.agent.unasked as U
 
     trims: list[int] = []
     monkeypatch.setattr(U, "trim_heap", lambda: trims.append(1))
     agent = _fake_agent(report_interval_s=10.0)
     unasked = U.Unasked(agent)
     t0 = unasked._reported_at
-    with caplog.at_level("WARNING", logger="tierstore.cli.agent"):
+    with caplog.at_level("WARNING", logger="tierstore.agent"):
         unasked.report(t0 + 11)  # nothing happened: no line, nothing to trim
         assert caplog.text == "" and trims == []
         for _ in range(3):
@@ -384,7 +384,7 @@ def test_drops_are_reported_once_per_interval_and_the_heap_trimmed_when_quiet(mo
 
 
 def test_agent_config_refuses_a_negative_budget():
-    from tierstore.cli.agent import AgentConfig
+    from tierstore.agent import AgentConfig
     from tierstore.errors import ConfigError
 
     for bad in ({"max_peer_unexpected_bytes": -1}, {"report_interval_s": 0}, {"sweep_interval_s": -1}):

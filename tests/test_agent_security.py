@@ -454,7 +454,7 @@ def test_a_stuck_receive_gives_its_shared_memory_back(tmp_path):
     """A receive UCX never finishes nor cancels keeps its mapping, but its segment's pages are punched out, so it
     costs no shared memory (a late write stays harmless)."""
     from backends.host import HostBackend
-    from tierstore.cli.agent_conn import _release_stuck
+    from tierstore.agent.conn import _release_stuck
 
     root = Path("/dev/shm") / f"ts-stuck-{uuid.uuid4().hex[:8]}"
     host = HostBackend(root)

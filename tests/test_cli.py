@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import tierstore
+from consistency.gc import Retention
 from tierstore.embedded import ensure_server, find_servers, socket_path, stop_server
 from tierstore.home import host_dir
 from tierstore.keys import ShardKey
@@ -253,6 +254,40 @@ def test_an_existing_home_is_read_without_creating_its_host_tier(home, tmp_path)
     p = cli("admin", "--home", str(home), "verify", M, TIERSTORE_SHM_DIR=str(shm))  # the host copies are not there
     assert p.returncode == 3 and "host: the index says it holds a copy, but it does not" in p.stdout
     assert list(shm.iterdir()) == []
+
+
+def test_admin_on_a_stopped_home_starts_nothing_and_names_the_start_command(home):
+    """Issue 31 item 7: ``admin`` after ``server stop`` started the index server again and left it running."""
+    assert stop_server(home)
+    for args in (["models"], ["steps", M], ["--json", "du"]):
+        p = cli("admin", "--home", str(home), *args)
+        assert p.returncode == 1, p.stdout + p.stderr
+        assert f"start it with `tierstore server start --home {home.resolve()}`" in p.stderr, p.stderr
+        assert "--start-server" in p.stderr and "Traceback" not in p.stderr
+        assert find_servers(home) == []
+    p = cli("admin", "--home", str(home), "--start-server", "steps", M)  # asked for: started, and it stays
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert find_servers(home) != []
+    p = cli("admin", "--home", str(home), "models")  # running: read as before
+    assert p.returncode == 0 and M in p.stdout, p.stderr
+
+
+def test_admin_steps_says_how_many_steps_retention_kept_and_why(home):
+    """Issue 31 item 7: after the demo ``admin steps`` listed 2 of 30 committed steps, saying nothing of the rest."""
+    p = cli("admin", "--home", str(home), "steps", M)
+    assert p.returncode == 0, p.stderr
+    assert "3 step(s) committed, 3 listed: retention retired none (newest durable 3)" in p.stdout, p.stdout
+    store = tierstore.open(home)
+    try:
+        store.gc(M, Retention(keep_last=1), dry_run=False)
+    finally:
+        store.close()
+    p = cli("admin", "--home", str(home), "steps", M)
+    assert p.returncode == 0, p.stderr
+    assert ("3 step(s) committed, 1 listed: retention retired 2 (newest retired 2); the last pass kept step 3 in "
+            "memory (keep_last=1); newest durable 3") in p.stdout, p.stdout
+    p = cli("admin", "--home", str(home), "--json", "steps", M)  # JSON lines stay one record per step
+    assert p.returncode == 0 and [json.loads(x)["step"] for x in p.stdout.splitlines()] == [3]
 
 
 # -- missing optional dependencies --------------------------------------------------------------------

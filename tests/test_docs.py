@@ -321,7 +321,7 @@ def test_bash_block_runs_as_written(block, tmp_path, request):
 def _parsers() -> dict[str, object]:
     from tierstore.cli.admin import build_parser as admin
     from tierstore.cli.agent import build_parser as agent
-    from tierstore.cli.bench.run import build_parser as bench
+    from tierstore.bench.run import build_parser as bench
     from tierstore.cli.demo import build_parser as demo
     from tierstore.cli.server import build_parser as server
 

@@ -9,7 +9,11 @@ functions and under TYPE_CHECKING), and the ownership of the index's keys and cl
 - ``backends/`` imports nothing of the project but ``backends``, ``tierstore.errors`` and ``tierstore.keys``;
 - ``consistency/`` imports of ``tierstore`` only its leaf modules (``errors``, ``keys``): never the store;
 - only ``consistency/`` spells index keys (``ts:...``) or touches the index's client (``._r``, ``._k``);
-- an import inside a function says why it is lazy (``# lazy: ...`` on its line or the line before).
+- an import inside a function says why it is lazy (``# lazy: ...`` on its line or the line before);
+- one room per role: the node agent (``tierstore.agent``, a daemon) never imports the command line, and
+  the benchmark harness (``tierstore.bench``, a tool like the CLI) is imported by nothing of the library;
+- no import circle among the modules of a package (``tierstore.agent``, ``tierstore.cli``,
+  ``tierstore.bench``), counting imports under ``TYPE_CHECKING`` and inside functions.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ def _under(mod: str, *prefixes: str) -> bool:
     return any(mod == p or mod.startswith(p + ".") for p in prefixes)
 
 
-DATA_PATH_FORBIDDEN = ("tierstore.train", "tierstore.interop", "tierstore.cli", "tierstore.testing")
+DATA_PATH_FORBIDDEN = ("tierstore.train", "tierstore.interop", "tierstore.cli", "tierstore.testing", "tierstore.bench",
+                       "tierstore.agent")
 
 
 def test_data_path_never_imports_train_cli_or_testing():
@@ -85,10 +90,13 @@ def test_data_path_never_imports_train_cli_or_testing():
     assert _violations(rule) == []
 
 
+TOOLS = ("tierstore.cli", "tierstore.testing", "tierstore.bench")
+
+
 def test_the_library_never_imports_its_command_line():
     def rule(me: str, mod: str) -> bool:
-        library = not _under(me, "tierstore.cli", "tierstore.testing")
-        return library and _under(mod, "tierstore.cli", "tierstore.testing")
+        library = not _under(me, *TOOLS)
+        return library and _under(mod, *TOOLS)
 
     assert _violations(rule) == []
 
@@ -141,6 +149,59 @@ def test_lazy_imports_say_why():
             if "lazy:" not in here and "lazy:" not in before:
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {here.strip()}")
     assert sorted(set(bad)) == []
+
+
+def test_the_agent_is_its_own_package():
+    """The daemon lives in ``tierstore.agent``; ``tierstore/cli/agent.py`` is only its command line."""
+    names = {_name(p) for p in _modules()}
+    assert {"tierstore.agent", "tierstore.agent.server", "tierstore.agent.conn", "tierstore.agent.unasked"} <= names
+    assert not names & {"tierstore.cli.agent_conn", "tierstore.cli.agent_unasked"}
+    assert not any(_under(n, "tierstore.cli.bench") for n in names)  # the harness is tierstore.bench
+    cli_agent = {mod for _line, mod, _f in _imports(ROOT / "tierstore" / "cli" / "agent.py") if _project(mod)}
+    assert not any(_under(m, "backends", "consistency") for m in cli_agent), cli_agent  # no serving in the CLI
+
+
+def _cycles(package: str) -> list[list[str]]:
+    """The import circles among ``package``'s modules (strongly connected components of more than one
+    module, or a module importing itself); an edge is an import naming the module itself."""
+    mods = {_name(p): p for p in _modules() if _under(_name(p), package)}
+    graph = {m: sorted({mod for _l, mod, _f in _imports(p) if mod in mods and mod != m}) for m, p in mods.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return out
+
+
+@pytest.mark.parametrize("package", ["tierstore.agent", "tierstore.cli", "tierstore.bench"])
+def test_no_import_circle(package):
+    assert _cycles(package) == []
 
 
 @pytest.mark.parametrize("mod", ["tierstore", "tierstore.errors", "tierstore.keys"])

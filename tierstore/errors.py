@@ -40,6 +40,7 @@ __all__ = [
     "ReplicaAckError",
     "RestoreMismatchError",
     "RestoreVerifyError",
+    "ServerStoppedError",
     "SnapshotChangedError",
     "StepAbortedError",
     "StepBusyError",
@@ -279,3 +280,9 @@ class PeerNoValidCopyError(PeerRestoreError, NoValidCopyError):
 
 class PeerRestoreMismatchError(PeerRestoreError, RestoreMismatchError):
     """:class:`PeerRestoreError` where every failing rank's state did not fit (:class:`RestoreMismatchError`)."""
+
+
+class ServerStoppedError(TierUnavailableError):
+    """A read-only tool found the embedded index server of a home stopped and did not start it (it creates
+    nothing). ``home`` names the home, ``start`` the command that starts its server
+    (``tierstore server start --home HOME``); ``tierstore admin --start-server`` starts it instead."""

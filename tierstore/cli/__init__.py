@@ -4,7 +4,10 @@ Each subcommand lives in its own module, imported only when used; the
 library never imports this package. ``admin`` and ``server`` never import
 torch. A missing optional dependency is reported with the ``pip install``
 line that brings it; a closed stdout (``... --json | head -1``) ends the
-command quietly.
+command quietly. SIGTERM or Ctrl-C during a long command (``bench``, ``demo``,
+``import``, ``export``) raises :class:`~tierstore.cli.common.Interrupted`
+where it runs, so it stops what it started and removes what it made on the
+way out; it exits ``128 + signal`` (143, 130).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
-from tierstore.cli.common import install_hint, quiet_closed_stdout
+from tierstore.cli.common import Interrupted, install_hint, interruptible, quiet_closed_stdout
 from tierstore.errors import TierStoreError
 
 __all__ = ["main"]
@@ -27,13 +30,17 @@ _COMMANDS = {
                "the embedded index server: status | start | stop [--purge] | list", ""),
     "agent": ("tierstore.cli.agent", "main", "run this node's agent (host tier served to peers over UCX)",
               "tierstore[ucx]"),
-    "bench": ("tierstore.cli.bench.run", "main", "benchmarks side by side with torch.save and DCP", ""),
+    "bench": ("tierstore.bench.run", "main", "benchmarks side by side with torch.save and DCP", ""),
     "testbed": ("tierstore.cli.testbed", "main", "the docker-compose topology as local processes",
                 "tierstore[testbed] (and tierstore[ucx] for the peer tier)"),
     "export": ("tierstore.cli.transfer", "export_main", "write a committed step as safetensors or torch.save", ""),
     "import": ("tierstore.cli.transfer", "import_main", "make step 0 of a model from safetensors or torch.save",
                ""),
 }
+
+
+#: the long commands: SIGTERM and Ctrl-C end them through their cleanup (tierstore.cli.common.interruptible)
+_LONG = frozenset({"bench", "demo", "import", "export"})
 
 
 def _usage() -> str:
@@ -78,7 +85,13 @@ def _dispatch(argv: list[str]) -> int:
         print(f"tierstore {cmd}: needs {e.name or 'a module'} ({e}): {install_hint(e.name)}", file=sys.stderr)
         return 1
     try:
+        if cmd in _LONG:
+            with interruptible():
+                return int(fn(rest) or 0)
         return int(fn(rest) or 0)
+    except Interrupted as e:
+        print(f"tierstore {cmd}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except TierStoreError as e:  # MissingDependencyError included: its message names the extra
         print(f"tierstore {cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

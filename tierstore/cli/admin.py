@@ -32,8 +32,12 @@ Everything is read-only except ``gc --yes``, ``rebuild-index --yes`` and ``delet
 The store is opened with migration off, so the admin never moves data, and
 with ``create=False``, so it never creates state: a home without an index
 is an error ("no tierstore home at ...", exit 1), a missing host tier reads
-as empty. Only ``rebuild-index`` may create the index it rebuilds. No
-command imports torch.
+as empty, and a home whose index server is stopped (``tierstore server
+stop``) is refused with the command that starts it (``tierstore server
+start --home HOME``, exit 1) unless ``--start-server`` is given; the server
+such a flag starts keeps running (stop it with ``tierstore server stop``).
+Only ``rebuild-index`` may create the index it rebuilds (and start its
+server). No command imports torch.
 
 Exit codes: 0 success; 1 an unknown model/step/key, an unreachable server
 or another tierstore error; 2 bad arguments; 3 ``verify`` found a bad or
@@ -45,9 +49,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -66,7 +72,9 @@ from consistency.gc import Retention
 from consistency.lifecycle import IDLE_S
 from tierstore.cli import views as V
 from tierstore.cli.common import HelpFormatter, print_json
-from tierstore.errors import ModelInUseError, TierStoreError, UnknownError
+from tierstore.embedded import ping, socket_path
+from tierstore.errors import ModelInUseError, ServerStoppedError, TierStoreError, UnknownError
+from tierstore.home import is_index_dir
 from tierstore.keys import ShardKey
 
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY", "build_parser", "main"]
@@ -96,14 +104,24 @@ def _connection_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _start_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--start-server", action="store_true", default=argparse.SUPPRESS,
+                   help="start the embedded index server of --home when it is stopped; it keeps running after "
+                        "the command (default: refuse, naming `tierstore server start --home HOME`)")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     conn = _connection_parser()
-    p = argparse.ArgumentParser(prog="tierstore admin", parents=[conn], formatter_class=HelpFormatter,
+    start = _start_parser()
+    p = argparse.ArgumentParser(prog="tierstore admin", parents=[conn, start], formatter_class=HelpFormatter,
                                 description="Inspect the tierstore index and tiers (read-only unless stated).")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_, parents=[conn], description=help_, formatter_class=HelpFormatter)
+        return sub.add_parser(name, help=help_, parents=[conn, start], description=help_,
+                              formatter_class=HelpFormatter)
 
     add("models", "models with steps, epoch, objects and bytes")
     add("steps", "per step: state, age, votes, bytes per tier").add_argument("model")
@@ -153,10 +171,24 @@ def _open(a: argparse.Namespace, *, create: bool = False) -> Any:
     if getattr(a, "s3_endpoint", None):
         kw["s3_endpoint_url"] = a.s3_endpoint
     home = getattr(a, "home", None) or os.environ.get("TIERSTORE_HOME") or ".tierstore"
-    if create and not getattr(a, "redis", None) and not os.environ.get("TIERSTORE_REDIS") and not any(
-            os.path.isdir(os.path.join(home, d)) for d in ("index", "durable")):
+    embedded = not getattr(a, "redis", None) and not os.environ.get("TIERSTORE_REDIS")
+    if create and embedded and not any(os.path.isdir(os.path.join(home, d)) for d in ("index", "durable")):
         raise UnknownError(f"no tierstore home at {os.path.abspath(home)} (no index, no durable tier)", what="home")
+    if embedded and not create and not getattr(a, "start_server", False):
+        _refuse_stopped_server(home)
     return tierstore.open(home, redis=getattr(a, "redis", None), durable=getattr(a, "durable", None), **kw)
+
+
+def _refuse_stopped_server(home: str) -> None:
+    """Raise :class:`ServerStoppedError` when ``home`` holds an index whose embedded server does not answer:
+    opening it would start the server (and leave it running), which a read-only command must not do."""
+    path = Path(home).resolve()
+    if not is_index_dir(path / "index") or ping(socket_path(path)):
+        return  # no home (tierstore.open says so), or its server runs
+    start = f"tierstore server start --home {shlex.quote(str(path))}"
+    raise ServerStoppedError(f"the index server of {path} is stopped; start it with `{start}` "
+                             "(or add --start-server to start it for this command; it keeps running)",
+                             home=str(path), start=start)
 
 
 # -- rendering -------------------------------------------------------------------------------
@@ -255,8 +287,30 @@ def _cmd_steps(store, a) -> int:
         if lag["newest_committed"] is not None:
             c.print(f"durable lag: {_lag_text(lag)} (newest committed {lag['newest_committed']}, newest durable "
                     f"{lag['newest_durable'] if lag['newest_durable'] is not None else 'none'})")
+        c.print(_retention_text(V.retention_view(store, a.model)), soft_wrap=True)
     _emit(a, V.steps_view(store, a.model), render)
     return EXIT_OK
+
+
+def _retention_text(r: dict[str, Any]) -> str:
+    """The footer of ``admin steps``: committed steps, how many are listed, and why the rest are not."""
+    head = f"{r['committed']} step(s) committed, {r['listed']} listed"
+    newest = f"newest durable {r['newest_durable'] if r['newest_durable'] is not None else 'none'}"
+    if not r["retired"]:
+        return f"{head}: retention retired none ({newest})"
+    keep = f"keep_last={r['keep_last']}" if r["keep_last"] is not None else "its memory window"
+    why = f"the last pass kept {_steps_text(r['memory'])} in memory ({keep})"
+    if r["durable_only"]:
+        why += f" and {_steps_text(r['durable_only'])} in the durable tier only"
+    return (f"{head}: retention retired {r['retired']} (newest retired {r['newest_retired']}); {why}; {newest} "
+            "(tierstore admin gc --help: the windows)")
+
+
+def _steps_text(steps: list[int] | None) -> str:
+    steps = steps or []
+    if not steps:
+        return "no step"
+    return "step " + str(steps[0]) if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
 
 
 def _reason(r: dict[str, Any]) -> str | None:
@@ -496,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
     try:
         store = _open(a, create=a.command == "rebuild-index" and a.yes)
-    except UnknownError as e:  # no home at --home: nothing was created
+    except (UnknownError, ServerStoppedError) as e:  # no home at --home, or its server stopped: nothing started
         print(f"tierstore admin {a.command}: {e}", file=sys.stderr)
         return EXIT_ERROR
     except TierStoreError as e:

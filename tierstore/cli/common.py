@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EXTRAS", "HelpFormatter", "confirm", "install_hint", "print_json", "quiet_closed_stdout"]
+__all__ = ["EXTRAS", "HelpFormatter", "Interrupted", "confirm", "install_hint", "interruptible", "print_json",
+           "quiet_closed_stdout", "uninterrupted"]
 
 #: The optional dependency (top-level module) -> the extra that installs it.
 EXTRAS = {
@@ -83,3 +88,49 @@ def confirm(question: str, *, assume_yes: bool) -> bool:
     if not answer:
         print("", file=sys.stderr)
     return answer.strip().lower() in ("y", "yes")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) during a long command, raised where the main thread is, so the command's
+    ``finally`` blocks stop what it started and remove what it made. ``signum``: the signal;
+    the command exits ``128 + signum`` (143 for SIGTERM, 130 for Ctrl-C)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Within: SIGTERM and SIGINT raise :class:`Interrupted` in the main thread (instead of ending the
+    process on the spot, or a bare ``KeyboardInterrupt``). The long commands (``bench``, ``demo``,
+    ``import``, ``export``) run inside it; the handlers are restored on the way out. Outside the main
+    thread (where Python delivers no signal) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Within: SIGTERM and SIGINT are ignored, so the cleanup after an :class:`Interrupted` runs to its end
+    (each of its steps has its own bound). Restored on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -88,6 +88,22 @@ def lag_view(store: TierStore, model: str, records: list | None = None) -> dict[
             "durable_lag_steps": lag.steps, "durable_lag_s": round(lag.seconds, 3)}
 
 
+def retention_view(store: TierStore, model: str, records: list | None = None) -> dict[str, Any]:
+    """Why ``admin steps`` lists the committed steps it does: how many are listed, how many retention
+    retired (their records are gone: :meth:`consistency.steprecords.StepRecords.note_retention`), and the
+    windows of the last pass that retired one (``memory`` steps, ``keep_last``; ``durable``: kept by the
+    durable tier only), with the newest durable step."""
+    recs = store.steps.records(model) if records is None else records
+    listed = [r.step for r in recs if r.state in ("committed", "durable")]
+    durable = [r.step for r in recs if r.state == "durable"]
+    note = store.steps.retention_note(model) or {}
+    retired = int(note.get("retired", 0))
+    return {"committed": len(listed) + retired, "listed": len(listed), "retired": retired,
+            "newest_retired": note.get("newest_retired"), "keep_last": note.get("keep_last"),
+            "memory": note.get("memory"), "durable_only": note.get("durable"),
+            "newest_durable": durable[-1] if durable else None}
+
+
 def _bytes_per_tier(recs: list[ObjectRecord]) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for r in recs:

@@ -5,7 +5,7 @@ before ``setup`` through a warm-up save), then ``repeats`` rounds in which the
 systems take turns (the order rotates each round), a barrier around every
 save and restore; then the slowdown pass (training steps idle, while each system
 saves, idle again; idle and busy in the same window); then the extras. Each rank writes ``raw/rank<r>.json``; rank 0
-merges them (:mod:`tierstore.cli.bench.report`).
+merges them (:mod:`tierstore.bench.report`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import datetime
 import gc
 import json
 import os
+import signal
 import statistics
 import threading
 import time
@@ -23,9 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierstore.cli.bench import systems as S
-from tierstore.cli.bench.report import merge_and_write
-from tierstore.cli.bench.workload import (
+from tierstore.bench import systems as S
+from tierstore.bench.progress import BenchProgress
+from tierstore.bench.report import merge_and_write
+from tierstore.bench.workload import (
     Peak,
     make_workload,
     matmul_step,
@@ -35,7 +37,14 @@ from tierstore.cli.bench.workload import (
     shm_used_bytes,
 )
 
-__all__ = ["rank_main"]
+__all__ = ["load_builtin", "rank_main"]
+
+
+def load_builtin() -> None:
+    """Import the built-in systems (the bound, the peers, tierstore's): each registers itself in
+    :data:`tierstore.bench.systems.SYSTEMS` when imported. Here, not in ``systems``, which they import."""
+    import tierstore.bench.peers  # lazy: torch.distributed.checkpoint, only in a rank
+    import tierstore.bench.tierstore_systems  # noqa: F401  # lazy: the store and the checkpointer, only in a rank
 
 
 def _agree(ok: bool) -> bool:
@@ -50,6 +59,15 @@ def _shm(system: S.System, before: int, world: int) -> tuple[int, str]:
     if own is not None:
         return own, "own files"
     return max(0, shm_used_bytes() - before) // world, "statvfs /dev/shm delta / ranks"
+
+
+def _secs(timing: dict[str, Any]) -> str:
+    """A save's stall and, where it has one, its time to complete (the figures of BENCHMARKS.md)."""
+    stall, done = timing.get("stall_s"), timing.get("complete_s")
+    text = f"stall {stall:.3f} s" if isinstance(stall, (int, float)) else "done"
+    if isinstance(done, (int, float)) and done != stall:
+        text += f", complete {done:.3f} s"
+    return text
 
 
 def _steps(n: int, size: int) -> list[float]:
@@ -101,6 +119,9 @@ def _overlapped(system: S.System, step: int, size: int) -> dict[str, Any]:
 def rank_main(rank: int, cfg: dict[str, Any]) -> None:
     """Entry point of one rank (``torch.multiprocessing.spawn`` target)."""
     world = cfg["ranks"]
+    # Ctrl-C reaches the whole process group: the parent (tierstore.bench.run) stops the ranks and removes
+    # what they made, so a rank does not die on its own half-way through a save.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group(
         "gloo",
@@ -116,8 +137,11 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> None:
 
 
 def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
-    S.load_builtin()
+    load_builtin()
     pg = dist.new_group(backend="gloo")
+    repeats = int(cfg["repeats"])
+    bar = BenchProgress(len(cfg["systems"]) * (repeats + 2), enabled=rank == 0)
+    bar.note(f"{world} rank(s) up; building {cfg['size_gib'] * 1024:g} MiB of state per rank")
     device = cfg.get("device", "cpu")
     if device != "cpu":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -141,6 +165,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         cls = S.SYSTEMS.get(name)
         if cls is None:
             out["skipped"].setdefault(name, "not registered")
+            bar.skip(repeats + 2, f"skipped {name}: {out['skipped'][name]}")
             continue
         system = cls(ctx)
         rec: dict[str, Any] = {"kind": cls.kind, "describe": cls.describe, "restores": cls.restores,
@@ -161,7 +186,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
             reason = f"setup failed: {type(e).__name__}: {e}"
         if not _agree(not reason):
             out["skipped"][name] = reason or "skipped on another rank"
-            print(f"[bench] rank {rank}: skipping {name}: {out['skipped'][name]}", flush=True)
+            bar.skip(repeats + 2, f"skipped {name}: {out['skipped'][name]}")
             continue
         S.barrier()
         warm = system.save(step)
@@ -190,8 +215,9 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         rec["transient_bytes"] = []
         out["systems"][name] = rec
         active.append(system)
+        bar.advance(f"setup {name}: warm-up save {_secs(warm)}")
 
-    for rnd in range(cfg["repeats"]):
+    for rnd in range(repeats):
         k = rnd % max(1, len(active))
         for system in active[k:] + active[:k]:
             rec = out["systems"][system.name]
@@ -217,6 +243,8 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
                 S.barrier()
             system.cleanup()
             S.barrier()
+            restored = f", restore {rec['restore_s'][-1]:.3f} s" if system.restores else ""
+            bar.advance(f"round {rnd + 1}/{repeats} {system.name}: save {_secs(t)}{restored}")
 
     idle_s, mm = cfg["idle_s"], cfg["matmul_n"]
     for system in active:
@@ -235,6 +263,8 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         S.barrier()
         idle_med = statistics.median(idle)
         busy_med = statistics.median(ov["step_s"]) if ov["step_s"] else None
+        busy = f"{busy_med:.4f} s" if busy_med is not None else "no step ran"
+        bar.advance(f"slowdown {system.name}: training step {busy} while it saved, {idle_med:.4f} s idle")
         rec["slowdown"] = {
             "idle_step_s": idle, "busy_step_s": ov["step_s"], "idle_median_s": idle_med,
             "busy_median_s": busy_med, "mode": ov["mode"], "save_under_load": ov["timing"],
@@ -257,5 +287,6 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         json.dump(out, f, indent=1)
     S.barrier()
     if rank == 0:
+        bar.note(f"writing {os.path.join(cfg['out'], 'results.md')}")
         merge_and_write(cfg)
     S.barrier()

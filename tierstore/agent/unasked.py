@@ -1,6 +1,6 @@
 """What peers send the node agent unasked: dropped at once, charged to the peer where it can be traced, logged.
 
-Protocol: :class:`tierstore.cli.agent.Agent` creates one :class:`Unasked`,
+Protocol: :class:`tierstore.agent.server.Agent` creates one :class:`Unasked`,
 calls :meth:`Unasked.start` once its listener exists, :meth:`departed` when
 a connection ends and :meth:`stop` on shutdown; each connection opens its
 stream sink with :meth:`open_sink` and closes it with :meth:`close_sink`.
@@ -14,7 +14,7 @@ drain where ucxx runs its own progress thread) and reports every
 Tracing: a tag message's tag carries a session's tag base
 (:func:`backends.agent_protocol.session_base`); when that session is live
 the message is charged to its connection (:meth:`Connection.charge
-<tierstore.cli.agent_conn.Connection.charge>`), which closes itself past
+<tierstore.agent.conn.Connection.charge>`), which closes itself past
 ``max_peer_unexpected_bytes``. A tag under no live session's base cannot be
 traced to a sender (UCX's tag matching is per worker and tells only the tag
 and the length): it is dropped and counted as ``untraced_messages``; the
@@ -29,20 +29,15 @@ pages back (glibc's ``malloc_trim``).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backends import agent_protocol as P
 from backends.ucx_server import StreamSink, UnexpectedDrain
-
-if TYPE_CHECKING:  # the agent imports this module; only the type is needed here
-    from tierstore.cli.agent import Agent
+from tierstore.agent.base import AgentHost, log
 
 __all__ = ["UNEXPECTED_MESSAGE_COST", "Unasked", "trim_heap"]
-
-log = logging.getLogger("tierstore.cli.agent")
 
 #: what one unexpected tag message costs its peer's budget besides its length (UCX's descriptor and bookkeeping)
 UNEXPECTED_MESSAGE_COST = 256
@@ -66,7 +61,7 @@ class Unasked:
     Counters live in the agent's ``stats`` (:data:`STATS`).
     """
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentHost) -> None:
         self.agent = agent
         self.config = agent.config
         for name in STATS:

@@ -15,7 +15,7 @@ store is opened with ``home`` in the run's disk directory, ``host_root`` in its
 /dev/shm directory and ``durable="none"`` unless ``options["tierstore_open"]``
 says otherwise; rank 0 opens first, and stops the embedded server it started at
 teardown. Where tierstore cannot be imported or opened,
-the system is skipped and the reason lands in :data:`tierstore.cli.bench.systems.SKIPPED`.
+the system is skipped and the reason lands in :data:`tierstore.bench.systems.SKIPPED`.
 
 ``tierstore_device`` (CUDA only): as ``tierstore_host`` with the device tier
 on: the snapshot lands in reused GPU buffers, drained into the host tier by
@@ -33,7 +33,7 @@ workload seen as a module (its parameters) and an AdamW optimizer (its
 state), sharing the workload's tensors. ``save(step)`` returns once the step
 is begun; the stand-in forward/backward runs while the copy does; the
 optimizer's ``step()`` (no gradients: only its pre-hooks run) blocks until
-the copy is done (:class:`~tierstore.cli.bench.systems.LazySystem`). It is
+the copy is done (:class:`~tierstore.bench.systems.LazySystem`). It is
 *committed* when ``ckpt.wait()`` returns. Restore is not measured here (the
 Checkpointer's restore goes through ``load_state_dict``; ``tierstore_host``
 measures the host tier's).
@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from tierstore import codec
-from tierstore.cli.bench.systems import SKIPPED, LazySystem, System, SystemUnavailable, barrier, register
+from tierstore.bench.systems import SKIPPED, LazySystem, System, SystemUnavailable, barrier, register
 from tierstore.embedded import stop_server
 from tierstore.keys import ShardKey
 from tierstore.train.checkpointer import Checkpointer

@@ -1,6 +1,6 @@
 """The bound and the peers: ``copy_``, ``torch.save`` and ``torch.distributed.checkpoint``.
 
-Every system here follows :class:`tierstore.cli.bench.systems.System`. Stall is measured
+Every system here follows :class:`tierstore.bench.systems.System`. Stall is measured
 until the snapshot is safe from the next optimizer step, never until a call
 merely returns (``dcp.async_save`` with async staging returns early; its stall
 ends when the staging future completes).
@@ -19,8 +19,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from tierstore.cli.bench.systems import LazySystem, System, SystemUnavailable, register
-from tierstore.cli.bench.workload import dir_bytes
+from tierstore.bench.systems import LazySystem, System, SystemUnavailable, register
+from tierstore.bench.workload import dir_bytes
 
 __all__ = [
     "CopyBound",

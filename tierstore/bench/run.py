@@ -1,9 +1,17 @@
 """``tierstore bench [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--out DIR]``.
 
-Spawns ``--ranks`` processes (gloo on loopback), runs :func:`tierstore.cli.bench.harness.rank_main`
+Spawns ``--ranks`` processes (gloo on loopback), runs :func:`tierstore.bench.harness.rank_main`
 in each, and prints the markdown table rank 0 wrote to ``OUT/results.md``
 (raw figures in ``OUT/results.json``). :func:`main` is what ``tierstore bench``
 calls.
+
+Progress goes to stderr (:mod:`tierstore.bench.progress`): at once a line with
+the plan and the scratch directories, then a line per system and round (a
+redrawn bar on a terminal). SIGTERM or Ctrl-C stops the ranks (SIGTERM, then
+SIGKILL after ``--stop-ranks-s``, default :data:`STOP_RANKS_S`), stops every index server of a home under the
+run's scratch directory and removes the scratch directories (``/dev/shm`` and
+disk), then exits 143 (130); what the benchmark already wrote to ``--out``
+stays.
 """
 
 from __future__ import annotations
@@ -15,16 +23,20 @@ import shutil
 import socket
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from tierstore.cli.bench.harness import rank_main
-from tierstore.cli.bench.report import machine_info
-from tierstore.cli.common import HelpFormatter
-from tierstore.embedded import stop_server
+from tierstore.bench.harness import rank_main
+from tierstore.bench.report import machine_info
+from tierstore.cli.common import HelpFormatter, Interrupted, interruptible, uninterrupted
+from tierstore.embedded import find_servers, stop_server
 
-__all__ = ["DEFAULT_SYSTEMS", "build_parser", "main"]
+__all__ = ["DEFAULT_SYSTEMS", "STOP_RANKS_S", "build_parser", "main"]
+
+#: after an interrupt or a failure, how long the ranks get to exit on SIGTERM before SIGKILL
+STOP_RANKS_S = 10.0
 
 DEFAULT_SYSTEMS = [
     "copy", "torch_save_shm", "torch_save_disk", "dcp_save", "dcp_async", "dcp_async_staged",
@@ -44,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=2, help="ranks (processes, gloo on loopback)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default: 3, quick 2)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated; see tierstore.cli.bench.systems (default: %(default)s)")
+                   help="comma-separated; see tierstore.bench.systems (default: %(default)s)")
     p.add_argument("--out", default=None, help="output directory (default: bench/results/<timestamp>)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs // ranks)")
     p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default: a temp dir)")
@@ -57,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval-ms", type=float, default=50.0, help="--durable: the stand-in step between saves")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the state lives (cuda: one GPU per rank; bench/gpu_check.sh)")
+    p.add_argument("--stop-ranks-s", type=float, default=STOP_RANKS_S,
+                   help="after SIGTERM, Ctrl-C or a failed rank: seconds the ranks get to exit on SIGTERM "
+                        "before SIGKILL")
     p.add_argument("--fwd-bwd-ms", type=float, default=None,
                    help="lazy systems: the stand-in forward/backward between a save and the next update, "
                         "in ms idle (default: 1000 per GiB of state, at least 100)")
@@ -69,18 +84,51 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stop_embedded(home: str) -> None:
-    """Stop an embedded tierstore server a failed run left behind in ``home`` (if any)."""
-    if not os.path.isdir(home):
-        return
+def _stop_embedded(root: str) -> None:
+    """Stop every embedded index server of a home under ``root`` (the ranks' stores live there): those a
+    failed or interrupted run left, found by process (:func:`tierstore.embedded.find_servers`), so one whose
+    rank died half-way through starting it is found too."""
+    base = Path(root).resolve()
+    homes = {s.home for s in find_servers() if s.home.is_relative_to(base)}
+    for home in sorted(homes):
+        try:
+            stop_server(home)
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            print(f"bench: could not stop the index server of {home}: {e}", file=sys.stderr)
+
+
+def _stop_ranks(ctx: Any, grace_s: float = STOP_RANKS_S) -> None:
+    """SIGTERM the ranks still running, SIGKILL those left after ``grace_s`` (``--stop-ranks-s``), reap them."""
+    procs = [p for p in getattr(ctx, "processes", []) if p.is_alive()]
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(grace_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+def _spawn(cfg: dict[str, Any], nprocs: int, grace_s: float = STOP_RANKS_S) -> None:
+    """Run the ranks to their end; on any exception (a rank failed, :class:`Interrupted`) stop the others."""
+    ctx = mp.start_processes(rank_main, args=(cfg,), nprocs=nprocs, join=False, start_method="spawn")
     try:
-        stop_server(home)
-    except Exception as e:  # noqa: BLE001 - best effort on the way out
-        print(f"could not stop the embedded server in {home}: {e}", file=sys.stderr)
+        while not ctx.join():
+            pass
+    finally:
+        with uninterrupted():
+            _stop_ranks(ctx, grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; print the table; return 0 on success, 1 on failure."""
+    """Run the benchmark; print the table; return 0 on success, 1 on failure (an :class:`Interrupted`
+    propagates, after the cleanup, to the caller: ``tierstore bench`` exits 143 or 130)."""
+    with interruptible():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.device == "cuda":
         import torch  # lazy: the CLI starts without it
@@ -91,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size_gib if args.size_gib is not None else (1 / 16 if args.quick else 1.0)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
     if args.durable:
-        from tierstore.cli.bench.durable import run_durable  # lazy: only this mode needs it
+        from tierstore.bench.durable import run_durable  # lazy: only this mode needs it
 
         _, md = run_durable(mib=size * 1024 if args.size_gib is not None else 64.0, repeats=repeats,
                             slow_ms=args.slow_ms, interval_ms=args.interval_ms)
@@ -131,16 +179,22 @@ def main(argv: list[str] | None = None) -> int:
         "command": "tierstore bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
 
+    print(f"bench: {args.ranks} rank(s), {len(cfg['systems'])} system(s), {repeats} round(s), "
+          f"{size * 1024:g} MiB of state per rank; scratch {shm_dir} and {disk_dir}; results in {out}",
+          file=sys.stderr, flush=True)
     try:
-        mp.spawn(rank_main, args=(cfg,), nprocs=args.ranks, join=True)
+        _spawn(cfg, args.ranks, args.stop_ranks_s)
+    except Interrupted as e:
+        print(f"bench: {e}: stopping the ranks and removing {shm_dir} and {disk_dir}", file=sys.stderr, flush=True)
+        raise
     except Exception as e:  # noqa: BLE001 - report and fail
         print(f"bench failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
-        for home in ("tierstore", "tierstore-lazy", "tierstore-device"):
-            _stop_embedded(os.path.join(disk_dir, home))
-        shutil.rmtree(shm_dir, ignore_errors=True)
-        shutil.rmtree(disk_dir, ignore_errors=True)
+        with uninterrupted():
+            _stop_embedded(disk_dir)
+            shutil.rmtree(shm_dir, ignore_errors=True)
+            shutil.rmtree(disk_dir, ignore_errors=True)
     md_path = os.path.join(out, "results.md")
     if not os.path.exists(md_path):
         print("bench failed: no results.md written", file=sys.stderr)
@@ -152,4 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Interrupted as e:
+        sys.exit(128 + e.signum)

@@ -1,6 +1,6 @@
 """One connection of the node agent: its session, its request loop and its shared-memory lane.
 
-Protocol: :class:`tierstore.cli.agent.Agent` creates one :class:`Connection`
+Protocol: :class:`tierstore.agent.server.Agent` creates one :class:`Connection`
 per endpoint its listener accepts and awaits :meth:`Connection.serve`, which
 
 1. posts the receive of the first request frame, then sends the challenge
@@ -37,23 +37,18 @@ which every lane shares.)
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backends import agent_protocol as P
 from backends.shm_mapping import release_pages
 from backends.ucx_server import StreamSink
 from backends.ucx_util import post_recv
+from tierstore.agent.base import AgentHost, log
 from tierstore.errors import KeyExistsError, TierFullError, TierStoreError
 
-if TYPE_CHECKING:  # the agent imports this module; only the type is needed here
-    from tierstore.cli.agent import Agent
-
 __all__ = ["Connection"]
-
-log = logging.getLogger("tierstore.cli.agent")
 
 _CANCEL_WAIT_S = 5.0  # how long aborted receives may take to be cancelled before their memory is released
 
@@ -109,7 +104,7 @@ class Connection:
     lane once the client opened one.
     """
 
-    def __init__(self, agent: Agent, ep: Any, tag_base: int) -> None:
+    def __init__(self, agent: AgentHost, ep: Any, tag_base: int) -> None:
         self.agent = agent
         cfg = agent.config
         self.cfg = cfg

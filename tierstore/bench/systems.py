@@ -19,7 +19,8 @@ the training slowdown is measured. All times are seconds from the start of
 such level.
 
 New systems register with ``@register("name")``; tierstore's own systems live
-in other modules and are added by :func:`load_builtin` when importable.
+in other modules (:mod:`tierstore.bench.peers`, :mod:`tierstore.bench.tierstore_systems`), which import
+this one; the harness imports them (:func:`tierstore.bench.harness.load_builtin`), never this module.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
-from tierstore.cli.bench.workload import Workload, matmul_step
+from tierstore.bench.workload import Workload, matmul_step
 
 __all__ = [
     "SKIPPED",
@@ -42,7 +43,6 @@ __all__ = [
     "LazySystem",
     "System",
     "SystemUnavailable",
-    "load_builtin",
     "register",
 ]
 
@@ -266,12 +266,6 @@ def register(name: str) -> Callable[[S], S]:
         return cls
 
     return deco
-
-
-def load_builtin() -> None:
-    """Import the built-in systems: the bound, the peers and, where importable, tierstore's."""
-    import tierstore.cli.bench.peers  # lazy: the systems register themselves and import this module (cycle)
-    import tierstore.cli.bench.tierstore_systems  # noqa: F401  # lazy: same cycle
 
 
 def barrier() -> None:

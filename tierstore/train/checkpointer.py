@@ -76,6 +76,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -554,8 +555,6 @@ class Checkpointer(RestoreSide):
         ``StoreConfig.close_timeout_s``, else 30 s; ``None``: unbounded). Past it (the index or a tier
         does not answer) the save is left behind, with a warning: it may still finish, or fail, unreported.
         """
-        from concurrent.futures import wait as futures_wait  # local: this edit stays within close()
-
         if timeout is not None and timeout < 0:
             timeout = getattr(getattr(self.store, "config", None), "close_timeout_s", 30.0)
         fut = self._future

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import tierstore
+from tierstore.home import purge
 from tierstore.train.checkpointer import Checkpointer
 from tierstore.train.lazy import Fingerprint
 from tierstore.train.policies import exact
@@ -93,6 +94,7 @@ def main() -> None:
             finally:
                 ck.close()
                 store.close()
+                purge(f"{home}/{check}")  # the embedded index server stays after close(), and the host tier
             take = f"; one take {statistics.median(takes) * 1e3:.2f} ms ({statistics.median(takes) / bound:.3f}x)" \
                 if takes else ""
             print(f"lazy_check={check}: stall median {statistics.median(stalls) * 1e3:.1f} ms "

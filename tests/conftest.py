@@ -3,6 +3,7 @@ the session leaves nothing behind (host tiers in shared memory, processes it sta
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -238,6 +239,28 @@ def shm_root() -> Path:
     root.mkdir(parents=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def one_node(tmp_path, redis_url, shm_root):  # noqa: F811
+    """``open_store()``: a new store on one index, one node's host tier and one durable directory (each call a
+    new process's view of the same node); every store opened is closed afterwards."""
+    import tierstore
+
+    opened = []
+
+    def open_store():
+        s = tierstore.open(tmp_path / "home", redis=redis_url, durable=f"file://{tmp_path / 'durable'}",
+                           host_root=str(shm_root / "node0"), node_id="node0")
+        opened.append(s)
+        return s
+
+    yield open_store
+    for s in opened:
+        try:
+            s.close()
+        except Exception as e:  # noqa: BLE001 - a store the test left with failed migrations
+            logging.getLogger(__name__).debug("closing a test store: %r", e)
 
 
 @pytest.fixture

@@ -25,24 +25,9 @@ M = "resume"
 
 
 @pytest.fixture
-def opener(tmp_path, redis_url, shm_root):
+def opener(one_node):
     """Stores on one index, host tier and durable directory (each call a new process's view)."""
-    import tierstore
-
-    opened = []
-
-    def open_store():
-        s = tierstore.open(tmp_path / "home", redis=redis_url, durable=f"file://{tmp_path / 'durable'}",
-                           host_root=str(shm_root / "node0"), node_id="node0")
-        opened.append(s)
-        return s
-
-    yield open_store
-    for s in opened:
-        try:
-            s.close()
-        except Exception:  # noqa: BLE001 - a store the test left with failed migrations
-            pass
+    return one_node
 
 
 def _net(seed: int) -> torch.nn.Module:

@@ -298,9 +298,10 @@ class RestoreSide:
         standing = {t: w for t, w in self._standing.items() if t >= step}
         self._standing = standing
         try:
-            readers = self._readers(step)
-            if int(self.ranks.all_max_(torch.tensor([max(readers, default=-1)]))[0]) >= 0:
-                until = max(readers, default=max(standing))
+            # standing steps are agreed by every rank (_judge_passed), so every rank takes this collective or none
+            readers = self._readers(step) if standing else []
+            if standing and int(self.ranks.all_max_(torch.tensor([max(readers, default=-1)]))[0]) >= 0:
+                until = max(readers or list(standing))
                 log.warning("step %d of %s: the committed step(s) %s of an earlier incarnation read its copies and "
                             "were not proven lost (%s): this save of step %d is skipped, as are the saves of the "
                             "steps they read, until step %d; saves are written again after it", step, self.model,

@@ -20,8 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ["copy", "torch_save_shm", "torch_save_disk", "dcp_save", "dcp_async", "dcp_async_staged"]
 
 
+_DONE: list = []  # this session's run: made once even when the module's fixtures are set up again
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str, str]:
+    """One quick bench run, made once per pytest session (each xdist worker is one)."""
+    if _DONE:
+        return _DONE[0]
     out = tmp_path_factory.mktemp("bench") / "tmp"
     proc = subprocess.run(
         [sys.executable, "-m", "tierstore.bench.run", "--quick", "--size-gib", "0.02", "--repeats", "1",
@@ -33,7 +39,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str, s
     with open(out / "results.json", encoding="utf-8") as f:
         res = json.load(f)
     md = (out / "results.md").read_text(encoding="utf-8")
-    return res, md, proc.stdout, proc.stderr
+    _DONE.append((res, md, proc.stdout, proc.stderr))
+    return _DONE[0]
 
 
 def test_json_has_the_expected_keys(results: tuple[dict, str, str, str]) -> None:

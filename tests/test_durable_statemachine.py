@@ -236,6 +236,8 @@ class Durable(RuleBasedStateMachine):
         # a migration in flight may write a durable manifest after the delete removed them, and the next begin
         # then takes the index for lost (IndexLostError) until it removes what it wrote: settled first (known,
         # left for a later round: docs/guarantees.md, what is not promised)
+        if self.ck.saving:  # a save in flight would vote for a step the delete removed: a typed CommitError
+            self.ck.wait()
         try:
             self.store.flush()
         except TierStoreError:  # migrations that failed under the flaky tier: reported, not the point here

@@ -496,7 +496,7 @@ def _services(redis_proc, tmp_path_factory):
 TestProtocol = Protocol.TestCase
 TestProtocol.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
                                  suppress_health_check=list(HealthCheck))
-TestProtocol = pytest.mark.timeout(300)(TestProtocol)
+TestProtocol = pytest.mark.timeout(900)(TestProtocol)
 
 
 @pytest.fixture(autouse=True)

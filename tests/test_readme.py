@@ -99,9 +99,17 @@ def make_venv(root: Path) -> Venv:
 INSTALL_S: dict[str, float] = {}  # what the install took in this session (the report of the fixture)
 
 
+_BUILT: list[Venv] = []  # this session's venv: built once even when the module's fixtures are set up again
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Venv:
-    """A fresh venv with tierstore installed by the README's own install line, as written."""
+    """A fresh venv with tierstore installed by the README's own install line, as written.
+
+    Built once per pytest session (each xdist worker is one): a worker whose queue ran dry between two tests
+    of this file tears the module's fixtures down and sets them up again, and each build is minutes of pip."""
+    if _BUILT:
+        return _BUILT[0]
     root = tmp_path_factory.mktemp("readme")
     src = _source_copy(root / "src")
     t = time.monotonic()
@@ -112,6 +120,7 @@ def venv(tmp_path_factory) -> Venv:
     print(f"\nthe README's install into a fresh venv took {INSTALL_S['venv + install']:.0f} s", file=sys.stderr)
     site = v.run(["python", "-c", "import sys; print(sys.path)"], cwd=root).stdout
     assert not any(p.startswith(str(REPO)) for p in ast.literal_eval(site)), site
+    _BUILT.append(v)
     return v
 
 

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+# the module fixture makes real multi-process runs: minutes on a loaded 2-core machine, past the default bound
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parents[1]
 KILL = 7
 STOP = KILL + 8
@@ -230,13 +233,22 @@ def _load(out: Path) -> list[dict]:
     return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
 
 
+_DONE: list = []  # this session's results: the runs are made once even when the module's fixtures are set up again
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The runs (data only: their homes are purged at teardown). Made once per pytest session (each xdist worker
+    is one): a worker whose queue ran dry between two tests of this file sets the module's fixtures up again."""
+    if _DONE:
+        yield _DONE[0]
+        return
     tmp = tmp_path_factory.mktemp("ddp")
     assert _run(["train", str(tmp / "home"), str(tmp / "first"), str(KILL), "0"], kill=True)[1] == 17
     assert _run(["train", str(tmp / "home"), str(tmp / "second"), "-1", "0"]) == [0, 0]
     assert _run(["train", str(tmp / "refhome"), str(tmp / "ref"), "-1", "1"]) == [0, 0]
-    yield _load(tmp / "second"), _load(tmp / "ref")
+    _DONE.append((_load(tmp / "second"), _load(tmp / "ref")))
+    yield _DONE[0]
     purge_homes(tmp / "home", tmp / "refhome")
 
 

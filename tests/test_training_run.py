@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+# the module fixture makes real multi-process runs: minutes on a loaded 2-core machine, past the default bound
+pytestmark = pytest.mark.timeout(900)
+
 KILL = 7
 STOP_EXACT = KILL + 8
 STOP_LAYERWISE = KILL + 52
@@ -131,10 +134,18 @@ def _run(home: Path, out: Path, kill_at: int) -> list[int]:
     return [p.wait() for p in procs]
 
 
+_DONE: list = []  # this session's results: the runs are made once even when the module's fixtures are set up again
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The runs (data only: their homes are purged at teardown). Made once per pytest session (each xdist worker
+    is one): a worker whose queue ran dry between two tests of this file sets the module's fixtures up again."""
     from tierstore.testing.gpt import make_model, setup_determinism, train_emulated
 
+    if _DONE:
+        yield _DONE[0]
+        return
     tmp = tmp_path_factory.mktemp("run")
     codes1 = _run(tmp / "home", tmp / "first", KILL)
     assert codes1[1] == 17, codes1
@@ -144,6 +155,7 @@ def runs(tmp_path_factory):
     setup_determinism(0)
     model, opt = make_model(seed=0)
     ref = train_emulated(model, opt, 0, STOP_LAYERWISE, world_size=2)
+    _DONE.append((res, ref))
     yield res, ref
     purge_homes(tmp / "home")
 

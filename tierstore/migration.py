@@ -173,7 +173,8 @@ class Migrator:
         started.wait()  # every worker runs at its background priority before the first enqueue
         self._watch: threading.Thread | None = None
         if stall_s is not None and stall_s > 0:
-            self._watch = threading.Thread(target=self._watchdog, name=f"tierstore-{name}-watch", daemon=True)
+            # named apart from the workers (tierstore-<name>-<i>): it watches them, it moves no bytes
+            self._watch = threading.Thread(target=self._watchdog, name=f"tierstore-watch-{name}", daemon=True)
             self._watch.start()
 
     # -- the tier manager's side ----------------------------------------------------------------
@@ -541,6 +542,7 @@ class Migrator:
     def _watchdog(self) -> None:
         """Report each object whose migration stalls, once, within about ``stall_s`` of it stalling."""
         assert self.stall_s is not None
+        lower_priority(self.nice)
         interval = max(0.05, min(1.0, self.stall_s / 4))
         while True:
             with self._cv:

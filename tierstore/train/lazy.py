@@ -240,14 +240,20 @@ class Fingerprint:
         self.kind = kind
         self.names = [(ln, n) for ln, n, _t, _v in versions]
         self.tensors = [t for _ln, _n, t, _v in versions]
+        # private generators: the trainer's RNG streams (random, torch's default generator) are never drawn
+        # from, or a resumed run would not replay the lost one bitwise (its RNG state is saved before this)
         rnd = random.Random()
+        gen: torch.Generator | None = None
         # per tensor: (offset, stride) over the flattened contiguous tensor (stride 0: all of it), or the random
         # indices per dim of a non-contiguous one
         self._plan: list[Any] = []
         for t in self.tensors:
             n = t.numel()
             if not t.is_contiguous():
-                self._plan.append(tuple(torch.randint(d, (samples,)) for d in t.shape) if n > samples else None)
+                if n > samples and gen is None:
+                    gen = torch.Generator().manual_seed(rnd.getrandbits(63))
+                self._plan.append(tuple(torch.randint(d, (samples,), generator=gen) for d in t.shape)
+                                  if n > samples else None)
             elif n <= samples:
                 self._plan.append((0, 0))
             else:

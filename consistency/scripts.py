@@ -191,6 +191,7 @@ local function complete_set(step, world, layout_json, infos)
     if o and pset[k] and not present(k) then o = nil end
     if o then deps[#deps + 1] = o; push(o) else absent[#absent + 1] = k end
   end
+  if replay and not pm then absent[#absent + 1] = 'a replay base (no earlier committed step)' end
   for _, s in ipairs(requires) do
     local st = redis.call('HGET', PREFIX .. 'step:' .. s, 'state')
     if (st ~= 'committed' and st ~= 'durable') or redis.call('EXISTS', PREFIX .. 'manifest:' .. s) == 0 then

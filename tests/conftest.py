@@ -238,7 +238,15 @@ def shm_root() -> Path:
     root = base / f"tierstore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     root.mkdir(parents=True)
     yield root
+    remove_host_root(root)
+
+
+def remove_host_root(root: Path) -> None:
+    """Remove a test's host tier directory and its lock file beside it (``tierstore.home.host_lock_path``)."""
+    from tierstore.home import host_lock_path
+
     shutil.rmtree(root, ignore_errors=True)
+    host_lock_path(root).unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import uuid
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 import tierstore
 from tests import _reshard as R
 from tests._tiers import flip_everywhere, live_path
+from tests.conftest import remove_host_root
 from tierstore.delta import xor_delta
 from tierstore.embedded import stop_server
 from tierstore.errors import NoValidCopyError, RestoreMismatchError
@@ -130,7 +130,7 @@ def saved(tmp_path_factory):
             yield s, _zero_checkpoint(s)
     finally:
         stop_server(home)  # a module's home: the per-test cleanup stops only the servers of a test's tmp_path
-        shutil.rmtree(shm, ignore_errors=True)
+        remove_host_root(shm)  # and its lock file beside it
 
 
 @pytest.fixture

@@ -18,10 +18,14 @@ _NOW = """
 local now = tonumber(ARGV[#ARGV])
 if now == nil or now < 0 then local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1e6 end
 """
+# A writer's epoch newer than the model's (the model's epoch went with a forced delete, or with the index) raises
+# it: the next incarnation then joins above every writer of the model's steps, so it fences that writer and can
+# supersede that writer's lost steps (an epoch that went back would leave them immutable to it).
 _FENCE = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ep = tonumber(ARGV[1])
 if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
+if ep > cur then redis.call('SET', KEYS[1], ep) end
 """
 # Create the step, or start a new attempt of it when a newer epoch begins a step an older epoch left
 # preparing or aborted (its votes are dropped: they belong to a fenced incarnation). A committed step is

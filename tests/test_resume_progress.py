@@ -231,3 +231,37 @@ def test_a_vote_whose_closure_is_not_in_the_index_is_refused_typed(opener):
     # complete: it commits
     steps.begin(M, 7, 1, layout={"layers": ["a"]})
     assert steps.vote(M, 7, 0, [{**full, "key": f"{M}/a/7/0"}]) == "committed"
+
+
+def test_a_forced_delete_keeps_the_live_writer_fenced_by_the_next_incarnation(opener, caplog):
+    """A forced delete drops the model's epoch with its records; the live writer (the job's second incarnation)
+    then saves on under its epoch and is lost with its node. The next incarnation must take a newer epoch than
+    any writer of the model's steps: it fences the lost writer and can supersede that writer's lost steps,
+    instead of meeting ``StepCommittedError`` at the first of them (found by tests/test_durable_statemachine.py
+    under ``layerwise`` in CI)."""
+    policy = POLICIES["exact"]
+    first = Checkpointer(opener(), M, _net(0), policy=policy())
+    first.restore()
+    first.save(0)
+    assert first.wait() == "committed"
+    first._pool.shutdown(wait=False)  # a crash: the second incarnation takes over on the same node
+    store = opener()
+    net = _net(0)
+    ck = Checkpointer(store, M, net, policy=policy())
+    assert ck.restore()[0] == 0 and ck.epoch is not None and ck.epoch >= 2
+    store.flush()
+    opener().delete_model(M, force=True)
+    gate = threading.Event()
+    for s in range(1, 6):
+        _step(net, s)
+        ck.save(s)
+        assert ck.wait() == "committed"
+        store.flush() if s <= 3 else None
+        if s == 3:  # steps 4 and 5 commit in memory only, then the node is lost with them
+            store.rewire(before_migrate=lambda key: gate.wait(60) if key.step > 3 else None)
+    ck._pool.shutdown(wait=False)
+    _lose(opener, [gate])
+    with caplog.at_level("WARNING"):
+        got = _incarnation(opener, policy(), 4, 7, hang_after=None, caplog=caplog, check=True)
+    assert sorted(got) == [4, 5, 6, 7], sorted(got)
+    assert opener().steps.records(M, [5])[0].epoch > ck.epoch  # the lost writer's step 5, saved again, newer

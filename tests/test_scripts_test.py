@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,35 @@ def test_ci_installs_the_system_packages_and_an_opt_out_wins(tmp_path):
     p, ran = _run(tmp_path, "--fast", TIERSTORE_TEST_WORKERS="0")
     pytest_line = next(r for r in ran if " -m pytest " in r)
     assert " -n " not in pytest_line and "-m not slow" in pytest_line, pytest_line
+
+
+GROUPED = """
+import os
+import pytest
+
+@pytest.mark.xdist_group("one")
+@pytest.mark.parametrize("i", range(4))
+def test_grouped(i):
+    print("worker", os.environ.get("PYTEST_XDIST_WORKER"))
+
+@pytest.mark.parametrize("i", range(4))
+def test_free(i):
+    pass
+"""
+
+
+def test_xdist_groups_hold_with_the_installed_pytest(tmp_path):
+    """``scripts/test`` runs ``--dist loadgroup``: a file whose tests share an expensive module fixture (a fresh
+    venv, the training runs) is one group, so one worker builds it once. With pytest 9.2 and pytest-xdist 3.8 the
+    grouping silently stopped (pytest-dev/pytest-xdist#1386: the fixture was built on every worker); this runs the
+    installed pair on two groups' worth of tests and checks that every test of the group ran on one worker."""
+    pytest.importorskip("xdist")
+    for name in ("test_a.py", "test_b.py"):
+        (tmp_path / name).write_text(GROUPED)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                        "-v", "-s", "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ran = [line.split()[0] for line in p.stdout.splitlines() if "PASSED" in line and "test_grouped" in line]
+    assert len(ran) == 8, p.stdout[-3000:]
+    assert len(set(ran)) == 1, f"the group's tests ran on {sorted(set(ran))}:\n{p.stdout[-3000:]}"

@@ -1,7 +1,8 @@
-"""The 2-minute soak (required in CI): save/commit/restore on 2 rank processes with a fault every few seconds.
+"""The one-minute soak (in CI): save/commit/restore on 2 rank processes with a fault every few seconds.
 
-Runs ``python -m bench.soak --duration 120``; the hour-long soak is the same
-command with the default ``--duration 3600``.
+Runs ``python -m bench.soak --duration 60`` (about 20 faults; the leak checks compare the descriptors and
+memory after the warm-up with the end); the hour-long soak is the same command with the default
+``--duration 3600``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(900)
-def test_soak_two_minutes(tmp_path):
+def test_soak_one_minute(tmp_path):
     out = tmp_path / "soak.json"
-    p = subprocess.run([sys.executable, "-m", "bench.soak", "--duration", "120", "--ranks", "2",
+    p = subprocess.run([sys.executable, "-m", "bench.soak", "--duration", "60", "--ranks", "2",
                         "--fault-every", "3", "--seed", "1", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert out.exists(), f"soak produced no report (rc={p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"

@@ -18,13 +18,16 @@ _NOW = """
 local now = tonumber(ARGV[#ARGV])
 if now == nil or now < 0 then local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1e6 end
 """
-# A writer's epoch newer than the model's (the model's epoch went with a forced delete, or with the index) raises
-# it: the next incarnation then joins above every writer of the model's steps, so it fences that writer and can
-# supersede that writer's lost steps (an epoch that went back would leave them immutable to it).
 _FENCE = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ep = tonumber(ARGV[1])
 if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
+"""
+# At the start of a write (BEGIN, CLAIM): a writer's epoch newer than the model's (the model's epoch went with a
+# forced delete, or with the index) raises it, so the next incarnation joins above every writer of the model's
+# steps: it fences that writer and can supersede that writer's lost steps (an epoch that went back would leave
+# them immutable to it). Not in MIGRATED: a late migration of a deleted model must not recreate its epoch.
+_RAISE = """
 if ep > cur then redis.call('SET', KEYS[1], ep) end
 """
 # Create the step, or start a new attempt of it when a newer epoch begins a step an older epoch left
@@ -244,7 +247,7 @@ end
 # KEYS: epoch, step, steps, votes, objs, vinfo; ARGV: epoch, step, world, layout_json, timeout_s, check, now. With
 # check = '1', a model the index holds no record of (no epoch, step or object) is answered 'unknown' and nothing
 # is created: the caller first makes sure the index did not lose it (see consistency.epochs).
-BEGIN = _FENCE + _NOW + _OPEN + """
+BEGIN = _FENCE + _RAISE + _NOW + _OPEN + """
 if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then return 'unknown' end
 return open_step(true)
 """
@@ -260,7 +263,7 @@ return open_step(true)
 # is answered {'unknown'}, as BEGIN does. Returns {'preparing', attempt, previous reason, previous state} (reason
 # and state '' for a first attempt or a repeated claim of the same token, which renews the lease) or
 # {'busy', attempt, world, age_s, timeout_s, lease_s, seconds since its last renewal}.
-CLAIM = _FENCE + _NOW + """
+CLAIM = _FENCE + _RAISE + _NOW + """
 if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then return {'unknown'} end
 local h = redis.call('HMGET', KEYS[2], 'state', 'owner', 'attempt', 'started', 'timeout', 'epoch', 'reason', 'world',
                     'lease', 'renewed')

@@ -62,6 +62,9 @@ class Venv:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
         env["VIRTUAL_ENV"] = str(self.root / "venv")  # as `. venv/bin/activate` sets it
+        # pip's own setting, not the install line: no bytecode compiled at install time (torch alone is thousands
+        # of modules, a large part of the install's CPU on 2 cores); Python compiles what it imports, as it runs
+        env["PIP_NO_COMPILE"] = "1"
         return env
 
     def run(self, cmd: str | list[str], cwd: Path, *, input: str | None = None, timeout: float = 300,

@@ -59,11 +59,25 @@ import torch.distributed as dist
 from tierstore.errors import (
     CheckpointNotFoundError,
     CommitError,
+    CorruptObjectError,
     ConfigError,
     MissingDependencyError,
     UnknownError,
 )
-from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, retire_older, write_pointer
+from tierstore.interop.pointer import (
+    Found,
+    Pointer,
+    freshest,
+    gone,
+    model_name,
+    next_step,
+    read_pointer,
+    restores,
+    retire_older,
+    store_args,
+    store_of,
+    write_pointer,
+)
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import validate_name
 from tierstore.train.checkpointer import Checkpointer
@@ -147,6 +161,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         self.timeout = timeout
         self._trainer: Any = None
         self._cks: dict[str, tuple[Checkpointer, dict[str, Any]]] = {}
+        self.latest: set[str] = set()  # paths Lightning's ckpt_path="last" chose among (TierStoreCheckpoint)
 
     # ---- wiring -------------------------------------------------------------------------------
     @property
@@ -163,7 +178,7 @@ class TierStoreCheckpointIO(CheckpointIO):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._trainer, self._cks = None, {}
+        self._trainer, self._cks, self.latest = None, {}, set()
 
     # ---- save -----------------------------------------------------------------------------------
     def _state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -224,7 +239,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         if outcome != "committed":
             raise CommitError(f"the checkpoint at {full} (step {step} of {model}) was {outcome}", model=model,
                               step=step)
-        write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info))
+        write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info, store_of(self.store)))
         retire_older(self.store, model)  # a re-save: the older steps go once they are settled
 
     def _global_rank(self) -> int:
@@ -264,12 +279,14 @@ class TierStoreCheckpointIO(CheckpointIO):
             log.info("%s is not a tierstore pointer: loading it with Lightning's TorchCheckpointIO", path)
             kwargs = {} if map_location is None else {"map_location": map_location}
             return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
+        self._adopt_store(ptr)
         store = self.store
-        if ptr.step not in {s for s, st in store.steps.steps(ptr.model) if st in ("committed", "durable")}:
+        if not store.steps.steps(ptr.model):
             raise CheckpointNotFoundError(f"the checkpoint at {os.fspath(path)} names step {ptr.step} of "
                                           f"{ptr.model}, which this store does not hold (deleted, or another store)",
                                           what="checkpoint", path=os.fspath(path), model=ptr.model, step=ptr.step)
-        plain = read_plain(store, ptr.model, ptr.step, templates=self._templates())
+        found = self._restorable(os.path.abspath(os.fspath(path)), ptr)
+        plain = read_plain(store, found.model, found.step, templates=self._templates())
         ckpt = dict(plain.entries["lightning"])
         if "model" in plain.entries:
             ckpt["state_dict"] = self._names(plain.entries["model"])
@@ -280,6 +297,52 @@ class TierStoreCheckpointIO(CheckpointIO):
                 raise TypeError("map_location: a device or a device string (tierstore reads into CPU memory)")
             ckpt = _move(ckpt, map_location)
         return ckpt
+
+    def _adopt_store(self, ptr: Pointer) -> None:
+        """With no store given (the default ``./.tierstore`` of the working directory), open the store the pointer
+        names where it is another one: a script started from another directory finds its checkpoints' store."""
+        if self._ref.live is not None or self._ref.spec or any(
+                os.environ.get(k) for k in ("TIERSTORE_HOME", "TIERSTORE_REDIS", "TIERSTORE_DURABLE")):
+            return
+        args = store_args(ptr)
+        if not args or not os.path.isdir(args["home"]):
+            return
+        from tierstore.config import StoreConfig  # lazy: only a pointer naming its store asks
+
+        if os.path.abspath(StoreConfig.from_env().resolved().home) == args["home"]:
+            return
+        log.info("the checkpoint %s names the store at %s (not this directory's default): opening it", ptr.path,
+                 args["home"])
+        self._ref = StoreRef(args)
+
+    def _restorable(self, full: str, ptr: Pointer) -> Found:
+        """The step to read for the checkpoint at ``full``: its own where it still restores; after a node loss
+        took it, the newest restorable step of the run (this directory's checkpoints) where ``ckpt_path="last"``
+        chose the path, else :class:`~tierstore.errors.CheckpointGoneError` naming that step."""
+        store = self.store
+        res = restores(store, ptr.model, ptr.step)
+        if not isinstance(res, str):
+            return Found(full, ptr.model, ptr.step, ptr.info.get("global_step"))
+        run = [ptr]
+        directory = os.path.dirname(full)
+        for f in sorted(os.listdir(directory)):
+            p = os.path.join(directory, f)
+            if p == full or not f.endswith(".ckpt") or not os.path.isfile(p):
+                continue
+            try:
+                other = read_pointer(p)
+            except (OSError, CorruptObjectError):
+                continue
+            if other is not None and other.framework == FRAMEWORK and other.model.startswith(f"{self.name}."):
+                run.append(other)
+        found = freshest(store, run)
+        if full not in self.latest or found is None:
+            raise gone(full, ptr, res, found, "pass it as ckpt_path, or ckpt_path=\"last\"")
+        log.warning("ckpt_path=\"last\": %s names step %d of %s (global step %s), which no tier restores any more "
+                    "(%s); resuming from the newest step that does: %s (step %d of %s, global step %s)", full,
+                    ptr.step, ptr.model, ptr.info.get("global_step"), res, found.path, found.step, found.model,
+                    found.global_step)
+        return found
 
     def _names(self, sd: dict[str, Any]) -> dict[str, Any]:
         """``sd`` under the live module's own keys (tierstore stores names without wrapper parts)."""
@@ -348,10 +411,18 @@ class TierStoreCheckpoint(ModelCheckpoint):
         super().__init__(*args, **kwargs)  # ModelCheckpoint's own arguments, positional ones included
         self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout)
 
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """Lightning's ``ckpt_path="last"`` lists these; the IO resumes one of them from the freshest restorable
+        step of the run where a node loss took the step it names."""
+        found = super()._find_last_checkpoints(trainer)
+        self.io.latest |= {os.path.abspath(p) for p in found}
+        return found
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         current = trainer.strategy.checkpoint_io
         if isinstance(current, TierStoreCheckpointIO):
+            current.latest |= self.io.latest
             self.io = current
         else:
             trainer.strategy.checkpoint_io = self.io

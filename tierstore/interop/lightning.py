@@ -419,6 +419,21 @@ class TierStoreCheckpoint(ModelCheckpoint):
         return found
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Install the IO into ``trainer``'s strategy.
+
+        Raises:
+            ConfigError: ``trainer`` is not a ``lightning.pytorch.Trainer`` (the standalone ``pytorch_lightning``
+                package's Trainer does not see this callback as a checkpoint callback: it would add its own,
+                ``ckpt_path="last"`` would find nothing and the run would start fresh), before anything is
+                restored or saved.
+        """
+        if not isinstance(trainer, pl.Trainer):
+            kind = type(trainer)
+            raise ConfigError(f"TierStoreCheckpoint works with lightning.pytorch's Trainer, not {kind.__module__}."
+                              f"{kind.__qualname__}: import the Trainer and the LightningModule from "
+                              "lightning.pytorch (`import lightning.pytorch as pl`), the same package as this "
+                              "callback (with the standalone pytorch_lightning package, Lightning would ignore it "
+                              "and start fresh)", field="trainer")
         super().setup(trainer, pl_module, stage)
         current = trainer.strategy.checkpoint_io
         if isinstance(current, TierStoreCheckpointIO):

@@ -46,6 +46,7 @@ at the save, naming it, with the fix.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -90,13 +91,15 @@ try:
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
     from lightning.fabric.strategies.model_parallel import _load_raw_module_state, _rekey_optimizer_state_if_needed
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.core.saving import _load_state
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - the lightning extra is in the test extra
     raise MissingDependencyError("tierstore.interop.lightning needs PyTorch Lightning 2.x: pip install "
                                  "'tierstore[lightning]'") from e
 
-__all__ = ["TierStoreCheckpoint", "TierStoreCheckpointIO", "TierStoreModelParallelStrategy"]
+__all__ = ["TierStoreCheckpoint", "TierStoreCheckpointIO", "TierStoreModelParallelStrategy", "export_checkpoint",
+           "load_from_checkpoint", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +165,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         self._trainer: Any = None
         self._cks: dict[str, tuple[Checkpointer, dict[str, Any]]] = {}
         self.latest: set[str] = set()  # paths Lightning's ckpt_path="last" chose among (TierStoreCheckpoint)
+        self.like: dict[str, Any] = {}  # hyper-parameter templates where no trainer is bound (read_checkpoint)
 
     # ---- wiring -------------------------------------------------------------------------------
     @property
@@ -178,7 +182,7 @@ class TierStoreCheckpointIO(CheckpointIO):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._trainer, self._cks, self.latest = None, {}, set()
+        self._trainer, self._cks, self.latest, self.like = None, {}, set(), {}
 
     # ---- save -----------------------------------------------------------------------------------
     def _state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -258,7 +262,7 @@ class TierStoreCheckpointIO(CheckpointIO):
     def _templates(self) -> dict[str, Any]:
         module = getattr(self._trainer, "lightning_module", None) if self._trainer is not None else None
         if module is None:
-            return {}
+            return {"lightning": {"hyper_parameters": self.like}} if self.like else {}
         like: dict[str, Any] = {"hyper_parameters": dict(getattr(module, "hparams", {}) or {})}
         dm = getattr(self._trainer, "datamodule", None)
         if dm is not None:
@@ -478,3 +482,74 @@ class TierStoreModelParallelStrategy(ModelParallelStrategy):
                 state = _rekey_optimizer_state_if_needed(state, self.model)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
+
+
+# ---- outside a Trainer: the pointer read as Lightning's checkpoint ------------------------------------------------
+
+def _defaults(cls: Any) -> dict[str, Any]:
+    """The default values of ``cls.__init__``'s parameters: the types a hyper-parameter decodes into."""
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty and p.default is not None}
+
+
+def read_checkpoint(path: str | os.PathLike[str], store: Any = None, *, cls: Any = None) -> dict[str, Any]:
+    """The Lightning checkpoint dict (``state_dict``, ``optimizer_states``, ``hyper_parameters``, loops, ...) of
+    the pointer at ``path``, read from the store (``store``; ``None``: the one the pointer names, else the
+    default). What ``torch.load`` returns for a ``.ckpt`` file Lightning wrote; tensors in CPU memory.
+    Hyper-parameters are tagged JSON (never unpickled): a value whose type ``cls.__init__``'s default of the
+    same name has (an enum, a dataclass, a path) decodes into that type, the others into plain values.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``, its step is gone (:class:`~tierstore.errors.CheckpointGoneError`),
+            or ``path`` is not a tierstore pointer (``torch.load`` reads that one).
+    """
+    full = os.fspath(path)
+    io = TierStoreCheckpointIO(store)
+    io.like = _defaults(cls) if cls is not None else {}
+    if io._pointer(full) is None:
+        raise CheckpointNotFoundError(f"{full} is not a tierstore pointer: torch.load (or Lightning's own "
+                                      "load_from_checkpoint) reads it", what="checkpoint", path=full)
+    return io.load_checkpoint(full)
+
+
+def load_from_checkpoint(cls: Any, path: str | os.PathLike[str], *, store: Any = None, map_location: Any = None,
+                         strict: bool | None = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path)`` for a tierstore pointer (Lightning's own reads the file with
+    ``torch.load`` and fails on the JSON): the module built from the saved hyper-parameters (``kwargs``
+    override them, as Lightning's do) with the saved weights, on ``map_location`` (default: CPU).
+
+    Raises:
+        CheckpointNotFoundError: see :func:`read_checkpoint`.
+    """
+    checkpoint = read_checkpoint(path, store, cls=cls)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    model = _load_state(cls, checkpoint, strict=strict, **kwargs)  # as lightning.pytorch.core.saving does
+    return model.to(map_location) if map_location is not None else model
+
+
+def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], store: Any = None, *,
+                      cls: Any = None) -> str:
+    """Write the checkpoint of the pointer at ``path`` as a Lightning ``.ckpt`` file at ``out`` (``torch.save``
+    of :func:`read_checkpoint`, written to a temporary file and renamed): what tools that ``torch.load`` a
+    checkpoint or call ``Net.load_from_checkpoint`` read. Returns ``out``'s absolute path.
+
+    ``cls``: the LightningModule class, whose defaults type the hyper-parameters (see :func:`read_checkpoint`).
+
+    Raises:
+        CheckpointNotFoundError: see :func:`read_checkpoint`.
+    """
+    checkpoint = read_checkpoint(path, store, cls=cls)
+    target = os.path.abspath(os.fspath(out))
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

@@ -20,13 +20,13 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs transformers (the hf extra)")
 
-from transformers import TrainerCallback  # noqa: E402
+from transformers import TrainerCallback
 
-import tierstore  # noqa: E402
-from tests import _hf_job as H  # noqa: E402
-from tierstore.embedded import stop_server  # noqa: E402
-from tierstore.errors import CheckpointGoneError  # noqa: E402
-from tierstore.interop.huggingface import TierStoreTrainer  # noqa: E402
+import tierstore
+from tests import _hf_job as H
+from tierstore.embedded import stop_server
+from tierstore.errors import CheckpointGoneError
+from tierstore.interop.huggingface import TierStoreTrainer
 
 
 class StopAt(TrainerCallback):

@@ -39,7 +39,7 @@ def test_a_standalone_pytorch_lightning_trainer_is_refused_with_the_fix(store, t
     trainer = ptl.Trainer(max_steps=2, callbacks=[cb], logger=False, accelerator="cpu", enable_progress_bar=False,
                           enable_model_summary=False, default_root_dir=str(tmp_path / "root"))
     data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
-    with pytest.raises(ConfigError, match="import the Trainer and the LightningModule from lightning.pytorch"):
+    with pytest.raises(ConfigError, match=r"import the Trainer and the LightningModule from lightning\.pytorch"):
         trainer.fit(Net(), data, ckpt_path="last")
     assert trainer.global_step == 0  # nothing trained, nothing saved: neither pointers nor Lightning's own files
     assert not ckpts.exists() and not (tmp_path / "root").exists()

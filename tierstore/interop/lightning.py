@@ -60,8 +60,8 @@ import torch.distributed as dist
 from tierstore.errors import (
     CheckpointNotFoundError,
     CommitError,
-    CorruptObjectError,
     ConfigError,
+    CorruptObjectError,
     MissingDependencyError,
     UnknownError,
 )
@@ -528,6 +528,7 @@ def load_from_checkpoint(cls: Any, path: str | os.PathLike[str], *, store: Any =
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
     model = _load_state(cls, checkpoint, strict=strict, **kwargs)  # as lightning.pytorch.core.saving does
+    assert isinstance(model, pl.LightningModule)
     return model.to(map_location) if map_location is not None else model
 
 

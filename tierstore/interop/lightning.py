@@ -63,6 +63,7 @@ from tierstore.errors import (
     ConfigError,
     CorruptObjectError,
     MissingDependencyError,
+    TierStoreError,
     UnknownError,
 )
 from tierstore.interop.pointer import (
@@ -154,14 +155,19 @@ class TierStoreCheckpointIO(CheckpointIO):
         name: the models' name prefix: a path's model is ``<name>.<file stem>-<digest of the absolute path>``.
         policy: the Checkpointer policy where the module's own tensors are saved (see :class:`TierStoreCheckpoint`).
         timeout: seconds a save waits for its step to commit.
+        settle: at ``teardown`` (the end of ``fit``), wait for the saves' migration to the durable tier and
+            collect the older steps it deferred (see :meth:`teardown`); ``False``: return at once, leaving them
+            to the next run's re-saves.
     """
 
     def __init__(self, store: Any = None, *, name: str = "lightning", policy: Policy | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, settle: bool = True) -> None:
         self._ref = StoreRef(store)
         self.name = validate_name(name, "model name prefix")
         self.policy = policy
         self.timeout = timeout
+        self.settle = settle
+        self._saved: set[str] = set()  # the models this run saved a step of (teardown settles them)
         self._trainer: Any = None
         self._cks: dict[str, tuple[Checkpointer, dict[str, Any]]] = {}
         self.latest: set[str] = set()  # paths Lightning's ckpt_path="last" chose among (TierStoreCheckpoint)
@@ -178,11 +184,12 @@ class TierStoreCheckpointIO(CheckpointIO):
         self._trainer = trainer
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: configuration only
-        return {"_ref": self._ref, "name": self.name, "policy": self.policy, "timeout": self.timeout}
+        return {"_ref": self._ref, "name": self.name, "policy": self.policy, "timeout": self.timeout,
+                "settle": self.settle}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._trainer, self._cks, self.latest, self.like = None, {}, set(), {}
+        self._trainer, self._cks, self.latest, self.like, self._saved = None, {}, set(), {}, set()
 
     # ---- save -----------------------------------------------------------------------------------
     def _state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -244,6 +251,7 @@ class TierStoreCheckpointIO(CheckpointIO):
             raise CommitError(f"the checkpoint at {full} (step {step} of {model}) was {outcome}", model=model,
                               step=step)
         write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info, store_of(self.store)))
+        self._saved.add(model)
         retire_older(self.store, model)  # a re-save: the older steps go once they are settled
 
     def _global_rank(self) -> int:
@@ -377,6 +385,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         if os.path.abspath(ptr.path) != full:
             return
         got = self._cks.pop(ptr.model, None)
+        self._saved.discard(ptr.model)
         if got is not None:
             got[0].close()
         try:  # Lightning asked: its own rotation is the evidence, and this process is the model's only writer
@@ -385,10 +394,26 @@ class TierStoreCheckpointIO(CheckpointIO):
             pass
 
     def teardown(self) -> None:
-        """Close the Checkpointers (their background work is done: every save waited for its commit)."""
+        """Close the Checkpointers (every save waited for its commit); with ``settle``, wait for the saves'
+        migration (:meth:`~tierstore.store.TierStore.flush`, bounded by ``StoreConfig.flush_timeout_s``) and
+        collect the older steps of every path saved whose collection a re-save deferred while their migration
+        ran, so nothing is left uncollected in the host tier after the last save."""
         cks, self._cks = list(self._cks.values()), {}
         for ck, _ in cks:
             ck.close()
+        saved, self._saved = self._saved, set()
+        if not (self.settle and saved):
+            return
+        store = self.store
+        try:
+            store.flush()
+        except TierStoreError as e:  # the steps stay as they are: a later run's re-saves collect them
+            log.warning("the checkpoints' migration did not finish at the end of the run (%s): their older steps "
+                        "are left for a later collection", e)
+            return
+        for model in sorted(saved):
+            if store.steps.steps(model):  # not rotated away meanwhile
+                retire_older(store, model)
 
 
 class TierStoreCheckpoint(ModelCheckpoint):
@@ -406,14 +431,15 @@ class TierStoreCheckpoint(ModelCheckpoint):
         name: see :class:`TierStoreCheckpointIO`.
         policy: see :class:`TierStoreCheckpointIO`.
         timeout: see :class:`TierStoreCheckpointIO`.
+        settle: see :class:`TierStoreCheckpointIO`.
         **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ...).
     """
 
     def __init__(self, *args: Any, store: Any = None, name: str = "lightning", policy: Policy | None = None,
-                 timeout: float = 120.0, **kwargs: Any) -> None:
+                 timeout: float = 120.0, settle: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # ModelCheckpoint's own arguments, positional ones included
-        self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout)
+        self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout, settle=settle)
 
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """Lightning's ``ckpt_path="last"`` lists these; the IO resumes one of them from the freshest restorable

@@ -91,3 +91,27 @@ def test_reboot_right_after_a_save_resumes_from_the_newest_durable_checkpoint(tm
         assert fresh.state.global_step == 2
     finally:
         s.close()
+
+
+def test_the_pointer_names_its_store_and_another_directory_finds_it(tmp_path, monkeypatch, caplog):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TIERSTORE_HOME", "TIERSTORE_REDIS", "TIERSTORE_DURABLE"):
+        monkeypatch.delenv(k, raising=False)
+    home, out = tmp_path / "home", tmp_path / "run"
+    s = tierstore.open(home)
+    try:
+        _trainer(s, out, max_steps=4).train()
+    finally:
+        s.close()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # its default store would be ./.tierstore here
+    t = _trainer(None, out, max_steps=6)
+    try:
+        with caplog.at_level(logging.INFO, logger="tierstore.interop.huggingface"):
+            t.train(resume_from_checkpoint=True)
+        assert t.store.config.home == str(home.resolve()) and t.state.global_step == 6
+        assert any("names the store at" in r.getMessage() for r in caplog.records)
+        assert not (elsewhere / ".tierstore").exists()
+    finally:
+        t.store.flush()
+        t.store.close()

@@ -74,6 +74,7 @@ from tierstore.interop.pointer import (
     Pointer,
     gone,
     model_name,
+    named_store,
     next_step,
     read_pointer,
     restores,
@@ -178,14 +179,31 @@ class TierStoreTrainerMixin:
         return self._ts_ref.get()
 
     # ---- resume -----------------------------------------------------------------------------------
+    def _ts_adopt(self, checkpoint: str | None) -> None:
+        """With no store given, open the store the checkpoint's pointer names (a script started from another
+        working directory, whose default ``./.tierstore`` is another store)."""
+        ptr = _pointer(checkpoint) if checkpoint is not None and os.path.isdir(checkpoint) else None
+        args = named_store(self._ts_ref, ptr) if ptr is not None else None
+        if args is not None:
+            log.info("%s names the store at %s (not this directory's default): opening it", checkpoint,
+                     args["home"])
+            self._ts_ref = StoreRef(args)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(resume_from_checkpoint, str):
+            self._ts_adopt(resume_from_checkpoint)
+        elif resume_from_checkpoint is True:
+            saved = [d for d in _numbered(os.fspath(self.args.output_dir)) if _pointer(d) is not None]
+            self._ts_adopt(saved[0] if saved else None)
         if resume_from_checkpoint is True:
             found = last_checkpoint(self.args.output_dir, self.store)
             saved = [d for d in _numbered(os.fspath(self.args.output_dir)) if _pointer(d) is not None]
             if found is None and saved:  # checkpoints were saved, none restores: never a silent fresh start
                 ptr = _pointer(saved[0])
                 assert ptr is not None
-                raise gone(saved[0], ptr, "no tier holds a copy of it", None, "")
+                why = ("no tier holds a copy of it" if self.store.steps.steps(ptr.model) else
+                       "its model is not in this store: deleted, or another store")
+                raise gone(saved[0], ptr, why, None, "")
             if found is None:
                 log.info("resume_from_checkpoint=True: %s holds no checkpoint yet; starting fresh",
                          self.args.output_dir)

@@ -72,11 +72,11 @@ from tierstore.interop.pointer import (
     freshest,
     gone,
     model_name,
+    named_store,
     next_step,
     read_pointer,
     restores,
     retire_older,
-    store_args,
     store_of,
     write_pointer,
 )
@@ -313,19 +313,11 @@ class TierStoreCheckpointIO(CheckpointIO):
     def _adopt_store(self, ptr: Pointer) -> None:
         """With no store given (the default ``./.tierstore`` of the working directory), open the store the pointer
         names where it is another one: a script started from another directory finds its checkpoints' store."""
-        if self._ref.live is not None or self._ref.spec or any(
-                os.environ.get(k) for k in ("TIERSTORE_HOME", "TIERSTORE_REDIS", "TIERSTORE_DURABLE")):
-            return
-        args = store_args(ptr)
-        if not args or not os.path.isdir(args["home"]):
-            return
-        from tierstore.config import StoreConfig  # lazy: only a pointer naming its store asks
-
-        if os.path.abspath(StoreConfig.from_env().resolved().home) == args["home"]:
-            return
-        log.info("the checkpoint %s names the store at %s (not this directory's default): opening it", ptr.path,
-                 args["home"])
-        self._ref = StoreRef(args)
+        args = named_store(self._ref, ptr)
+        if args is not None:
+            log.info("the checkpoint %s names the store at %s (not this directory's default): opening it",
+                     ptr.path, args["home"])
+            self._ref = StoreRef(args)
 
     def _restorable(self, full: str, ptr: Pointer) -> Found:
         """The step to read for the checkpoint at ``full``: its own where it still restores; after a node loss

@@ -58,7 +58,7 @@ from typing import Any
 from tierstore.errors import CheckpointGoneError, CorruptObjectError, IndexLostError, NoValidCopyError
 from tierstore.keys import MAX_NAME_LEN, validate_name
 
-__all__ = ["MAX_POINTER_BYTES", "POINTER_VERSION", "Found", "Pointer", "freshest", "gone", "model_name",
+__all__ = ["MAX_POINTER_BYTES", "POINTER_VERSION", "Found", "Pointer", "freshest", "gone", "model_name", "named_store",
            "next_step", "read_pointer", "restores", "retire_older", "store_args", "store_of", "write_pointer"]
 
 POINTER_VERSION = 1
@@ -117,6 +117,25 @@ def store_args(pointer: Pointer) -> dict[str, Any]:
     if s.get("durable"):
         out["durable"] = s["durable"]
     return out
+
+
+_STORE_ENV = ("TIERSTORE_HOME", "TIERSTORE_REDIS", "TIERSTORE_DURABLE")
+
+
+def named_store(ref: Any, pointer: Pointer) -> dict[str, Any] | None:
+    """Where ``ref`` (a :class:`~tierstore.interop.store_ref.StoreRef`) is the default store (none given, none
+    in the environment: ``./.tierstore`` of the working directory) and ``pointer`` names another store whose
+    home exists, the :func:`tierstore.open` arguments of that one; else ``None`` (keep ``ref``)."""
+    if ref.live is not None or ref.spec or any(os.environ.get(k) for k in _STORE_ENV):
+        return None
+    args = store_args(pointer)
+    if not args or not os.path.isdir(args["home"]):
+        return None
+    from tierstore.config import StoreConfig  # lazy: only a pointer naming its store asks
+
+    if os.path.abspath(StoreConfig.from_env().resolved().home) == args["home"]:
+        return None
+    return args
 
 
 @dataclass(frozen=True)

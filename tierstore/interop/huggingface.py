@@ -68,7 +68,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierstore.errors import CheckpointNotFoundError, CommitError, ConfigError, MissingDependencyError
+from tierstore.errors import (
+    CheckpointNotFoundError,
+    CommitError,
+    ConfigError,
+    MissingDependencyError,
+    NoValidCopyError,
+)
 from tierstore.interop.pointer import (
     Found,
     Pointer,
@@ -165,7 +171,6 @@ class TierStoreTrainerMixin:
         self._ts_timeout = store_timeout
         self._ts_saving = False
         self._ts_group: Any = None
-        self._ts_checked: set[tuple[str, int]] = set()  # steps a resume found restorable
 
     args: Any
     state: Any
@@ -217,18 +222,15 @@ class TierStoreTrainerMixin:
         if ptr.step not in {s for s, st in self.store.steps.steps(ptr.model) if st in ("committed", "durable")}:
             raise CheckpointNotFoundError(f"{checkpoint}: its step {ptr.step} of {ptr.model} is not in this store "
                                           "(deleted, or another store)", what="checkpoint", path=checkpoint)
-        if (ptr.model, ptr.step) not in self._ts_checked:
-            res = restores(self.store, ptr.model, ptr.step)
-            if isinstance(res, str):  # a node loss took it: name the newest checkpoint of the run that restores
-                newest = last_checkpoint(os.path.dirname(os.path.abspath(checkpoint)), self.store, say=False)
-                np = _pointer(newest) if newest is not None else None
-                found = None if newest is None else Found(
-                    newest, np.model if np else "", np.step if np else 0,
-                    (np.info.get("global_step") if np else None))
-                raise gone(os.path.abspath(checkpoint), ptr, res, found,
-                           "pass it as resume_from_checkpoint, or resume_from_checkpoint=True")
-            self._ts_checked.add((ptr.model, ptr.step))
-        load(self.store, ptr.model, state, ptr.step, only=only, rank=self.args.process_index, world_size=1)
+        try:  # the read path resolves (and verifies) the step itself
+            load(self.store, ptr.model, state, ptr.step, only=only, rank=self.args.process_index, world_size=1)
+        except NoValidCopyError as e:  # a node loss took it: name the newest checkpoint of the run that restores
+            newest = last_checkpoint(os.path.dirname(os.path.abspath(checkpoint)), self.store, say=False)
+            np = _pointer(newest) if newest is not None else None
+            found = None if newest is None or np is None else Found(newest, np.model, np.step,
+                                                                    np.info.get("global_step"))
+            raise gone(os.path.abspath(checkpoint), ptr, f"{type(e).__name__}: {e}", found,
+                       "pass it as resume_from_checkpoint, or resume_from_checkpoint=True") from e
         return True
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

@@ -63,6 +63,7 @@ from tierstore.errors import (
     ConfigError,
     CorruptObjectError,
     MissingDependencyError,
+    NoValidCopyError,
     TierStoreError,
     UnknownError,
 )
@@ -75,7 +76,6 @@ from tierstore.interop.pointer import (
     named_store,
     next_step,
     read_pointer,
-    restores,
     retire_older,
     store_of,
     write_pointer,
@@ -297,8 +297,11 @@ class TierStoreCheckpointIO(CheckpointIO):
             raise CheckpointNotFoundError(f"the checkpoint at {os.fspath(path)} names step {ptr.step} of "
                                           f"{ptr.model}, which this store does not hold (deleted, or another store)",
                                           what="checkpoint", path=os.fspath(path), model=ptr.model, step=ptr.step)
-        found = self._restorable(os.path.abspath(os.fspath(path)), ptr)
-        plain = read_plain(store, found.model, found.step, templates=self._templates())
+        try:  # the read path resolves (and verifies) the step itself
+            plain = read_plain(store, ptr.model, ptr.step, templates=self._templates())
+        except NoValidCopyError as e:  # a node loss took it
+            found = self._fallback(os.path.abspath(os.fspath(path)), ptr, f"{type(e).__name__}: {e}")
+            plain = read_plain(store, found.model, found.step, templates=self._templates())
         ckpt = dict(plain.entries["lightning"])
         if "model" in plain.entries:
             ckpt["state_dict"] = self._names(plain.entries["model"])
@@ -319,14 +322,11 @@ class TierStoreCheckpointIO(CheckpointIO):
                      ptr.path, args["home"])
             self._ref = StoreRef(args)
 
-    def _restorable(self, full: str, ptr: Pointer) -> Found:
-        """The step to read for the checkpoint at ``full``: its own where it still restores; after a node loss
-        took it, the newest restorable step of the run (this directory's checkpoints) where ``ckpt_path="last"``
-        chose the path, else :class:`~tierstore.errors.CheckpointGoneError` naming that step."""
+    def _fallback(self, full: str, ptr: Pointer, res: str) -> Found:
+        """The step to read for the checkpoint at ``full`` whose own step no tier restores (``res``: why): the
+        newest restorable step of the run (this directory's checkpoints) where ``ckpt_path="last"`` chose the
+        path, else :class:`~tierstore.errors.CheckpointGoneError` naming that step."""
         store = self.store
-        res = restores(store, ptr.model, ptr.step)
-        if not isinstance(res, str):
-            return Found(full, ptr.model, ptr.step, ptr.info.get("global_step"))
         run = [ptr]
         directory = os.path.dirname(full)
         for f in sorted(os.listdir(directory)):

@@ -7,14 +7,20 @@ run B resumes with ``ckpt_path="last"`` and saves at 6 and 8 with the migration 
 stopped and the host tier wiped. The same command again (``ckpt_path="last"``) resumes from the newest step a
 tier still holds (global step 4, durable), says so, and is bitwise an uninterrupted run; an explicit path whose
 step is gone raises ``CheckpointGoneError`` naming that step. Also: the pointer names its store, so a script
-started from another working directory (no store given) finds it.
+started from another working directory (no store given) finds it. On two processes (DDP, gloo) the same,
+with run B SIGKILLed right after its save of step 8 (``tests/_lightning_reboot_job.py``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +34,8 @@ from tierstore.embedded import stop_server  # noqa: E402
 from tierstore.errors import CheckpointGoneError  # noqa: E402
 from tierstore.interop.lightning import TierStoreCheckpoint  # noqa: E402
 from tierstore.interop.pointer import read_pointer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cb(store, d, **kw):
@@ -101,3 +109,40 @@ def test_the_pointer_names_its_store_and_another_directory_finds_it(tmp_path, mo
         cb.io.store.close()
     assert sorted(b.losses) == [2, 3] and all(b.losses[k] == ref.losses[k] for k in b.losses)
     assert not (elsewhere / ".tierstore").exists() and cb.io.store.config.home == str(home.resolve())
+
+
+def _launch(phase: str, home: Path, ckpts: Path, out: Path) -> list[int]:
+    from tests.redis_server import free_port
+
+    port, procs = free_port(), []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0")
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests._lightning_reboot_job", phase, str(home),
+                                       str(ckpts), str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE))
+    deadline = time.monotonic() + 240
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait() for p in procs]
+    if phase != "b" and codes != [0, 0]:
+        print(b"\n".join(p.stderr.read()[-3000:] for p in procs).decode(errors="replace"))
+    return codes
+
+
+def test_reboot_right_after_a_save_on_two_processes(tmp_path):
+    home, ckpts, out = tmp_path / "home", tmp_path / "ckpts", tmp_path / "out"
+    assert _launch("a", home, ckpts, out) == [0, 0]
+    assert _launch("b", home, ckpts, out) == [-signal.SIGKILL] * 2  # right after the save of step 8
+    assert read_pointer(ckpts / "last.ckpt").info["global_step"] == 8
+    _reboot(home)
+    assert _launch("c", home, ckpts, out) == [0, 0]
+    for rank in range(2):
+        res = json.loads(Path(f"{out}.{rank}.json").read_text())
+        got, ref = res["resumed"], res["ref"]
+        assert sorted(map(int, got["losses"])) == [4, 5, 6, 7], rank  # from global step 4, the newest durable
+        assert all(got["losses"][s] == ref["losses"][s] for s in got["losses"]), rank
+        assert got["params"] == ref["params"], rank

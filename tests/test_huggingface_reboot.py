@@ -6,14 +6,20 @@ not yet run (a store opened with ``migrate=False``: what a SIGKILL right after t
 reboot: the index server stopped, the host tier wiped. ``resume_from_checkpoint=True`` resumes from the newest
 checkpoint a tier still holds (``checkpoint-4``, durable), says so, and is bitwise the uninterrupted run; the
 lost directory given explicitly raises ``CheckpointGoneError`` naming ``checkpoint-4``; a run with no
-checkpoint yet starts fresh under ``resume_from_checkpoint=True`` instead of raising.
+checkpoint yet starts fresh under ``resume_from_checkpoint=True`` instead of raising. On two processes
+(torch.distributed, gloo) the same, with run B SIGKILLed right after its save (``tests/_hf_reboot_job.py``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +33,8 @@ from tests import _hf_job as H
 from tierstore.embedded import stop_server
 from tierstore.errors import CheckpointGoneError
 from tierstore.interop.huggingface import TierStoreTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class StopAt(TrainerCallback):
@@ -115,3 +123,42 @@ def test_the_pointer_names_its_store_and_another_directory_finds_it(tmp_path, mo
     finally:
         t.store.flush()
         t.store.close()
+
+
+def _launch(phase: str, home: Path, run: Path, out: Path) -> list[int]:
+    from tests.redis_server import free_port
+
+    port, procs = free_port(), []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests._hf_reboot_job", phase, str(home), str(run),
+                                       str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE))
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait() for p in procs]
+    if phase != "b" and codes != [0, 0]:
+        print(b"\n".join(p.stderr.read()[-3000:] for p in procs).decode(errors="replace"))
+    return codes
+
+
+def test_reboot_right_after_a_save_on_two_processes(tmp_path):
+    home, run, out = tmp_path / "home", tmp_path / "run", tmp_path / "out"
+    assert _launch("a", home, run, out) == [0, 0]
+    assert _launch("b", home, run, out) == [-signal.SIGKILL] * 2  # right after the save of checkpoint-8
+    assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-8"]
+    _reboot(home)
+    assert _launch("c", home, run, out) == [0, 0]
+    for rank in range(2):
+        res = json.loads(Path(f"{out}.{rank}.json").read_text())
+        got, ref = res["resumed"], res["ref"]
+        assert [m for m in res["said"] if "resuming from the newest checkpoint" in m and
+                m.endswith("checkpoint-4")], (rank, res["said"])
+        assert sorted(map(int, got["log"])) == list(range(1, 9)), rank
+        assert all(got["log"][str(s)] == ref["log"][str(s)] for s in range(5, 9)), rank  # resumed at 4
+        assert got["params"] == ref["params"], rank

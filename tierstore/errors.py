@@ -16,6 +16,7 @@ __all__ = [
     "AccessDeniedError",
     "AuthenticationError",
     "CheckpointFailedError",
+    "CheckpointGoneError",
     "CheckpointNotFoundError",
     "CommitError",
     "ConfigError",
@@ -227,6 +228,12 @@ class UnknownError(TierStoreError, LookupError):
 class CheckpointNotFoundError(UnknownError, FileNotFoundError):
     """A framework's checkpoint path (a Lightning ``.ckpt``, a Trainer ``checkpoint-N`` directory) holds no
     checkpoint tierstore saved: never saved, removed, or its step is gone from the store. ``path`` names it."""
+
+
+class CheckpointGoneError(CheckpointNotFoundError):
+    """A framework's checkpoint path names a step no tier can restore any more (its host copy was lost before it
+    was durable: a node reboot right after the save). ``path`` names it; ``newest`` is the newest checkpoint that
+    still restores (a path, or ``None``: none does) and ``newest_global_step`` its global step."""
 
 
 class ObjectNotFoundError(UnknownError, KeyError):

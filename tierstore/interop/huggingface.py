@@ -37,9 +37,14 @@ So, per checkpoint directory:
   written; the Trainer then writes ``trainer_state.json`` itself, last. A
   directory is complete when both files are there.
 * **resume** (``train(resume_from_checkpoint=True)`` or a directory): ``True``
-  picks the newest *complete* ``checkpoint-N`` (HF would pick the newest
-  number, even one a killed save left half-written); each load reads this
-  rank's part of the step read-only (no collective, no epoch taken).
+  picks the newest *complete* ``checkpoint-N`` whose step still restores (HF
+  would pick the newest number, even one a killed save left half-written;
+  after a node reboot took a step that was not durable yet, an older
+  directory's durable step: it logs which), and starts fresh with an info log
+  where the run has no checkpoint yet; each load reads this rank's part of
+  the step read-only (no collective, no epoch taken). A directory given
+  explicitly whose step is gone raises
+  :class:`~tierstore.errors.CheckpointGoneError` naming the newest that restores.
   Directories the Trainer wrote itself (no pointer) load as the Trainer loads them.
 * **rotation** (``save_total_limit``): after the Trainer deletes old
   directories, the models of the ``checkpoint-N`` directories that are gone
@@ -63,8 +68,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierstore.errors import CheckpointNotFoundError, CommitError, ConfigError, MissingDependencyError
-from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, retire_older, write_pointer
+from tierstore.errors import (
+    CheckpointNotFoundError,
+    CommitError,
+    ConfigError,
+    MissingDependencyError,
+    NoValidCopyError,
+)
+from tierstore.interop.pointer import (
+    Found,
+    Pointer,
+    gone,
+    model_name,
+    named_store,
+    next_step,
+    read_pointer,
+    restores,
+    retire_older,
+    store_of,
+    write_pointer,
+)
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import validate_name
 from tierstore.train.checkpointer import Checkpointer, load
@@ -92,22 +115,33 @@ def _pointer(checkpoint_dir: str | os.PathLike[str]) -> Pointer | None:
     return read_pointer(p) if os.path.isfile(p) else None
 
 
-def last_checkpoint(run_dir: str | os.PathLike[str], store: Any | None = None) -> str | None:
-    """The newest complete ``checkpoint-N`` directory of ``run_dir``: its pointer and ``trainer_state.json`` are
-    there, and (given ``store``) the step it names is committed. Directories the Trainer wrote itself (no
-    pointer) count when their ``trainer_state.json`` is there. ``None``: none."""
-    run = os.fspath(run_dir)
+def _numbered(run: str) -> list[str]:
+    """``run``'s ``checkpoint-N`` directories, the highest ``N`` first."""
     if not os.path.isdir(run):
-        return None
+        return []
     found = sorted(((int(m.group(1)), d) for d in os.listdir(run) if (m := _CHECKPOINT_RE.match(d))), reverse=True)
-    for _, d in found:
-        full = os.path.join(run, d)
+    return [os.path.join(run, d) for _, d in found]
+
+
+def last_checkpoint(run_dir: str | os.PathLike[str], store: Any | None = None, *, say: bool = True) -> str | None:
+    """The newest complete ``checkpoint-N`` directory of ``run_dir``: its pointer and ``trainer_state.json`` are
+    there, and (given ``store``) the step it names still restores through the read path (memory, peer, durable:
+    after a node reboot took a step that was not durable yet, an older directory's durable step). Directories the
+    Trainer wrote itself (no pointer) count when their ``trainer_state.json`` is there; ``say``: log the newer
+    ones skipped and which one it took. ``None``: none."""
+    skipped: list[str] = []
+    for full in _numbered(os.fspath(run_dir)):
         if not os.path.isfile(os.path.join(full, TRAINER_STATE)):
             continue
         ptr = _pointer(full)
-        if ptr is not None and store is not None and ptr.step not in {
-                s for s, st in store.steps.steps(ptr.model) if st in ("committed", "durable")}:
-            continue
+        if ptr is not None and store is not None:
+            res = restores(store, ptr.model, ptr.step)
+            if isinstance(res, str):
+                skipped.append(f"{os.path.basename(full)} ({res})")
+                continue
+        if skipped and say:
+            log.warning("resume_from_checkpoint=True: %s no longer restore; resuming from the newest checkpoint "
+                        "that does: %s", "; ".join(skipped), full)
         return full
     return None
 
@@ -150,10 +184,35 @@ class TierStoreTrainerMixin:
         return self._ts_ref.get()
 
     # ---- resume -----------------------------------------------------------------------------------
+    def _ts_adopt(self, checkpoint: str | None) -> None:
+        """With no store given, open the store the checkpoint's pointer names (a script started from another
+        working directory, whose default ``./.tierstore`` is another store)."""
+        ptr = _pointer(checkpoint) if checkpoint is not None and os.path.isdir(checkpoint) else None
+        args = named_store(self._ts_ref, ptr) if ptr is not None else None
+        if args is not None:
+            log.info("%s names the store at %s (not this directory's default): opening it", checkpoint,
+                     args["home"])
+            self._ts_ref = StoreRef(args)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(resume_from_checkpoint, str):
+            self._ts_adopt(resume_from_checkpoint)
+        elif resume_from_checkpoint is True:
+            saved = [d for d in _numbered(os.fspath(self.args.output_dir)) if _pointer(d) is not None]
+            self._ts_adopt(saved[0] if saved else None)
         if resume_from_checkpoint is True:
             found = last_checkpoint(self.args.output_dir, self.store)
-            resume_from_checkpoint = found if found is not None else True  # none: the Trainer says so itself
+            saved = [d for d in _numbered(os.fspath(self.args.output_dir)) if _pointer(d) is not None]
+            if found is None and saved:  # checkpoints were saved, none restores: never a silent fresh start
+                ptr = _pointer(saved[0])
+                assert ptr is not None
+                why = ("no tier holds a copy of it" if self.store.steps.steps(ptr.model) else
+                       "its model is not in this store: deleted, or another store")
+                raise gone(saved[0], ptr, why, None, "")
+            if found is None:
+                log.info("resume_from_checkpoint=True: %s holds no checkpoint yet; starting fresh",
+                         self.args.output_dir)
+            resume_from_checkpoint = found
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _ts_load(self, checkpoint: str, state: dict[str, Any], only: list[str]) -> bool:
@@ -163,7 +222,15 @@ class TierStoreTrainerMixin:
         if ptr.step not in {s for s, st in self.store.steps.steps(ptr.model) if st in ("committed", "durable")}:
             raise CheckpointNotFoundError(f"{checkpoint}: its step {ptr.step} of {ptr.model} is not in this store "
                                           "(deleted, or another store)", what="checkpoint", path=checkpoint)
-        load(self.store, ptr.model, state, ptr.step, only=only, rank=self.args.process_index, world_size=1)
+        try:  # the read path resolves (and verifies) the step itself
+            load(self.store, ptr.model, state, ptr.step, only=only, rank=self.args.process_index, world_size=1)
+        except NoValidCopyError as e:  # a node loss took it: name the newest checkpoint of the run that restores
+            newest = last_checkpoint(os.path.dirname(os.path.abspath(checkpoint)), self.store, say=False)
+            np = _pointer(newest) if newest is not None else None
+            found = None if newest is None or np is None else Found(newest, np.model, np.step,
+                                                                    np.info.get("global_step"))
+            raise gone(os.path.abspath(checkpoint), ptr, f"{type(e).__name__}: {e}", found,
+                       "pass it as resume_from_checkpoint, or resume_from_checkpoint=True") from e
         return True
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -285,7 +352,7 @@ class TierStoreTrainerMixin:
             info = {"global_step": self.state.global_step, "epoch": self.state.epoch, "world": world,
                     "entries": sorted(state)}
             write_pointer(os.path.join(full, POINTER_FILE), Pointer(model, int(step), full, FRAMEWORK,
-                                                                   time.time(), info))
+                                                                   time.time(), info, store_of(self.store)))
             retire_older(self.store, model)  # a re-save: the older steps go once they are settled
 
     def _ts_collect_rotated(self, run_dir: str) -> None:

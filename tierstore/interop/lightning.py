@@ -46,6 +46,7 @@ at the save, naming it, with the fix.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -60,10 +61,25 @@ from tierstore.errors import (
     CheckpointNotFoundError,
     CommitError,
     ConfigError,
+    CorruptObjectError,
     MissingDependencyError,
+    NoValidCopyError,
+    TierStoreError,
     UnknownError,
 )
-from tierstore.interop.pointer import Pointer, model_name, next_step, read_pointer, retire_older, write_pointer
+from tierstore.interop.pointer import (
+    Found,
+    Pointer,
+    freshest,
+    gone,
+    model_name,
+    named_store,
+    next_step,
+    read_pointer,
+    retire_older,
+    store_of,
+    write_pointer,
+)
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import validate_name
 from tierstore.train.checkpointer import Checkpointer
@@ -76,13 +92,15 @@ try:
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
     from lightning.fabric.strategies.model_parallel import _load_raw_module_state, _rekey_optimizer_state_if_needed
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.core.saving import _load_state
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - the lightning extra is in the test extra
     raise MissingDependencyError("tierstore.interop.lightning needs PyTorch Lightning 2.x: pip install "
                                  "'tierstore[lightning]'") from e
 
-__all__ = ["TierStoreCheckpoint", "TierStoreCheckpointIO", "TierStoreModelParallelStrategy"]
+__all__ = ["TierStoreCheckpoint", "TierStoreCheckpointIO", "TierStoreModelParallelStrategy", "export_checkpoint",
+           "load_from_checkpoint", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -137,16 +155,23 @@ class TierStoreCheckpointIO(CheckpointIO):
         name: the models' name prefix: a path's model is ``<name>.<file stem>-<digest of the absolute path>``.
         policy: the Checkpointer policy where the module's own tensors are saved (see :class:`TierStoreCheckpoint`).
         timeout: seconds a save waits for its step to commit.
+        settle: at ``teardown`` (the end of ``fit``), wait for the saves' migration to the durable tier and
+            collect the older steps it deferred (see :meth:`teardown`); ``False``: return at once, leaving them
+            to the next run's re-saves.
     """
 
     def __init__(self, store: Any = None, *, name: str = "lightning", policy: Policy | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, settle: bool = True) -> None:
         self._ref = StoreRef(store)
         self.name = validate_name(name, "model name prefix")
         self.policy = policy
         self.timeout = timeout
+        self.settle = settle
+        self._saved: set[str] = set()  # the models this run saved a step of (teardown settles them)
         self._trainer: Any = None
         self._cks: dict[str, tuple[Checkpointer, dict[str, Any]]] = {}
+        self.latest: set[str] = set()  # paths Lightning's ckpt_path="last" chose among (TierStoreCheckpoint)
+        self.like: dict[str, Any] = {}  # hyper-parameter templates where no trainer is bound (read_checkpoint)
 
     # ---- wiring -------------------------------------------------------------------------------
     @property
@@ -159,11 +184,12 @@ class TierStoreCheckpointIO(CheckpointIO):
         self._trainer = trainer
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: configuration only
-        return {"_ref": self._ref, "name": self.name, "policy": self.policy, "timeout": self.timeout}
+        return {"_ref": self._ref, "name": self.name, "policy": self.policy, "timeout": self.timeout,
+                "settle": self.settle}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._trainer, self._cks = None, {}
+        self._trainer, self._cks, self.latest, self.like, self._saved = None, {}, set(), {}, set()
 
     # ---- save -----------------------------------------------------------------------------------
     def _state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -224,7 +250,8 @@ class TierStoreCheckpointIO(CheckpointIO):
         if outcome != "committed":
             raise CommitError(f"the checkpoint at {full} (step {step} of {model}) was {outcome}", model=model,
                               step=step)
-        write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info))
+        write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info, store_of(self.store)))
+        self._saved.add(model)
         retire_older(self.store, model)  # a re-save: the older steps go once they are settled
 
     def _global_rank(self) -> int:
@@ -243,7 +270,7 @@ class TierStoreCheckpointIO(CheckpointIO):
     def _templates(self) -> dict[str, Any]:
         module = getattr(self._trainer, "lightning_module", None) if self._trainer is not None else None
         if module is None:
-            return {}
+            return {"lightning": {"hyper_parameters": self.like}} if self.like else {}
         like: dict[str, Any] = {"hyper_parameters": dict(getattr(module, "hparams", {}) or {})}
         dm = getattr(self._trainer, "datamodule", None)
         if dm is not None:
@@ -264,12 +291,17 @@ class TierStoreCheckpointIO(CheckpointIO):
             log.info("%s is not a tierstore pointer: loading it with Lightning's TorchCheckpointIO", path)
             kwargs = {} if map_location is None else {"map_location": map_location}
             return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
+        self._adopt_store(ptr)
         store = self.store
-        if ptr.step not in {s for s, st in store.steps.steps(ptr.model) if st in ("committed", "durable")}:
+        if not store.steps.steps(ptr.model):
             raise CheckpointNotFoundError(f"the checkpoint at {os.fspath(path)} names step {ptr.step} of "
                                           f"{ptr.model}, which this store does not hold (deleted, or another store)",
                                           what="checkpoint", path=os.fspath(path), model=ptr.model, step=ptr.step)
-        plain = read_plain(store, ptr.model, ptr.step, templates=self._templates())
+        try:  # the read path resolves (and verifies) the step itself
+            plain = read_plain(store, ptr.model, ptr.step, templates=self._templates())
+        except NoValidCopyError as e:  # a node loss took it
+            found = self._fallback(os.path.abspath(os.fspath(path)), ptr, f"{type(e).__name__}: {e}")
+            plain = read_plain(store, found.model, found.step, templates=self._templates())
         ckpt = dict(plain.entries["lightning"])
         if "model" in plain.entries:
             ckpt["state_dict"] = self._names(plain.entries["model"])
@@ -280,6 +312,41 @@ class TierStoreCheckpointIO(CheckpointIO):
                 raise TypeError("map_location: a device or a device string (tierstore reads into CPU memory)")
             ckpt = _move(ckpt, map_location)
         return ckpt
+
+    def _adopt_store(self, ptr: Pointer) -> None:
+        """With no store given (the default ``./.tierstore`` of the working directory), open the store the pointer
+        names where it is another one: a script started from another directory finds its checkpoints' store."""
+        args = named_store(self._ref, ptr)
+        if args is not None:
+            log.info("the checkpoint %s names the store at %s (not this directory's default): opening it",
+                     ptr.path, args["home"])
+            self._ref = StoreRef(args)
+
+    def _fallback(self, full: str, ptr: Pointer, res: str) -> Found:
+        """The step to read for the checkpoint at ``full`` whose own step no tier restores (``res``: why): the
+        newest restorable step of the run (this directory's checkpoints) where ``ckpt_path="last"`` chose the
+        path, else :class:`~tierstore.errors.CheckpointGoneError` naming that step."""
+        store = self.store
+        run = [ptr]
+        directory = os.path.dirname(full)
+        for f in sorted(os.listdir(directory)):
+            p = os.path.join(directory, f)
+            if p == full or not f.endswith(".ckpt") or not os.path.isfile(p):
+                continue
+            try:
+                other = read_pointer(p)
+            except (OSError, CorruptObjectError):
+                continue
+            if other is not None and other.framework == FRAMEWORK and other.model.startswith(f"{self.name}."):
+                run.append(other)
+        found = freshest(store, run)
+        if full not in self.latest or found is None:
+            raise gone(full, ptr, res, found, "pass it as ckpt_path, or ckpt_path=\"last\"")
+        log.warning("ckpt_path=\"last\": %s names step %d of %s (global step %s), which no tier restores any more "
+                    "(%s); resuming from the newest step that does: %s (step %d of %s, global step %s)", full,
+                    ptr.step, ptr.model, ptr.info.get("global_step"), res, found.path, found.step, found.model,
+                    found.global_step)
+        return found
 
     def _names(self, sd: dict[str, Any]) -> dict[str, Any]:
         """``sd`` under the live module's own keys (tierstore stores names without wrapper parts)."""
@@ -310,6 +377,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         if os.path.abspath(ptr.path) != full:
             return
         got = self._cks.pop(ptr.model, None)
+        self._saved.discard(ptr.model)
         if got is not None:
             got[0].close()
         try:  # Lightning asked: its own rotation is the evidence, and this process is the model's only writer
@@ -318,10 +386,26 @@ class TierStoreCheckpointIO(CheckpointIO):
             pass
 
     def teardown(self) -> None:
-        """Close the Checkpointers (their background work is done: every save waited for its commit)."""
+        """Close the Checkpointers (every save waited for its commit); with ``settle``, wait for the saves'
+        migration (:meth:`~tierstore.store.TierStore.flush`, bounded by ``StoreConfig.flush_timeout_s``) and
+        collect the older steps of every path saved whose collection a re-save deferred while their migration
+        ran, so nothing is left uncollected in the host tier after the last save."""
         cks, self._cks = list(self._cks.values()), {}
         for ck, _ in cks:
             ck.close()
+        saved, self._saved = self._saved, set()
+        if not (self.settle and saved):
+            return
+        store = self.store
+        try:
+            store.flush()
+        except TierStoreError as e:  # the steps stay as they are: a later run's re-saves collect them
+            log.warning("the checkpoints' migration did not finish at the end of the run (%s): their older steps "
+                        "are left for a later collection", e)
+            return
+        for model in sorted(saved):
+            if store.steps.steps(model):  # not rotated away meanwhile
+                retire_older(store, model)
 
 
 class TierStoreCheckpoint(ModelCheckpoint):
@@ -339,19 +423,43 @@ class TierStoreCheckpoint(ModelCheckpoint):
         name: see :class:`TierStoreCheckpointIO`.
         policy: see :class:`TierStoreCheckpointIO`.
         timeout: see :class:`TierStoreCheckpointIO`.
+        settle: see :class:`TierStoreCheckpointIO`.
         **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ...).
     """
 
     def __init__(self, *args: Any, store: Any = None, name: str = "lightning", policy: Policy | None = None,
-                 timeout: float = 120.0, **kwargs: Any) -> None:
+                 timeout: float = 120.0, settle: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # ModelCheckpoint's own arguments, positional ones included
-        self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout)
+        self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout, settle=settle)
+
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """Lightning's ``ckpt_path="last"`` lists these; the IO resumes one of them from the freshest restorable
+        step of the run where a node loss took the step it names."""
+        found = super()._find_last_checkpoints(trainer)
+        self.io.latest |= {os.path.abspath(p) for p in found}
+        return found
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Install the IO into ``trainer``'s strategy.
+
+        Raises:
+            ConfigError: ``trainer`` is not a ``lightning.pytorch.Trainer`` (the standalone ``pytorch_lightning``
+                package's Trainer does not see this callback as a checkpoint callback: it would add its own,
+                ``ckpt_path="last"`` would find nothing and the run would start fresh), before anything is
+                restored or saved.
+        """
+        if not isinstance(trainer, pl.Trainer):
+            kind = type(trainer)
+            raise ConfigError(f"TierStoreCheckpoint works with lightning.pytorch's Trainer, not {kind.__module__}."
+                              f"{kind.__qualname__}: import the Trainer and the LightningModule from "
+                              "lightning.pytorch (`import lightning.pytorch as pl`), the same package as this "
+                              "callback (with the standalone pytorch_lightning package, Lightning would ignore it "
+                              "and start fresh)", field="trainer")
         super().setup(trainer, pl_module, stage)
         current = trainer.strategy.checkpoint_io
         if isinstance(current, TierStoreCheckpointIO):
+            current.latest |= self.io.latest
             self.io = current
         else:
             trainer.strategy.checkpoint_io = self.io
@@ -392,3 +500,75 @@ class TierStoreModelParallelStrategy(ModelParallelStrategy):
                 state = _rekey_optimizer_state_if_needed(state, self.model)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
+
+
+# ---- outside a Trainer: the pointer read as Lightning's checkpoint ------------------------------------------------
+
+def _defaults(cls: Any) -> dict[str, Any]:
+    """The default values of ``cls.__init__``'s parameters: the types a hyper-parameter decodes into."""
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty and p.default is not None}
+
+
+def read_checkpoint(path: str | os.PathLike[str], store: Any = None, *, cls: Any = None) -> dict[str, Any]:
+    """The Lightning checkpoint dict (``state_dict``, ``optimizer_states``, ``hyper_parameters``, loops, ...) of
+    the pointer at ``path``, read from the store (``store``; ``None``: the one the pointer names, else the
+    default). What ``torch.load`` returns for a ``.ckpt`` file Lightning wrote; tensors in CPU memory.
+    Hyper-parameters are tagged JSON (never unpickled): a value whose type ``cls.__init__``'s default of the
+    same name has (an enum, a dataclass, a path) decodes into that type, the others into plain values.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``, its step is gone (:class:`~tierstore.errors.CheckpointGoneError`),
+            or ``path`` is not a tierstore pointer (``torch.load`` reads that one).
+    """
+    full = os.fspath(path)
+    io = TierStoreCheckpointIO(store)
+    io.like = _defaults(cls) if cls is not None else {}
+    if io._pointer(full) is None:
+        raise CheckpointNotFoundError(f"{full} is not a tierstore pointer: torch.load (or Lightning's own "
+                                      "load_from_checkpoint) reads it", what="checkpoint", path=full)
+    return io.load_checkpoint(full)
+
+
+def load_from_checkpoint(cls: Any, path: str | os.PathLike[str], *, store: Any = None, map_location: Any = None,
+                         strict: bool | None = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path)`` for a tierstore pointer (Lightning's own reads the file with
+    ``torch.load`` and fails on the JSON): the module built from the saved hyper-parameters (``kwargs``
+    override them, as Lightning's do) with the saved weights, on ``map_location`` (default: CPU).
+
+    Raises:
+        CheckpointNotFoundError: see :func:`read_checkpoint`.
+    """
+    checkpoint = read_checkpoint(path, store, cls=cls)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    model = _load_state(cls, checkpoint, strict=strict, **kwargs)  # as lightning.pytorch.core.saving does
+    assert isinstance(model, pl.LightningModule)
+    return model.to(map_location) if map_location is not None else model
+
+
+def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], store: Any = None, *,
+                      cls: Any = None) -> str:
+    """Write the checkpoint of the pointer at ``path`` as a Lightning ``.ckpt`` file at ``out`` (``torch.save``
+    of :func:`read_checkpoint`, written to a temporary file and renamed): what tools that ``torch.load`` a
+    checkpoint or call ``Net.load_from_checkpoint`` read. Returns ``out``'s absolute path.
+
+    ``cls``: the LightningModule class, whose defaults type the hyper-parameters (see :func:`read_checkpoint`).
+
+    Raises:
+        CheckpointNotFoundError: see :func:`read_checkpoint`.
+    """
+    checkpoint = read_checkpoint(path, store, cls=cls)
+    target = os.path.abspath(os.fspath(out))
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

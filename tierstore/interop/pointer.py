@@ -18,6 +18,24 @@ only ever names a committed step, so a process killed at any moment leaves
 the previous pointer or the new one, never one to a step that does not
 exist. Readers parse it as JSON only (bounded size, never unpickled).
 
+The pointer also names the store that holds the step (``"store"``: its home,
+index URL without credentials, durable URL; :func:`store_of`), so a script
+started from another working directory, whose default store would be another
+``./.tierstore``, opens the right one (:func:`store_args`).
+
+**Resume from the freshest step that still exists.** A pointer is written
+once its step is committed in host memory; a node reboot before that step is
+durable (host tier wiped) leaves a pointer whose step no tier can restore,
+while older steps are durable. :func:`freshest` answers through the read
+path's own :meth:`~tierstore.store.TierStore.resolve` (memory, peer, durable):
+a pointer's own step when it still restores, else the newest restorable step
+among the pointers of a run (a path's older steps, the run's other
+checkpoints), by the global step the framework recorded. Where a framework
+asked for "the latest" (Lightning's ``ckpt_path="last"``, the Trainer's
+``resume_from_checkpoint=True``) the integrations resume from that step and
+log which; an explicit path whose step is gone raises
+:class:`~tierstore.errors.CheckpointGoneError` naming the newest that restores.
+
 Each path gets its own model (:func:`model_name`: the integration's name, the
 path's stem and a digest of the absolute path), and every save of the path is
 a new step of that model (:func:`next_step`): re-saving a path is an
@@ -37,11 +55,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierstore.errors import CorruptObjectError
+from tierstore.errors import CheckpointGoneError, CorruptObjectError, IndexLostError, NoValidCopyError
 from tierstore.keys import MAX_NAME_LEN, validate_name
 
-__all__ = ["MAX_POINTER_BYTES", "POINTER_VERSION", "Pointer", "model_name", "next_step", "read_pointer",
-           "retire_older", "write_pointer"]
+__all__ = ["MAX_POINTER_BYTES", "POINTER_VERSION", "Found", "Pointer", "freshest", "gone", "model_name", "named_store",
+           "next_step", "read_pointer", "restores", "retire_older", "store_args", "store_of", "write_pointer"]
 
 POINTER_VERSION = 1
 MAX_POINTER_BYTES = 1 << 20
@@ -59,10 +77,125 @@ class Pointer:
     framework: str
     saved_at: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    store: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {_MARK: POINTER_VERSION, "model": self.model, "step": self.step, "path": self.path,
-                "framework": self.framework, "saved_at": self.saved_at, "info": self.info}
+        out = {_MARK: POINTER_VERSION, "model": self.model, "step": self.step, "path": self.path,
+               "framework": self.framework, "saved_at": self.saved_at, "info": self.info}
+        if self.store:
+            out["store"] = self.store
+        return out
+
+
+def _no_credentials(url: str | None) -> str | None:
+    if not url or "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest.rsplit('@', 1)[1]}"
+
+
+def store_of(store: Any) -> dict[str, Any]:
+    """What a pointer records of the store holding its step: ``home`` (absolute), ``index`` (the index URL
+    without credentials; ``None``: the home's embedded server) and ``durable`` (its URL)."""
+    cfg = getattr(store, "config", None)
+    if cfg is None:
+        return {}
+    home = getattr(cfg, "home", None)
+    return {"home": os.path.abspath(home) if home else None, "index": _no_credentials(getattr(cfg, "redis_url", None)),
+            "durable": _no_credentials(getattr(cfg, "durable_url", None))}
+
+
+def store_args(pointer: Pointer) -> dict[str, Any]:
+    """:func:`tierstore.open` arguments reaching the store ``pointer`` names (credentials come from the
+    environment, as for any open); ``{}``: the pointer names none (written before pointers named stores)."""
+    s = pointer.store
+    if not s.get("home"):
+        return {}
+    out: dict[str, Any] = {"home": s["home"]}
+    if s.get("index"):
+        out["redis"] = s["index"]
+    if s.get("durable"):
+        out["durable"] = s["durable"]
+    return out
+
+
+_STORE_ENV = ("TIERSTORE_HOME", "TIERSTORE_REDIS", "TIERSTORE_DURABLE")
+
+
+def named_store(ref: Any, pointer: Pointer) -> dict[str, Any] | None:
+    """Where ``ref`` (a :class:`~tierstore.interop.store_ref.StoreRef`) is the default store (none given, none
+    in the environment: ``./.tierstore`` of the working directory) and ``pointer`` names another store whose
+    home exists, the :func:`tierstore.open` arguments of that one; else ``None`` (keep ``ref``)."""
+    if ref.live is not None or ref.spec or any(os.environ.get(k) for k in _STORE_ENV):
+        return None
+    args = store_args(pointer)
+    if not args or not os.path.isdir(args["home"]):
+        return None
+    from tierstore.config import StoreConfig  # lazy: only a pointer naming its store asks
+
+    if os.path.abspath(StoreConfig.from_env().resolved().home) == args["home"]:
+        return None
+    return args
+
+
+@dataclass(frozen=True)
+class Found:
+    """A restorable step: ``model``'s ``step``, saved at ``path`` at the framework's ``global_step``."""
+
+    path: str
+    model: str
+    step: int
+    global_step: int | None
+
+
+def _global_step(res: Any, fallback: Any) -> int | None:
+    from tierstore.train.values import decode  # lazy: the tagged JSON of the save's extra
+
+    try:
+        doc = (res.extra.get(0) or res.extra.get("0") or {}).get("state") or {}
+        user = decode(doc.get("user"), {}, "extra")
+        gs = user.get("global_step") if isinstance(user, dict) else None
+    except Exception:  # noqa: BLE001 - an extra this module did not write: the pointer's record stands
+        gs = None
+    gs = fallback if gs is None else gs
+    return gs if isinstance(gs, int) and not isinstance(gs, bool) else None
+
+
+def restores(store: Any, model: str, step: int | None = None) -> Any:
+    """The read path's resolution of ``model``'s ``step`` (its newest restorable step without one), or the
+    reason it cannot be restored (a string)."""
+    try:
+        return store.resolve(model, step=step)
+    except (NoValidCopyError, IndexLostError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def freshest(store: Any, pointers: list[Pointer]) -> Found | None:
+    """The newest restorable step among ``pointers`` (a run's checkpoints): each pointer's model's newest step
+    that the read path still restores (its own step, or an older re-save of its path), the highest global step
+    first, then a pointer's own step (a path that names it), then the newest save. ``None``: none restores."""
+    best: tuple[tuple[int, bool, float], Found] | None = None
+    for p in pointers:
+        res = restores(store, p.model)
+        if isinstance(res, str):
+            continue
+        gs = _global_step(res, p.info.get("global_step") if res.step == p.step else None)
+        found = Found(p.path, p.model, int(res.step), gs)
+        rank = (gs if gs is not None else -1, res.step == p.step, p.saved_at)
+        if best is None or rank > best[0]:
+            best = (rank, found)
+    return None if best is None else best[1]
+
+
+def gone(path: str, pointer: Pointer, reason: str, newest: Found | None, hint: str) -> CheckpointGoneError:
+    """The typed error for an explicit checkpoint ``path`` whose step no tier restores; names ``newest``."""
+    where = (f"the newest that restores is {newest.path} (global step {newest.global_step}, step {newest.step} of "
+             f"{newest.model}): {hint}") if newest is not None else "no checkpoint of this run restores"
+    return CheckpointGoneError(
+        f"the checkpoint at {path} (step {pointer.step} of {pointer.model}, global step "
+        f"{pointer.info.get('global_step')}) cannot be restored ({reason}); {where}", what="checkpoint", path=path,
+        model=pointer.model, step=pointer.step, newest=None if newest is None else newest.path,
+        newest_global_step=None if newest is None else newest.global_step)
 
 
 def _clean(text: str) -> str:
@@ -157,7 +290,10 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
         info = d.get("info") or {}
         if not isinstance(info, dict):
             raise ValueError("info must be an object")
+        where = d.get("store") or {}
+        if not isinstance(where, dict):
+            raise ValueError("store must be an object")
         return Pointer(validate_name(d["model"], "model"), step, str(d["path"]), str(d.get("framework", "")),
-                       float(d.get("saved_at") or 0.0), info)
+                       float(d.get("saved_at") or 0.0), info, where)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptObjectError(f"{p}: malformed tierstore pointer ({e})", key=p) from e

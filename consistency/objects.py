@@ -312,14 +312,16 @@ class ObjectIndex(IndexClient):
         m = entries[0]["key"].model
         keys: list[str] = []
         args: list[Any] = [len(entries)]
-        for e in entries:
-            key = e["key"]
-            base, target, epoch, attempt = e.get("base"), e.get("target"), e.get("epoch"), e.get("attempt")
+        for entry in entries:
+            key = entry["key"]
+            base, target = entry.get("base"), entry.get("target")
+            epoch, attempt = entry.get("epoch"), entry.get("attempt")
             keys += [self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
                      self._k(m, "step", key.step), self._k(m, "retired")]
-            one = [-1 if epoch is None else epoch, self._objname(key), key.step, e["kind"], e["size"],
-                   e["checksum"], str(base) if base else "", str(target) if target else "", repr(time.time()),
-                   e.get("name") or str(key), "1" if e.get("restore") else "0", attempt or "", *e["tiers"]]
+            one = [-1 if epoch is None else epoch, self._objname(key), key.step, entry["kind"], entry["size"],
+                   entry["checksum"], str(base) if base else "", str(target) if target else "",
+                   repr(time.time()), entry.get("name") or str(key), "1" if entry.get("restore") else "0",
+                   attempt or "", *entry["tiers"]]
             args += [len(one), *one]
         what = f"record {entries[0]['key']} and {len(entries) - 1} more"
         with translate_redis_errors(what, self.url):
@@ -338,8 +340,8 @@ class ObjectIndex(IndexClient):
             except TierStoreError as e:
                 refused = e
         olds: list[str | None] = []
-        for e, old in zip(entries, rest):
-            olds.append(None if old in ("", "=") else str(e["key"]) if old == "-" else old)
+        for entry, old in zip(entries, rest):
+            olds.append(None if old in ("", "=") else str(entry["key"]) if old == "-" else old)
         return olds, refused
 
     def add_tier(self, key: ShardKey, tier: str, *, name: str | None = None) -> bool:

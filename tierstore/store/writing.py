@@ -6,8 +6,11 @@ a trainer waits for) and gets a :class:`PendingObject`; then, from any thread,
 ``PendingObject.finish()`` seals it (the checksum trailer), publishes it under a
 physical name unique to this write (create-once), records it in the index (which
 refuses a stale epoch and any key of a committed step) and queues it for
-replication and migration. :meth:`WritePath.finish_async` runs those finishes on
-the store's background thread; :meth:`WritePath.put` is snapshot-then-finish.
+replication and migration. :meth:`WritePath.finish_many` finishes several in
+order with one index call per ``StoreConfig.publish_batch`` consecutive host
+objects of a model (the outcome of finishing them one by one);
+:meth:`WritePath.finish_async` runs it on the store's background thread;
+:meth:`WritePath.put` is snapshot-then-finish.
 
 With a device tier (:mod:`tierstore.store.device_tier`), ``snapshot`` copies a
 full object into reused device buffers instead, and ``finish`` first drains

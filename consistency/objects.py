@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import redis
+
 from consistency.client import MODELS, IndexClient, _s, translate_redis_errors
 from consistency.scripts import OWNER_CHECK, READERS
+from tierstore.errors import InvalidValueError, TierStoreError
 from tierstore.keys import ShardKey, object_name, validate_name
 
 __all__ = ["KINDS", "ObjectIndex", "ObjectRecord"]
@@ -80,6 +83,27 @@ redis.call('HSET', KEYS[3], 'kind', ARGV[4], 'size', ARGV[5], 'checksum', ARGV[6
 if old == '=' and #pins > 0 then redis.call('HSET', KEYS[3], unpack(pins)) end
 for i = 13, #ARGV do redis.call('HSET', KEYS[3], 't:' .. ARGV[i], '1') end
 return old
+"""
+
+# Several records in one call, in order, each exactly as _RECORD would record it alone, stopping at the first
+# it refuses (those before it stay recorded: a script's writes before an error reply are kept, as n calls of
+# _RECORD would have left them). KEYS: _RECORD's five per record. ARGV: n, then per record its count of
+# arguments and _RECORD's arguments. Returns {'ok', old...} or {'err', reply, old...} (the olds of those recorded).
+_RECORD_MANY = "local function record_one(KEYS, ARGV)\n" + _RECORD + """
+end
+local n = tonumber(ARGV[1])
+local out = {}
+local a = 2
+for i = 0, n - 1 do
+  local c = tonumber(ARGV[a])
+  local args = {}
+  for j = 1, c do args[j] = ARGV[a + j] end
+  a = a + c + 1
+  local r = record_one({KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3], KEYS[5 * i + 4], KEYS[5 * i + 5]}, args)
+  if type(r) == 'table' and r.err then return {'err', r.err, unpack(out)} end
+  out[#out + 1] = r
+end
+return {'ok', unpack(out)}
 """
 
 # Set (ARGV[3] == '1') or clear a tier flag of a record, only while the record names the copy ARGV[2]
@@ -190,6 +214,10 @@ class ObjectIndex(IndexClient):
         return self._r.register_script(_RECORD)
 
     @cached_property
+    def _record_many(self) -> Any:
+        return self._r.register_script(_RECORD_MANY)
+
+    @cached_property
     def _tier(self) -> Any:
         return self._r.register_script(_TIER)
 
@@ -264,6 +292,57 @@ class ObjectIndex(IndexClient):
         if old in ("", "="):
             return None
         return str(key) if old == "-" else old
+
+    def record_objects(self, entries: list[dict[str, Any]]) -> tuple[list[str | None], TierStoreError | None]:
+        """Record several objects of one model in one round trip, in order, each as :meth:`record_object`
+        would (``entries``: its keyword arguments, ``key`` included), stopping at the first it refuses.
+
+        Returns:
+            ``(olds, refused)``: :meth:`record_object`'s return for each object recorded (a prefix of
+            ``entries``), and the typed error of the first one refused (:class:`FencedError`,
+            :class:`StepCommittedError`, :class:`StepBusyError`; ``None``: every one was recorded). Those
+            after it are not recorded. An error of the call itself (the index unreachable) is raised:
+            which of them were recorded is then unknown, as for one :meth:`record_object`.
+        """
+        if not entries:
+            return [], None
+        models = {e["key"].model for e in entries}
+        if len(models) != 1:
+            raise InvalidValueError(f"record_objects records one model's objects at a time, got {sorted(models)}")
+        m = entries[0]["key"].model
+        keys: list[str] = []
+        args: list[Any] = [len(entries)]
+        for entry in entries:
+            key = entry["key"]
+            base, target = entry.get("base"), entry.get("target")
+            epoch, attempt = entry.get("epoch"), entry.get("attempt")
+            keys += [self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
+                     self._k(m, "step", key.step), self._k(m, "retired")]
+            one = [-1 if epoch is None else epoch, self._objname(key), key.step, entry["kind"], entry["size"],
+                   entry["checksum"], str(base) if base else "", str(target) if target else "",
+                   repr(time.time()), entry.get("name") or str(key), "1" if entry.get("restore") else "0",
+                   attempt or "", *entry["tiers"]]
+            args += [len(one), *one]
+        what = f"record {entries[0]['key']} and {len(entries) - 1} more"
+        with translate_redis_errors(what, self.url):
+            if m not in self._listed:
+                self._r.sadd(MODELS, m)
+                self._listed.add(m)
+            reply = [_s(v) for v in self._record_many(keys=keys, args=args)]
+        status, rest = reply[0], reply[1:]
+        refused: TierStoreError | None = None
+        if status == "err":
+            msg, rest = rest[0], rest[1:]
+            failed = entries[len(rest)]["key"]
+            try:
+                with translate_redis_errors(f"record {failed}", self.url):
+                    raise redis.exceptions.ResponseError(msg)
+            except TierStoreError as e:
+                refused = e
+        olds: list[str | None] = []
+        for entry, old in zip(entries, rest):
+            olds.append(None if old in ("", "=") else str(entry["key"]) if old == "-" else old)
+        return olds, refused
 
     def add_tier(self, key: ShardKey, tier: str, *, name: str | None = None) -> bool:
         """Record that ``tier`` holds the copy ``name`` (default: whatever copy the record names).

@@ -174,6 +174,11 @@ class StoreConfig:
             digest of every byte (certain, costs about one more copy at
             ``save()``), ``"off"`` only the version counters.
         lazy_check_samples: elements per tensor ``"sample"`` compares (default 64).
+        publish_batch: at most this many host-tier objects of one model are recorded in the index by
+            one call when :meth:`~tierstore.store.TierStore.finish_async` or
+            :meth:`~tierstore.store.TierStore.finish_many` finishes several (default 64; 1: one call
+            per object, as ``PendingObject.finish()``); the outcome is the one finishing them one by
+            one gives. A batch is one script on the index server: larger ones hold it longer.
     """
 
     home: str = ".tierstore"
@@ -211,6 +216,7 @@ class StoreConfig:
     close_timeout_s: float | None = 30.0
     lazy_check: str = "sample"
     lazy_check_samples: int = 64
+    publish_batch: int = 64
 
     @property
     def retry(self) -> RetryPolicy:
@@ -254,6 +260,9 @@ class StoreConfig:
         if self.lazy_check not in ("sample", "full", "off"):  # tierstore.train.lazy.CHECKS
             raise ConfigError(f"lazy_check must be 'sample', 'full' or 'off', got {self.lazy_check!r}",
                               field="lazy_check")
+        if isinstance(self.publish_batch, bool) or not isinstance(self.publish_batch, int) or self.publish_batch < 1:
+            raise ConfigError(f"publish_batch must be a positive int, got {self.publish_batch!r}",
+                              field="publish_batch")
         if isinstance(self.lazy_check_samples, bool) or not isinstance(self.lazy_check_samples, int) \
                 or self.lazy_check_samples < 1:
             raise ConfigError(f"lazy_check_samples must be a positive int, got {self.lazy_check_samples!r}",

@@ -4,7 +4,8 @@ Per rank: build the workload, set every system up (memory measured from
 before ``setup`` through a warm-up save), then ``repeats`` rounds in which the
 systems take turns (the order rotates each round), a barrier around every
 save and restore; then the slowdown pass (training steps idle, while each system
-saves, idle again; idle and busy in the same window); then the extras. Each rank writes ``raw/rank<r>.json``; rank 0
+saves, idle again; idle and busy in the same window; skipped where ``cfg["slowdown"]`` is false: a
+sweep's sub-runs); then the extras. Each rank writes ``raw/rank<r>.json``; rank 0
 merges them (:mod:`tierstore.bench.report`).
 """
 
@@ -140,7 +141,9 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
     load_builtin()
     pg = dist.new_group(backend="gloo")
     repeats = int(cfg["repeats"])
-    bar = BenchProgress(len(cfg["systems"]) * (repeats + 2), enabled=rank == 0)
+    slowdown = bool(cfg.get("slowdown", True))  # a sweep's sub-run skips the slowdown pass (tierstore.bench.run)
+    per_system = repeats + 1 + (1 if slowdown else 0)
+    bar = BenchProgress(len(cfg["systems"]) * per_system, enabled=rank == 0)
     bar.note(f"{world} rank(s) up; building {cfg['size_gib'] * 1024:g} MiB of state per rank")
     device = cfg.get("device", "cpu")
     if device != "cpu":
@@ -165,7 +168,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
         cls = S.SYSTEMS.get(name)
         if cls is None:
             out["skipped"].setdefault(name, "not registered")
-            bar.skip(repeats + 2, f"skipped {name}: {out['skipped'][name]}")
+            bar.skip(per_system, f"skipped {name}: {out['skipped'][name]}")
             continue
         system = cls(ctx)
         rec: dict[str, Any] = {"kind": cls.kind, "describe": cls.describe, "restores": cls.restores,
@@ -186,7 +189,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
             reason = f"setup failed: {type(e).__name__}: {e}"
         if not _agree(not reason):
             out["skipped"][name] = reason or "skipped on another rank"
-            bar.skip(repeats + 2, f"skipped {name}: {out['skipped'][name]}")
+            bar.skip(per_system, f"skipped {name}: {out['skipped'][name]}")
             continue
         S.barrier()
         warm = system.save(step)
@@ -247,7 +250,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
             bar.advance(f"round {rnd + 1}/{repeats} {system.name}: save {_secs(t)}{restored}")
 
     idle_s, mm = cfg["idle_s"], cfg["matmul_n"]
-    for system in active:
+    for system in active if slowdown else []:
         rec = out["systems"][system.name]
         work.perturb()
         S.barrier()

@@ -1,4 +1,5 @@
-"""The bound and the peers: ``copy_``, ``torch.save`` and ``torch.distributed.checkpoint``.
+"""The bound and the peers: ``copy_``, ``torch.save``, ``torch.distributed.checkpoint`` and, when installed,
+torchsnapshot (``Snapshot.take`` / ``async_take``).
 
 Every system here follows :class:`tierstore.bench.systems.System`. Stall is measured
 until the snapshot is safe from the next optimizer step, never until a call
@@ -30,12 +31,16 @@ __all__ = [
     "DcpSave",
     "TorchSaveDisk",
     "TorchSaveShm",
+    "TorchSnapshotAsync",
+    "TorchSnapshotTake",
 ]
 
 
 def _load_into(work_flat: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
     for name, t in work_flat.items():
-        t.copy_(loaded[name])
+        src = loaded[name]
+        if src is not t:  # a loader that restored in place (torchsnapshot) has nothing left to copy
+            t.copy_(src)
 
 
 @register("copy")
@@ -301,3 +306,75 @@ class DcpAsyncStagedLazy(LazySystem, DcpAsyncStaged):
     def before_update(self) -> None:
         if self._staging is not None:
             self._staging.result()
+
+
+class _TorchSnapshot(_FileSystem):
+    """Common parts of the torchsnapshot peers: one snapshot directory per step under /dev/shm, every rank's
+    tensors under its own name (a ``StateDict`` of the flat state, not replicated), the systems' process group.
+
+    torchsnapshot is optional (``pip install tierstore[bench]`` or ``pip install torchsnapshot``): where it
+    cannot be imported, or its take and restore do not run with this torch, :meth:`setup` raises
+    :class:`SystemUnavailable` with the reason (the report lists it under Skipped).
+    """
+
+    def _share(self) -> int:
+        return self.ctx.world
+
+    def setup(self) -> None:
+        super().setup()
+        try:
+            import torchsnapshot  # lazy: optional, only in a rank
+        except Exception as e:
+            raise SystemUnavailable(f"torchsnapshot is not importable with torch {torch.__version__} "
+                                    f"({type(e).__name__}: {e})") from e
+        self._ts = torchsnapshot
+        self.app_state = {"state": torchsnapshot.StateDict(**self.ctx.work.state_dict())}
+
+    def _path(self, step: int) -> str:
+        self.path = os.path.join(self.root, f"step{step}")
+        return self.path
+
+    def restore(self) -> None:
+        """``Snapshot(path).restore(app_state)``: torchsnapshot reads into the ``StateDict``'s tensors in place
+        (the live ones); a value it replaced instead is copied into the live tensor."""
+        self._ts.Snapshot(path=self.path, pg=self.ctx.pg).restore(app_state=self.app_state)
+        state = self.app_state["state"]
+        _load_into(self.ctx.work.flat, dict(state.items()))
+        state.update(self.ctx.work.state_dict())
+
+
+@register("torchsnapshot")
+class TorchSnapshotTake(_TorchSnapshot):
+    """``torchsnapshot.Snapshot.take`` to /dev/shm (blocking); restore: ``Snapshot.restore`` + ``copy_``."""
+
+    describe = "torchsnapshot Snapshot.take to /dev/shm (restore: Snapshot.restore)"
+
+    def begin(self, step: int) -> dict[str, float]:
+        self._ts.Snapshot.take(path=self._path(step), app_state=self.app_state, pg=self.ctx.pg)
+        return {}
+
+    def finish(self) -> dict[str, float | None]:
+        t = time.perf_counter()
+        return {"complete": t, "committed": t, "durable": None}
+
+
+@register("torchsnapshot_async")
+class TorchSnapshotAsync(_TorchSnapshot):
+    """``torchsnapshot.Snapshot.async_take``: returns once the state is staged in memory (the stall); the
+    write and the snapshot's metadata (committed) follow in the background, ``PendingSnapshot.wait()``."""
+
+    describe = "torchsnapshot Snapshot.async_take to /dev/shm (stall: until staged)"
+    background = True
+
+    def begin(self, step: int) -> dict[str, float]:
+        self._pending = self._ts.Snapshot.async_take(path=self._path(step), app_state=self.app_state,
+                                                     pg=self.ctx.pg)
+        return {}
+
+    def done(self) -> bool:
+        return bool(self._pending.done())
+
+    def finish(self) -> dict[str, float | None]:
+        self._pending.wait()
+        t = time.perf_counter()
+        return {"complete": t, "committed": t, "durable": None}

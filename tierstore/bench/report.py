@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "merge_and_write", "render_markdown", "summarize"]
+__all__ = ["growth_rows", "machine_info", "merge_and_write", "render_growth", "render_markdown", "summarize"]
 
 
 def machine_info() -> dict[str, Any]:
@@ -223,3 +223,52 @@ def merge_and_write(cfg: dict[str, Any]) -> dict[str, Any]:
     with open(os.path.join(cfg["out"], "results.md"), "w", encoding="utf-8") as f:
         f.write(md)
     return res
+
+
+def _ratio(fig: dict[str, Any], field: str, bound: dict[str, Any] | None) -> float | None:
+    st, b = fig.get(field), (bound or {}).get(field)
+    return st["median"] / b["median"] if st and b and b["median"] else None
+
+
+def growth_rows(runs: list[tuple[int, int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``tierstore bench --sweep``: per run (``ranks``, ``tensors``, its ``results.json``) and system other
+    than the bound, the medians of that run over the ``copy`` bound of the same run: ``stall``,
+    ``committed`` (over the copy's stall: the bound of a save), ``restore`` and ``verified`` (over the copy's
+    restore); ``None`` where the system has no such figure or the run has no bound."""
+    rows: list[dict[str, Any]] = []
+    for ranks, tensors, res in runs:
+        summ = res["summary"]
+        copy = summ.get("copy")
+        save_bound = {"committed_s": copy["stall_s"]} if copy else None
+        restore_bound = {"verified_s": copy["restore_s"]} if copy else None
+        for name, fig in summ.items():
+            if fig["kind"] == "bound":
+                continue
+            rows.append({
+                "ranks": ranks, "tensors": tensors, "system": name,
+                "copy_stall_s": copy["stall_s"]["median"] if copy and copy["stall_s"] else None,
+                "stall": _ratio(fig, "stall_s", copy),
+                "committed": _ratio(fig, "committed_s", save_bound),
+                "restore": _ratio(fig, "restore_s", copy),
+                "verified": _ratio(fig, "verified_s", restore_bound),
+            })
+    return rows
+
+
+def render_growth(rows: list[dict[str, Any]], size_gib: float) -> str:
+    """The growth table of ``--sweep`` (:func:`growth_rows`) as markdown: a row per run and system."""
+    lines = [
+        f"## Growth with the number of tensors ({size_gib:g} GiB per rank)",
+        "",
+        ("Each figure: the system's median over the `copy` bound's median in the same run (committed: over "
+        "the copy's stall; verified: over the copy's restore)."),
+        "",
+        ("| ranks | tensors | system | copy stall (ms) | stall × copy | committed × copy | restore × copy "
+        "| verified × copy |"),
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        copy_ms = "—" if r["copy_stall_s"] is None else f"{r['copy_stall_s'] * 1e3:.0f}"
+        lines.append(f"| {r['ranks']} | {r['tensors']} | `{r['system']}` | {copy_ms} | {_x(r['stall'])} | "
+                     f"{_x(r['committed'])} | {_x(r['restore'])} | {_x(r['verified'])} |")
+    return "\n".join(lines) + "\n"

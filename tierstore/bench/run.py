@@ -1,9 +1,16 @@
-"""``tierstore bench [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--out DIR]``.
+"""``tierstore bench [--quick] [--size-gib G] [--ranks 2] [--repeats N] [--systems a,b] [--sweep] [--out DIR]``.
 
 Spawns ``--ranks`` processes (gloo on loopback), runs :func:`tierstore.bench.harness.rank_main`
 in each, and prints the markdown table rank 0 wrote to ``OUT/results.md``
 (raw figures in ``OUT/results.json``). :func:`main` is what ``tierstore bench``
 calls.
+
+``--sweep`` adds the growth with the number of tensors: after the main run, a
+sub-run of ``--sweep-systems`` (:data:`SWEEP_SYSTEMS`, no slowdown pass) per point
+of :func:`sweep_points` (:data:`SWEEP_TENSORS` tensors per rank at ``--ranks``,
+and at one rank, where a core is free), each under ``OUT/sweep/r<R>-t<N>``; the
+table of their ratios to the copy bound is appended to ``results.md``
+(``OUT/sweep.json``: its figures).
 
 Progress goes to stderr (:mod:`tierstore.bench.progress`): at once a line with
 the plan and the scratch directories, then a line per system and round (a
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shutil
 import socket
@@ -29,19 +37,23 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from tierstore.bench.harness import rank_main
-from tierstore.bench.report import machine_info
+from tierstore.bench.report import growth_rows, machine_info, render_growth
 from tierstore.cli.common import HelpFormatter, Interrupted, interruptible, uninterrupted
 from tierstore.embedded import find_servers, stop_server
 
-__all__ = ["DEFAULT_SYSTEMS", "STOP_RANKS_S", "build_parser", "main"]
+__all__ = ["DEFAULT_SYSTEMS", "STOP_RANKS_S", "SWEEP_SYSTEMS", "SWEEP_TENSORS", "build_parser", "main", "sweep_points"]
 
 #: after an interrupt or a failure, how long the ranks get to exit on SIGTERM before SIGKILL
 STOP_RANKS_S = 10.0
 
 DEFAULT_SYSTEMS = [
     "copy", "torch_save_shm", "torch_save_disk", "dcp_save", "dcp_async", "dcp_async_staged",
-    "tierstore_host", "dcp_async_staged_lazy", "tierstore_lazy",
+    "tierstore_host", "dcp_async_staged_lazy", "tierstore_lazy", "torchsnapshot", "torchsnapshot_async",
 ]
+
+#: ``--sweep``: the tensors per rank of the sweep, and the systems its sub-runs measure
+SWEEP_TENSORS = (200, 1000, 4000)
+SWEEP_SYSTEMS = ("copy", "tierstore_host", "dcp_async_staged", "torchsnapshot_async")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs // ranks)")
     p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default: a temp dir)")
     p.add_argument("--matmul-n", type=int, default=512, help="size of the stand-in training step")
+    p.add_argument("--sweep", action="store_true",
+                   help="also: the growth with the number of tensors and where a core is free: a sub-run of "
+                        "--sweep-systems (no slowdown pass) per point of --sweep-tensors at --ranks and at one "
+                        "rank; a table of ratios to the copy bound, per point, appended to the report")
+    p.add_argument("--sweep-tensors", default=",".join(map(str, SWEEP_TENSORS)),
+                   help="--sweep: tensors per rank of its points (default: %(default)s)")
+    p.add_argument("--sweep-systems", default=",".join(SWEEP_SYSTEMS),
+                   help="--sweep: the systems of its sub-runs (default: %(default)s)")
     p.add_argument("--durable", action="store_true",
                    help="instead: time to durable on a local-directory durable tier against a plain copy of the "
                         "same bytes, and the durable lag under a slow durable tier (--size-gib of state, "
@@ -152,38 +172,100 @@ def _main(argv: list[str] | None) -> int:
     os.makedirs(out, exist_ok=True)
     # Freed large blocks go straight back to the OS, so RSS shows what a system really holds.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-
-    shm_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir="/dev/shm")
-    disk_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir=args.disk_dir)
-    cfg: dict[str, Any] = {
+    command = "tierstore bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    base: dict[str, Any] = {
         "date": now.isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "ranks": args.ranks,
         "size_gib": size,
-        "tensors": args.tensors,
         "repeats": repeats,
         "quick": args.quick,
         "device": args.device,
-        "systems": [s for s in args.systems.split(",") if s],
-        "threads": args.threads or max(1, (os.cpu_count() or 1) // args.ranks),
         "idle_s": 0.6 if args.quick else 2.0,
         "matmul_n": args.matmul_n,
         "fwd_bwd_s": fwd_bwd_s,
         "options": {"fwd_bwd_s": fwd_bwd_s, "matmul_n": args.matmul_n},
+        "pg_timeout_s": 600,
+        "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"],
+        "command": command,
+    }
+    systems = [s for s in args.systems.split(",") if s]
+    rc = _one_run(args, base, out, ranks=args.ranks, tensors=args.tensors, systems=systems, slowdown=True)
+    if rc != 0:
+        return rc
+    md_path = os.path.join(out, "results.md")
+    if args.sweep:
+        rc = _sweep(args, base, out, systems)
+        if rc != 0:
+            return rc
+    with open(md_path, encoding="utf-8") as f:
+        print(f.read())
+    print(f"results: {md_path} and {os.path.join(out, 'results.json')}")
+    return 0
+
+
+def sweep_points(ranks: int, tensors: int, sweep: list[int]) -> list[tuple[int, int]]:
+    """The ``(ranks, tensors)`` runs of ``--sweep``: each of ``sweep`` at ``ranks``, then one rank at each of
+    ``sweep`` (where a core is free), in that order, without repeats; the main run's point is among them."""
+    points: list[tuple[int, int]] = []
+    for p in [(ranks, n) for n in sweep] + [(1, n) for n in sweep]:
+        if p not in points:
+            points.append(p)
+    if (ranks, tensors) not in points:
+        points.insert(0, (ranks, tensors))
+    return points
+
+
+def _sweep(args: argparse.Namespace, base: dict[str, Any], out: str, systems: list[str]) -> int:
+    """``--sweep``: the main run's point, and a sub-run (``--sweep-systems``, no slowdown pass) per other point
+    of :func:`sweep_points`, under ``OUT/sweep/r<R>-t<N>``; the growth table (:func:`report.render_growth`)
+    is appended to ``OUT/results.md`` and the figures written to ``OUT/sweep.json``."""
+    sub_systems = [s for s in args.sweep_systems.split(",") if s]
+    sweep = [int(n) for n in args.sweep_tensors.split(",") if n]
+    runs: list[tuple[int, int, dict[str, Any]]] = []
+    for ranks, tensors in sweep_points(args.ranks, args.tensors, sweep):
+        if (ranks, tensors) == (args.ranks, args.tensors):
+            path = os.path.join(out, "results.json")
+        else:
+            sub = os.path.join(out, "sweep", f"r{ranks}-t{tensors}")
+            rc = _one_run(args, base, sub, ranks=ranks, tensors=tensors, systems=sub_systems, slowdown=False)
+            if rc != 0:
+                return rc
+            path = os.path.join(sub, "results.json")
+        with open(path, encoding="utf-8") as f:
+            runs.append((ranks, tensors, json.load(f)))
+    rows = growth_rows(runs)
+    with open(os.path.join(out, "sweep.json"), "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(out, "results.md"), "a", encoding="utf-8") as f:
+        f.write("\n" + render_growth(rows, base["size_gib"]))
+    return 0
+
+
+def _one_run(args: argparse.Namespace, base: dict[str, Any], out: str, *, ranks: int, tensors: int,
+             systems: list[str], slowdown: bool) -> int:
+    """One run of the ranks (``ranks`` processes, ``tensors`` per rank) writing ``OUT/results.{md,json}``;
+    0 on success, 1 on failure (an :class:`Interrupted` propagates after the cleanup)."""
+    os.makedirs(out, exist_ok=True)
+    shm_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir="/dev/shm")
+    disk_dir = tempfile.mkdtemp(prefix="tsbench-run-", dir=args.disk_dir)
+    cfg: dict[str, Any] = {
+        **base,
+        "ranks": ranks,
+        "tensors": tensors,
+        "systems": systems,
+        "slowdown": slowdown,
+        "threads": args.threads or max(1, (os.cpu_count() or 1) // ranks),
         "out": out,
         "shm_dir": shm_dir,
         "disk_dir": disk_dir,
         "init_method": f"tcp://127.0.0.1:{_free_port()}",
-        "pg_timeout_s": 600,
-        "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"],
-        "command": "tierstore bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-
-    print(f"bench: {args.ranks} rank(s), {len(cfg['systems'])} system(s), {repeats} round(s), "
-          f"{size * 1024:g} MiB of state per rank; scratch {shm_dir} and {disk_dir}; results in {out}",
-          file=sys.stderr, flush=True)
+    size = base["size_gib"]
+    print(f"bench: {ranks} rank(s), {len(systems)} system(s), {base['repeats']} round(s), "
+          f"{size * 1024:g} MiB of state per rank in {tensors} tensors; scratch {shm_dir} and {disk_dir}; "
+          f"results in {out}", file=sys.stderr, flush=True)
     try:
-        _spawn(cfg, args.ranks, args.stop_ranks_s)
+        _spawn(cfg, ranks, args.stop_ranks_s)
     except Interrupted as e:
         print(f"bench: {e}: stopping the ranks and removing {shm_dir} and {disk_dir}", file=sys.stderr, flush=True)
         raise
@@ -195,15 +277,10 @@ def _main(argv: list[str] | None) -> int:
             _stop_embedded(disk_dir)
             shutil.rmtree(shm_dir, ignore_errors=True)
             shutil.rmtree(disk_dir, ignore_errors=True)
-    md_path = os.path.join(out, "results.md")
-    if not os.path.exists(md_path):
+    if not os.path.exists(os.path.join(out, "results.md")):
         print("bench failed: no results.md written", file=sys.stderr)
         return 1
-    with open(md_path, encoding="utf-8") as f:
-        print(f.read())
-    print(f"results: {md_path} and {os.path.join(out, 'results.json')}")
     return 0
-
 
 if __name__ == "__main__":
     try:

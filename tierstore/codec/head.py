@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,7 @@ from tierstore.codec.format import (
 )
 from tierstore.errors import CorruptObjectError, InvalidValueError
 
-__all__ = ["Head", "bytes_view", "parse_chunks", "parse_head", "parse_table", "verify_head"]
+__all__ = ["TABLE_CACHE_MAX", "Head", "bytes_view", "parse_chunks", "parse_head", "parse_table", "verify_head"]
 
 
 @dataclass(frozen=True)
@@ -145,9 +147,53 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: :func:`parse_table`'s cache: tables parsed, by (table bytes, raw_len); a restore reads the same layouts again
+TABLE_CACHE_MAX = 1024
+_TABLE_CACHED_LEN = 16 << 10  # larger tables are parsed every time: the cache stays within 16 MiB
+_TABLES: OrderedDict[tuple[bytes, int], tuple[tuple[TensorInfo, ...], dict]] = OrderedDict()
+_TABLES_LOCK = threading.Lock()
+
+
+def _copy_json(o: Any) -> Any:
+    """A deep copy of a JSON value (dicts, lists, scalars), each caller's own to change."""
+    if isinstance(o, dict):
+        return {k: _copy_json(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_copy_json(v) for v in o]
+    return o
+
+
 def parse_table(raw: memoryview, raw_len: int) -> tuple[tuple[TensorInfo, ...], dict]:
+    """Parse and bound an object's table: its tensor rows (every check below) and its metadata.
+
+    A table that was parsed and passed every check before, with the same ``raw_len``, is not parsed
+    again: its rows come from a cache of at most :data:`TABLE_CACHE_MAX` tables (of at most 16 KiB
+    each, least recently used out), keyed by the table's very bytes, so the result is the one parsing
+    them gives; the metadata is a fresh copy per call (callers change it). A restore reads the same
+    layouts step after step: the JSON parse and the checks were most of what opening an object cost.
+    """
+    data = bytes(raw)
+    key = (data, raw_len)
+    cacheable = len(data) <= _TABLE_CACHED_LEN and TABLE_CACHE_MAX > 0
+    if cacheable:
+        with _TABLES_LOCK:
+            hit = _TABLES.get(key)
+            if hit is not None:
+                _TABLES.move_to_end(key)
+        if hit is not None:
+            return hit[0], _copy_json(hit[1])
+    infos, meta = _parse_table(data, raw_len)
+    if cacheable:
+        with _TABLES_LOCK:
+            _TABLES[key] = (infos, _copy_json(meta))
+            while len(_TABLES) > TABLE_CACHE_MAX:
+                _TABLES.popitem(last=False)
+    return infos, meta
+
+
+def _parse_table(data: bytes, raw_len: int) -> tuple[tuple[TensorInfo, ...], dict]:
     try:
-        table = json.loads(bytes(raw).decode("utf-8"))
+        table = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise CorruptObjectError(f"table is not valid JSON: {e}", field="table") from e
     if not isinstance(table, dict) or set(table) != {"tensors", "meta"}:

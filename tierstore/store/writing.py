@@ -6,8 +6,11 @@ a trainer waits for) and gets a :class:`PendingObject`; then, from any thread,
 ``PendingObject.finish()`` seals it (the checksum trailer), publishes it under a
 physical name unique to this write (create-once), records it in the index (which
 refuses a stale epoch and any key of a committed step) and queues it for
-replication and migration. :meth:`WritePath.finish_async` runs those finishes on
-the store's background thread; :meth:`WritePath.put` is snapshot-then-finish.
+replication and migration. :meth:`WritePath.finish_many` finishes several in
+order with one index call per ``StoreConfig.publish_batch`` consecutive host
+objects of a model (the outcome of finishing them one by one);
+:meth:`WritePath.finish_async` runs it on the store's background thread;
+:meth:`WritePath.put` is snapshot-then-finish.
 
 With a device tier (:mod:`tierstore.store.device_tier`), ``snapshot`` copies a
 full object into reused device buffers instead, and ``finish`` first drains
@@ -299,15 +302,30 @@ class WritePath:
         return record
 
     def _publish_host(self, p: PendingObject) -> ObjectRecord:
+        checksum = self._seal_commit(p, self.index.epoch(p.key.model) if p.epoch is not None and p.epoch >= 0
+                                     else None)
+        try:
+            old = self.index.record_object(
+                p.key, kind=p.kind, size=p.plan.nbytes, checksum=checksum, tiers=[self.host.tier],
+                base=p.base, target=p.target, epoch=p.epoch, name=p.name, attempt=p.attempt,
+            )
+        except TierStoreError:
+            self._drop_copy(p.name)  # fenced, committed, busy or index gone: our own copy must not linger unindexed
+            raise
+        return self._recorded(p, checksum, old)
+
+    def _seal_commit(self, p: PendingObject, current: int | None) -> str:
+        """Seal ``p``'s host reservation and publish it under its fresh name (not indexed yet); its checksum.
+
+        ``current``: the model's epoch as last read (``None``: not checked here); a stale ``p.epoch`` is
+        refused early (the index refuses it anyway)."""
         if p.copied is not None:
             p.copied.synchronize()  # the device-to-host copies into the reservation are done
         checksum = p.plan.seal(p.reservation.buffer)
-        size = p.plan.nbytes
-        if p.epoch is not None and p.epoch >= 0:
-            current = self.index.epoch(p.key.model)
-            if p.epoch < current:  # fenced: refused early (the fresh name is what makes a late publish harmless)
-                p.reservation.abort()
-                raise FencedError(f"put of {p.key}: epoch {p.epoch} is fenced (now {current})", epoch=current)
+        if current is not None and p.epoch is not None and 0 <= p.epoch < current:
+            # fenced: refused early (the fresh name is what makes a late publish harmless)
+            p.reservation.abort()
+            raise FencedError(f"put of {p.key}: epoch {p.epoch} is fenced (now {current})", epoch=current)
         try:
             p.reservation.commit(if_absent=True)  # a fresh name: create-once, never over another copy
         except KeyExistsError:
@@ -315,14 +333,11 @@ class WritePath:
         except TierStoreError:
             self._drop_copy(p.name)  # a torn publish may have left our own copy behind
             raise
-        try:
-            old = self.index.record_object(
-                p.key, kind=p.kind, size=size, checksum=checksum, tiers=[self.host.tier],
-                base=p.base, target=p.target, epoch=p.epoch, name=p.name, attempt=p.attempt,
-            )
-        except TierStoreError:
-            self._drop_copy(p.name)  # fenced, committed, busy or index gone: our own copy must not linger unindexed
-            raise
+        return checksum
+
+    def _recorded(self, p: PendingObject, checksum: str, old: str | None) -> ObjectRecord:
+        """After ``p``'s record is in the index: drop the copy it replaced, queue replication and migration."""
+        size = p.plan.nbytes
         if old is not None:
             self._drop_copy(old)  # the copy of the record this one replaced (of an uncommitted step)
         self.chains.published(p.key, p.base if p.kind == "delta" else p.target if p.kind == "ref" else None)
@@ -332,6 +347,48 @@ class WritePath:
             self._migrator.enqueue(p.key, checksum, p.name)
         return ObjectRecord(p.key, p.kind, size, checksum, p.base, p.target, p.epoch if p.epoch is not None else 0,
                             tiers=frozenset((self.host.tier,)), name=p.name)
+
+    def _publish_batch(self, batch: list[PendingObject]) -> list[ObjectRecord]:
+        """Finish ``batch`` (host reservations of one model, in order) with one index round trip for all.
+
+        Each object is sealed and published under its fresh name, then every one is recorded by one
+        :meth:`~consistency.objects.ObjectIndex.record_objects` call, in order; the result is the one
+        finishing them one by one gives: on the first failure, those before it are finished (recorded,
+        their replaced copies dropped, queued for migration), its copy and the copies of those after it
+        that were published are dropped (none of them is indexed), and its error is raised; those not
+        yet sealed stay pending for the caller to abort.
+        """
+        current = self.index.epoch(batch[0].key.model) if any(
+            p.epoch is not None and p.epoch >= 0 for p in batch) else None
+        published: list[tuple[PendingObject, str]] = []
+        failed: BaseException | None = None
+        for p in batch:
+            p._done = True
+            try:
+                published.append((p, self._seal_commit(p, current)))
+            except BaseException as e:  # noqa: BLE001 - those before it are recorded first, then it is raised
+                failed = e
+                break
+        if not published:
+            assert failed is not None
+            raise failed
+        entries = [{"key": p.key, "kind": p.kind, "size": p.plan.nbytes, "checksum": checksum,
+                    "tiers": [self.host.tier], "base": p.base, "target": p.target, "epoch": p.epoch,
+                    "name": p.name, "attempt": p.attempt} for p, checksum in published]
+        try:
+            olds, refused = self.index.record_objects(entries)
+        except TierStoreError:
+            for p, _ in published:
+                self._drop_copy(p.name)  # the index is gone: no copy of ours lingers unindexed
+            raise
+        records = [self._recorded(p, checksum, old) for (p, checksum), old in zip(published, olds)]
+        if refused is not None:
+            for p, _ in published[len(olds):]:
+                self._drop_copy(p.name)  # refused, or after the one refused: never indexed
+            raise refused
+        if failed is not None:
+            raise failed
+        return records
 
     def _drop_copy(self, name: str) -> None:
         """Delete the copy ``name`` from every tier, best effort (a name belongs to one write only)."""
@@ -359,12 +416,33 @@ class WritePath:
             fut.add_done_callback(self._sealing.discard)
             return fut
 
-    @staticmethod
-    def _finish_all(items: list[PendingObject]) -> list[ObjectRecord]:
+    def _finish_all(self, items: list[PendingObject]) -> list[ObjectRecord]:
+        return self.finish_many(items)
+
+    def finish_many(self, pendings: Sequence[PendingObject]) -> list[ObjectRecord]:
+        """``[p.finish() for p in pendings]``, in order, in this thread, with fewer index round trips.
+
+        Consecutive host-tier objects of one model (not in the device tier) are finished in batches of
+        at most ``config.publish_batch``, each recorded in the index by one call
+        (:meth:`_publish_batch`); the outcome is the one finishing them one by one gives. If one
+        fails, those before it are finished, the rest are aborted, and its error is raised.
+        """
+        items = list(pendings)
+        size = max(1, int(self.config.publish_batch))
         done: list[ObjectRecord] = []
         try:
-            for p in items:
-                done.append(p.finish())
+            i = 0
+            while i < len(items):
+                j = i
+                while (j < len(items) and j - i < size and items[j].staged is None and not items[j]._done
+                       and items[j].reservation is not None and items[j].key.model == items[i].key.model):
+                    j += 1
+                if j - i <= 1:
+                    done.append(items[i].finish())
+                    i += 1
+                    continue
+                done.extend(self._publish_batch(items[i:j]))
+                i = j
         except BaseException:
             for p in items[len(done):]:
                 p.abort()

@@ -38,6 +38,10 @@ SLOW = (
     "tests/test_lightning.py::test_ddp_rank0_saves_sigkill_resume_bitwise_and_fsdp2",
     # two ranks of the HF Trainer, four trainings; the same flow on one process is test_huggingface.py's other case
     "tests/test_huggingface.py::test_trainer_resumes_bitwise_on_two_processes",
+    # a reboot after a save on two processes (three launches of two ranks each); the one-process cases stay fast
+    "tests/test_lightning_reboot.py::test_reboot_right_after_a_save_on_two_processes",
+    "tests/test_huggingface_reboot.py::test_reboot_right_after_a_save_on_two_processes",
+    "tests/test_bench_sweep.py::test_a_small_sweep_end_to_end",  # six bench sub-runs
 )
 
 

@@ -115,3 +115,30 @@ def test_a_fenced_object_in_a_batch_is_refused_early_and_ends_it(tmp_path, redis
 def test_publish_batch_must_be_a_positive_int(bad):
     with pytest.raises(ConfigError, match="publish_batch"):
         StoreConfig(publish_batch=bad)
+
+
+def test_a_checkpointer_save_records_its_layers_in_one_batch(tmp_path, redis_url, shm_root, monkeypatch):
+    """The Checkpointer finishes a step's objects through ``finish_many``: a save of a 6-layer model is one index
+    call for its records (was one per layer), and it restores bitwise."""
+    from tierstore.train.checkpointer import Checkpointer
+
+    s = _open(tmp_path, redis_url, shm_root)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+        ck = Checkpointer(s, "ckb", net, keep_last=None)
+        ck.restore()
+        calls = _Calls(s.index, monkeypatch)
+        ck.save(0)
+        assert ck.wait() == "committed"
+        assert calls.one == 0 and calls.many == [6], (calls.one, calls.many)
+        want = {k: v.clone() for k, v in net.state_dict().items()}
+        ck.close()
+        torch.manual_seed(1)
+        net2 = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+        ck2 = Checkpointer(s, "ckb", net2, keep_last=None)
+        assert ck2.restore()[0] == 0
+        assert all(torch.equal(v, want[k]) for k, v in net2.state_dict().items())
+        ck2.close()
+    finally:
+        s.close()

@@ -432,8 +432,9 @@ class Checkpointer(RestoreSide):
             self._retained = retain(self.store, self.model, self.rank, self.keep_last,
                                     self.policy.max_staleness or 0, self._retained,
                                     self._replay.base_of if self._replay is not None else None, self._manifests)
-            while snap.pendings:
-                infos.append(snap.pendings.pop(0)[1].finish())
+            if snap.pendings:  # in order, with one index call per batch of objects (StoreConfig.publish_batch)
+                infos.extend(self.store.finish_many([p for _, p in snap.pendings]))
+                snap.pendings = []
             if snap.staged:
                 owners: dict[str, dict[str, int]] = {}
                 if self._dedup is not None:

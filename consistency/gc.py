@@ -132,6 +132,7 @@ class RetentionPlan:
         retired: committed steps to retire (durable manifest, objects no kept step reaches, records).
         aborted: aborted steps to collect; ``held``: committed steps left for a later pass.
         keep_memory / keep_durable: objects the memory tiers / the durable tier keep.
+        keep_held: what the held steps' restores read (kept for them, from a retired step too).
         protected: objects of steps in flight and what they reach (never touched).
         newest_decided: objects of steps newer than this are in flight; ``recorded``: steps with a record.
         retention: the windows the plan was made with (recorded by :func:`retire`, shown by ``admin steps``).
@@ -149,6 +150,7 @@ class RetentionPlan:
     recorded: set[int]
     newest_durable: int = -1
     retention: Retention | None = None
+    keep_held: set[ShardKey] = field(default_factory=set)
     _gone: set[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -161,7 +163,8 @@ class RetentionPlan:
 
     def fate(self, key: ShardKey) -> str:
         """``"keep"``, ``"release"`` (memory copies go, the durable copy stays) or ``"delete"`` for ``key``."""
-        if key in self.protected or key in self.keep_memory or key.step > self.newest_decided:
+        if (key in self.protected or key in self.keep_memory or key in self.keep_held
+                or key.step > self.newest_decided):
             return "keep"
         if key in self.keep_durable:
             return "release"
@@ -235,6 +238,8 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
         keep_durable=reachable(steps, model, sorted(kept_durable), cache=cache),
         protected=closure(steps.index, objects_in_flight) if objects_in_flight else set(),
         newest_decided=newest_decided, recorded=set(state), newest_durable=newest_durable, retention=retention,
+        # a held step stays, so what its restore reads stays with it (from a retired step too)
+        keep_held=reachable(steps, model, sorted(held), cache=cache) if held else set(),
     )
 
 

@@ -23,7 +23,8 @@ local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ep = tonumber(ARGV[1])
 if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
 """
-# At the start of a write (BEGIN, CLAIM): a writer's epoch newer than the model's (the model's epoch went with a
+# At the start of a write (BEGIN, CLAIM; after their check for a lost index, which an epoch key would hide): a
+# writer's epoch newer than the model's (the model's epoch went with a
 # forced delete, or with the index) raises it, so the next incarnation joins above every writer of the model's
 # steps: it fences that writer and can supersede that writer's lost steps (an epoch that went back would leave
 # them immutable to it). Not in MIGRATED: a late migration of a deleted model must not recreate its epoch.
@@ -247,8 +248,9 @@ end
 # KEYS: epoch, step, steps, votes, objs, vinfo; ARGV: epoch, step, world, layout_json, timeout_s, check, now. With
 # check = '1', a model the index holds no record of (no epoch, step or object) is answered 'unknown' and nothing
 # is created: the caller first makes sure the index did not lose it (see consistency.epochs).
-BEGIN = _FENCE + _RAISE + _NOW + _OPEN + """
+BEGIN = _FENCE + _NOW + _OPEN + """
 if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then return 'unknown' end
+""" + _RAISE + """
 return open_step(true)
 """
 
@@ -263,8 +265,9 @@ return open_step(true)
 # is answered {'unknown'}, as BEGIN does. Returns {'preparing', attempt, previous reason, previous state} (reason
 # and state '' for a first attempt or a repeated claim of the same token, which renews the lease) or
 # {'busy', attempt, world, age_s, timeout_s, lease_s, seconds since its last renewal}.
-CLAIM = _FENCE + _RAISE + _NOW + """
+CLAIM = _FENCE + _NOW + """
 if ARGV[6] == '1' and redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5]) == 0 then return {'unknown'} end
+""" + _RAISE + """
 local h = redis.call('HMGET', KEYS[2], 'state', 'owner', 'attempt', 'started', 'timeout', 'epoch', 'reason', 'world',
                     'lease', 'renewed')
 local st, owner, attempt = h[1], h[2] or '', tonumber(h[3] or '1') or 1

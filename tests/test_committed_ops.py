@@ -55,7 +55,9 @@ def test_a_lost_index_refuses_to_start_fresh_until_rebuilt(store, conn, tmp_path
     fresh = reopen(tmp_path, redis_url, shm_root)
     try:
         for call in (lambda: fresh.resolve(M), lambda: fresh.open_epoch(M),
-                     lambda: fresh.begin_step(M, 1, 2, layout={"layers": ["a", "b"]})):
+                     lambda: fresh.begin_step(M, 1, 2, layout={"layers": ["a", "b"]}),
+                     # the live writer's next begin, with its epoch (which must not hide the loss)
+                     lambda: fresh.begin_step(M, 3, 2, layout={"layers": ["a", "b"]}, epoch=e1)):
             with pytest.raises(IndexLostError) as ei:  # never "nothing committed: start fresh"
                 call()
             assert f"rebuild-index {M} --yes" in str(ei.value) and ei.value.durable_steps == [1, 2]

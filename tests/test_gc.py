@@ -242,3 +242,28 @@ def test_gc_removes_what_an_interrupted_migration_left_in_the_durable_tier(store
     os.utime(stale, (old, old))
     report = store.gc(M, Retention(keep_last=2), dry_run=False)
     assert report.temp_removed == 1 and not stale.exists() and fresh.exists()
+
+
+def test_a_held_step_keeps_what_it_reads_from_a_retired_step(store):
+    """A committed step whose migration is still running is held (not retired); what its restore reads must
+    stay with it, even from a step that is retired. Found by tests/test_gc_live.py (layer-wise, gc beside a
+    live trainer: a held step's inherited layer was deleted with its retired base step, and the held step no
+    longer restored: "... is not in the index")."""
+    layout = {"layers": ["a", "b"]}
+    saved(store, range(1, 5))  # 1-4 durable
+    gate = threading.Event()
+    store.rewire(before_migrate=lambda key: gate.wait(30) if key.step >= 5 else None)
+    try:
+        save_step(store, 5, 1)
+        store.steps.mark_memory_only(M, 5, "its migration gave up")  # not held: retired by keep_last=1
+        store.begin_step(M, 6, 1, layout=layout)  # rank 0 writes a only: b is inherited from step 5
+        assert store.vote(M, 6, 0, [store.put(ShardKey(M, "a", 6, 0), shard("a", 6, 0))]) == "committed"
+        assert [o["key"] for o in store.steps.manifest(M, 6)["inherited"]] == [f"{M}/b/5/0"]
+        save_step(store, 7, 1)
+        report = store.gc(M, Retention(keep_last=1), dry_run=False)
+        assert 5 in report.dropped_steps and 6 not in report.dropped_steps, report
+        assert store.info(ShardKey(M, "b", 5, 0)) is not None, "a held step's inherited layer was deleted"
+        got = store.resolve(M, step=6, max_staleness=1)  # b is step 5's
+        assert torch.equal(store.get(got.objects[("b", 0)].key).tensors["w"], shard("b", 5, 0)["w"])
+    finally:
+        gate.set()

@@ -17,7 +17,7 @@ from tests.redis_cluster import cluster_url, redis_cluster  # noqa: F401
 from tests.redis_server import redis_proc, redis_url  # noqa: F401
 from tests.s3_server import *  # noqa: F403
 
-# The long cases (143 tests, about a quarter of the run's time in one process): ``scripts/test --fast`` deselects them (``-m "not slow"``);
+# The long cases (147 tests, about a quarter of the run's time in one process): ``scripts/test --fast`` deselects them (``-m "not slow"``);
 # ``scripts/test`` with no arguments, which CI runs, runs everything. Listed here rather than marked in each
 # file, so the list of what a quick run skips is one list.
 SLOW = (

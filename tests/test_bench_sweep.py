@@ -86,7 +86,10 @@ def test_a_small_sweep_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"bench failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     rows = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
     points = {(r["ranks"], r["tensors"]) for r in rows}
-    assert points == {(1, 200), (1, 8), (1, 40)}, rows
+    # the main run's point (200 tensors) has rows only for the systems it measured besides the bound: the
+    # torchsnapshot peers, when torchsnapshot is installed (an optional extra, not in CI's test extras)
+    main = {(1, 200)} if importlib.util.find_spec("torchsnapshot") is not None else set()
+    assert points == main | {(1, 8), (1, 40)}, rows
     for n in (8, 40):
         sub = json.loads((out / "sweep" / f"r1-t{n}" / "results.json").read_text(encoding="utf-8"))
         assert sub["config"]["tensors"] == n and sub["config"]["slowdown"] is False

@@ -35,7 +35,8 @@ def test_a_failed_save_says_why_the_step_aborted(store, monkeypatch):
     def full_disk(*_a, **_k):
         raise OSError(28, "No space left on device (the host tier's segment)")
 
-    monkeypatch.setattr(store, "_publish", full_disk)  # sealing the snapshot fails, in the background
+    monkeypatch.setattr(store, "_publish", full_disk)  # sealing the snapshot fails, in the background,
+    monkeypatch.setattr(store, "_publish_batch", full_disk)  # one object or a batch of them (finish_many)
     train(model, opt, 1, 2, batch_size=2, on_step=lambda s, _l: ck.save(s))
     with pytest.raises(Exception) as ei:
         ck.wait()

@@ -24,10 +24,10 @@ local ep = tonumber(ARGV[1])
 if ep >= 0 and ep < cur then return redis.error_reply('TSFENCED ' .. cur) end
 """
 # At the start of a write (BEGIN, CLAIM; after their check for a lost index, which an epoch key would hide): a
-# writer's epoch newer than the model's (the model's epoch went with a
-# forced delete, or with the index) raises it, so the next incarnation joins above every writer of the model's
-# steps: it fences that writer and can supersede that writer's lost steps (an epoch that went back would leave
-# them immutable to it). Not in MIGRATED: a late migration of a deleted model must not recreate its epoch.
+# writer's epoch newer than the model's (the model's epoch went with a forced delete, or with the index) raises
+# it, so the next incarnation joins above every writer of the model's steps: it fences that writer and can
+# supersede that writer's lost steps (an epoch that went back would leave them immutable to it). Not in
+# MIGRATED: a late migration of a deleted model must not recreate its epoch.
 _RAISE = """
 if ep > cur then redis.call('SET', KEYS[1], ep) end
 """

@@ -152,7 +152,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             for name, j in jobs.items():
                 ck = j["ck"]
                 st = ck.stats.as_dict()
-                payoff = ck._diff.payoff.report() if ck._diff is not None and ck._diff.payoff is not None else None
+                payoff = ck.plan.payoff_report()
                 ck.close()
                 m2, o2, s2 = _job(cfg, pre, a)
                 ck2 = Checkpointer(store, ck.model, state={"model": m2, "optim": o2, "sched": s2}, policy=ck.policy)

@@ -185,7 +185,7 @@ def test_incompressible_layer_goes_full_slow_layer_keeps_deltas_restore_bitwise(
         kinds[step] = {ln: store.info(key).kind
                        for key in store.list("payoff") if key.step == step for ln in [key.layer]}
     want = _state(model, opt)
-    report = ck._diff.payoff.report()
+    report = ck.plan.payoff_report()
     ck.close()
     assert report["slow"]["mode"] == "delta" and report["slow"]["ratio"] < 0.7
     assert report["fast"]["mode"] != "delta" and report["fast"]["direct_fulls"] >= 9

@@ -91,17 +91,14 @@ from tierstore.errors import (
 )
 from tierstore.keys import ShardKey, validate_name
 from tierstore.store.copies import DeviceCopies
-from tierstore.train.dedup import DedupPlanner
-from tierstore.train.gradlog import ReplayLog
-from tierstore.train.layers import PARAM
 from tierstore.train.lazy import InPlaceChanges, LazySave, UpdateGate, changed_error, clone_eager
-from tierstore.train.policies import DiffTracker, LayerwiseTracker, Policy, exact
+from tierstore.train.policies import Policy, exact
 from tierstore.train.ranks import Ranks, rank_from_env
 from tierstore.train.restore_side import RestoreSide
 from tierstore.train.restoring import PendingRestore
-from tierstore.train.stagger import balanced_slots, shifted
+from tierstore.train.saveplan import SavePlan
 from tierstore.train.view import Collected, Restored, RestoreReport, StateView
-from tierstore.train.writing import SaveStats, Snapshot, nbytes, retain, write_layer
+from tierstore.train.writing import SaveStats, Snapshot, nbytes, retain
 
 __all__ = ["Checkpointer", "RestoreReport", "Restored", "SaveStats", "rank_from_env"]
 
@@ -190,10 +187,6 @@ class Checkpointer(RestoreSide):
         self._manifests: dict[int, dict] = {}  # retention's parsed manifests, for this epoch
         self.stats = SaveStats()
         self.report = RestoreReport()
-        pol = self.policy
-        self._lw = LayerwiseTracker(pol.tau, pol.max_staleness) if pol.tau is not None else None
-        self._diff = DiffTracker(pol.base_every, pol.chain_limit, pol.payoff) if pol.base_every else None
-        self._dedup = None
         # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
         # whose copies verify after they returned hold the next update back
         self.lazy = lazy
@@ -202,13 +195,10 @@ class Checkpointer(RestoreSide):
         self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()
         self._restoring: PendingRestore | None = None  # a restore whose copies are still being verified
         self._undecided: list[int] = []  # steps this rank voted for that were still preparing
-        if pol.dedup and self.group is not None:
-            self._dedup = DedupPlanner(pol.dedup_group or self.group, pol.dedup_algo)
-        self._replay: Any = None
-        if pol.replay_every is not None:
-            self._replay = ReplayLog(self, pol.replay_every, pol.replay_offset)
+        # what each save writes, reads and remembers: the policy's parts (tierstore.train.saveplan)
+        self.plan = SavePlan(self.policy, self, self.group)
         first = self.view.collect()  # validates the state up front and sizes the layers
-        self._stagger(first)
+        self.plan.arrange(first, self.rank, self.world_size)  # LayerCheck's smoothed I/O: forced saves spread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstore-ckpt-{self.rank}")
         self._future: Future | None = None
         self._last_step: int | None = None
@@ -217,7 +207,7 @@ class Checkpointer(RestoreSide):
         self._pending_step: int | None = None  # the last save's step while its vote said "preparing"
         self.keep_last = keep_last
         self._retained: Any = None  # the windows the last retention pass acted on
-        if preallocate and self._diff is None and self._dedup is None and hasattr(store, "host"):
+        if preallocate and self.plan.direct_only and hasattr(store, "host"):
             self._preallocate(first)
 
     @property
@@ -229,17 +219,6 @@ class Checkpointer(RestoreSide):
     def layers(self) -> list[str]:
         """The layers of the state as of now."""
         return sorted(self.view.collect().layers)
-
-    def _stagger(self, col: Collected) -> None:
-        """Give each layer a slot so forced saves and bases spread over steps (LayerCheck's smoothed I/O)."""
-        layers = sorted(col.layers)
-        sizes = [nbytes(col.layers[ln]) for ln in layers]
-        if self._lw is not None and self._lw.max_staleness >= 1:
-            self._lw.slots = dict(zip(layers, balanced_slots(sizes, self._lw.max_staleness)))
-        if self._diff is not None and self._diff.base_every >= 1:
-            slots = balanced_slots(sizes, self._diff.base_every)
-            self._diff.slots = {ln: shifted(s, self.rank, self._diff.base_every, self.world_size)
-                                for ln, s in zip(layers, slots)}
 
     def _preallocate(self, col: Collected) -> None:
         sizes = [codec.plan(col.layers[ln], {**col.metas[ln], "_ts": {}}).nbytes for ln in sorted(col.layers)]
@@ -271,10 +250,7 @@ class Checkpointer(RestoreSide):
         self._drain()
         self._check_pending()
         col = self.view.collect(extra)
-        base = self._replay.due_base(step) if self._replay is not None else True
-        layout: dict[str, Any] = {"layers": sorted(col.layers)}
-        if self._replay is not None:
-            layout = self._replay.layout(col, base)
+        base, layout = self.plan.layout(step, col)
         t0 = time.monotonic()
         if self.epoch is None:
             self.epoch = self.ranks.join()
@@ -287,9 +263,8 @@ class Checkpointer(RestoreSide):
         try:
             self.ranks.note(step, self.epoch)
             self._gate.watch(self._optimizers())
-            ptrs = self.in_forward.pointers(col) if self.lazy or self._replay is not None else set()
-            if self._replay is not None:
-                self._replay.at_save(ptrs)
+            ptrs = self.in_forward.pointers(col) if self.lazy or self.plan.needs_pointers else set()
+            self.plan.at_save(ptrs)
             if self.lazy:
                 versions = clone_eager(col, ptrs)  # what a forward pass may change is copied now; the rest waits
                 copies = DeviceCopies.after_current(t for ts in col.layers.values() for t in ts.values())
@@ -310,9 +285,9 @@ class Checkpointer(RestoreSide):
         """*select* and *snapshot*: on the caller's thread, or the background one when lazy."""
         try:
             self._forget_aborted()
-            if self._lw is not None:
+            if self.plan.selects_together:
                 self.ranks.await_ranks(step, self.epoch, t0)
-            selected = self._select(step, col) if base else layers
+            selected = self.plan.select(step, col, self.ranks.all_max_) if base else layers
             snap = self._snapshot(step, col, selected, base, copies)
         except BaseException as e:
             self._vote_down(step, e)
@@ -370,43 +345,27 @@ class Checkpointer(RestoreSide):
         if aborted:
             self._reset_trackers()
 
-    def _select(self, step: int, col: Collected) -> list[str]:
-        layers = sorted(col.layers)
-        if self._lw is None:
-            return layers
-        want = torch.tensor(
-            [1 if ln in col.always else int(self._lw.want(step, ln, col.param_tensors(ln))) for ln in layers],
-            dtype=torch.int32,
-        )
-        self.ranks.all_max_(want)
-        return [ln for ln, w in zip(layers, want.tolist()) if w]
-
     def _snapshot(self, step: int, col: Collected, selected: list[str], base: bool, copies: Any = None) -> Snapshot:
         """Copy what the save writes (the part training waits for): host-tier objects or staging copies."""
         if not base:
-            return self._replay.snapshot(step, col)
-        snap = Snapshot(step, selected, collective=self._dedup is not None)
+            return self.plan.snapshot_log(step, col)
+        snap = Snapshot(step, selected, collective=self.plan.collective)
         try:
             for ln in selected:
                 live = col.layers[ln]
-                # payoff: a layer whose deltas do not pay is written like exact's (tierstore.train.payoff)
-                if self._dedup is None and (self._diff is None or self._diff.direct(ln)):
+                if self.plan.direct(ln):
                     key = ShardKey(self.model, ln, step, self.rank)
                     snap.pendings.append((ln, self.store.snapshot(key, live, col.metas[ln], epoch=self.epoch,
                                                                   **({"copies": copies} if copies else {}))))
                 else:
                     snap.staged[ln] = {n: t.clone() for n, t in live.items()}
                     snap.metas[ln] = col.metas[ln]
-                if self._lw is not None:
-                    src = snap.staged.get(ln, live)
-                    snap.lw_params[ln] = {n: (t if ln in snap.staged else t.clone())
-                                          for n, t in src.items() if n.startswith(PARAM)}
+                self.plan.keep(snap, ln, live)
                 self.stats.logical_bytes += nbytes(live)
         except BaseException:
             snap.abort()
             raise
-        if self._replay is not None:
-            self._replay.saved_base(step, snap)
+        self.plan.snapshotted(step, snap)
         return snap
 
     def _typed(self, step: int, e: BaseException) -> BaseException:
@@ -430,19 +389,13 @@ class Checkpointer(RestoreSide):
             if snap.before_vote is not None:
                 snap.before_vote(snap.vote_extra)
             self._retained = retain(self.store, self.model, self.rank, self.keep_last,
-                                    self.policy.max_staleness or 0, self._retained,
-                                    self._replay.base_of if self._replay is not None else None, self._manifests)
+                                    self.policy.max_staleness or 0, self._retained, self.plan.floor, self._manifests)
             if snap.pendings:  # in order, with one index call per batch of objects (StoreConfig.publish_batch)
                 infos.extend(self.store.finish_many([p for _, p in snap.pendings]))
                 snap.pendings = []
-            if snap.staged:
-                owners: dict[str, dict[str, int]] = {}
-                if self._dedup is not None:
-                    self.ranks.await_ranks(step, self.epoch, self._last_t)
-                    owners = self._dedup.plan(snap.staged)
-                for ln in snap.staged:  # in the order selected; layers written directly are not staged
-                    infos.append(write_layer(self.store, self.model, self.rank, ln, step, snap.staged[ln],
-                                             snap.metas[ln], owners.get(ln), self._diff, self.epoch))
+            if snap.staged:  # in the order selected; layers written directly are not staged
+                infos.extend(self.plan.write(self.store, self.model, self.rank, self.epoch, snap,
+                                             lambda: self.ranks.await_ranks(step, self.epoch, self._last_t)))
         except BaseException as e:
             snap.abort()
             self._vote_down(step, e)
@@ -456,9 +409,8 @@ class Checkpointer(RestoreSide):
                         e.fields.get("reason") or e)
             self._reset_trackers()
             return "aborted"
-        if self._lw is not None:
-            for ln, params in snap.lw_params.items():
-                self._lw.saved(ln, step, params)
+        if state != "aborted":
+            self.plan.remember(snap)
         return state
 
     def _drain(self) -> str | None:
@@ -494,12 +446,7 @@ class Checkpointer(RestoreSide):
 
     def _reset_trackers(self) -> None:
         self._undecided = []
-        if self._lw is not None:
-            self._lw.reset()
-        if self._diff is not None:
-            self._diff.forget()
-        if self._replay is not None:
-            self._replay.forget()
+        self.plan.forget()
 
     def wait(self, timeout: float | None = None, *, durable: bool = False) -> str | None:
         """Wait for the last save: ``"committed"`` or ``"aborted"`` (``None`` if none), or ``"skipped"``: the
@@ -572,8 +519,7 @@ class Checkpointer(RestoreSide):
         finally:
             self._abandon_restore()
             self._gate.close()
-            if self._replay is not None:
-                self._replay.close()
+            self.plan.close()
             self._pool.shutdown(wait=not left_behind, cancel_futures=left_behind)
 
 

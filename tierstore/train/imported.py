@@ -4,7 +4,7 @@ The document of an imported step is ``{"entries": {MODULE_KEY: <module entry>}, 
 MODULE_KEY, "files": [...]}}`` at step :data:`IMPORT_STEP`; this module owns that layout, the importer
 writes it by these names. A restore that lands on such a step loads its one module into the state's one
 module (:func:`adopt_import`), and a writer's restore seeds the policy's trackers from it
-(:func:`import_seeds`, :func:`seed_trackers`).
+(:func:`import_seeds`, then :meth:`tierstore.train.saveplan.SavePlan.seed`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from tierstore.errors import RestoreMismatchError
-from tierstore.train.layers import PARAM
 
-__all__ = ["IMPORT_STEP", "MODULE_KEY", "adopt_import", "import_seeds", "is_imported", "seed_trackers"]
+__all__ = ["IMPORT_STEP", "MODULE_KEY", "adopt_import", "import_seeds", "is_imported"]
 
 IMPORT_STEP = 0
 MODULE_KEY = "model"
@@ -63,12 +62,3 @@ def import_seeds(doc: Mapping[str, Any], res: Any, shards: Mapping[str, tuple[di
         if info is not None and info.kind in ("full", "ref"):
             out[ln] = (res.layers[ln], tensors)
     return out
-
-
-def seed_trackers(seeds: Mapping[str, tuple[int, dict[str, torch.Tensor]]], layerwise: Any, diff: Any) -> None:
-    """Start a writer's ``layerwise`` / ``differential`` trackers from :func:`import_seeds` (they own the tensors)."""
-    for ln, (version, tensors) in seeds.items():
-        if diff is not None:
-            diff.saved(ln, version, tensors, "full")
-        if layerwise is not None:
-            layerwise.saved(ln, version, {n: t for n, t in tensors.items() if n.startswith(PARAM)})

@@ -23,7 +23,7 @@ import torch
 
 from consistency.closure import readers_of
 from tierstore.errors import NoValidCopyError, StepCommittedError, TierStoreError
-from tierstore.train.imported import adopt_import, import_seeds, seed_trackers
+from tierstore.train.imported import adopt_import, import_seeds
 from tierstore.train.reshard import read_for_restore
 from tierstore.train.restoring import (
     IN_PASS,
@@ -64,10 +64,7 @@ class RestoreSide:
     world_size: int
     epoch: int | None
     report: RestoreReport
-    _replay: Any
-    _lw: Any
-    _diff: Any
-    _dedup: Any
+    plan: Any  # tierstore.train.saveplan.SavePlan
     _gate: Any
     _restoring: PendingRestore | None
     _manifests: dict[int, dict]
@@ -163,17 +160,16 @@ class RestoreSide:
         committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
         self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
         self._seeds: dict[str, Any] = {}
-        self.report.verify = mode if self._replay is None else IN_PASS
+        self.report.verify = IN_PASS if self.plan.restores_itself else mode
         pending = None
-        if self._replay is not None:
-            got = Restored(*self._replay.restore(step, read_only=read_only, only=only))
+        if self.plan.restores_itself:
+            got = Restored(*self.plan.restore(step, read_only=read_only, only=only))
         else:
             got, pending = self._restore(step, only, mode, read_only)
         if not read_only:
             self._reset_trackers()
-            seed_trackers(self._seeds, self._lw, self._diff)  # an imported base: first saves are deltas against it
-            if self._replay is not None and got.step is not None:
-                self._replay.continue_from(got.step, self.report.base_step)
+            self.plan.seed(self._seeds)  # an imported base: the first saves are deltas against it
+            self.plan.continue_from(got.step, self.report.base_step)
         self.report.step, self.report.epoch = got.step, self.epoch
         self._manifests.clear()  # a step of an older incarnation may have been superseded
         self._passed = ({s for s in committed if s > got.step}
@@ -246,7 +242,7 @@ class RestoreSide:
                 pending.abandon()
             raise
         whole = {ln: v_ for ln, v_ in shards.items() if ln not in self.report.resharded}
-        self._seeds = import_seeds(doc, res, whole, self.rank, self.world_size) if self._dedup is None else {}
+        self._seeds = import_seeds(doc, res, whole, self.rank, self.world_size) if self.plan.imports_bases else {}
         self.report.base_s = time.perf_counter() - t0
         return Restored(res.step, plan.get("user")), pending
 
@@ -349,8 +345,9 @@ class RestoreSide:
     def _judge(self, step: int) -> str | None:
         """Why committed ``step`` is lost, with positive evidence; ``None`` if it verifies or nothing is known
         (a tier did not answer: said in ``_unproven``)."""
-        if self._replay is not None and step in self._replay.proven:  # its replay diverged or lost an entry
-            return self._replay.proven[step]
+        proven = self.plan.proven_lost(step)  # its replay diverged or lost an entry
+        if proven is not None:
+            return proven
         try:
             self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step)
             return None

@@ -1,12 +1,15 @@
 """A stateful property test of the durable tier's promise, with the real Checkpointer (hypothesis).
 
-Random interleavings, for every policy (exact, differential, layer-wise, replay), of: training steps with a
-save each (waiting for the commit or not), a durable tier that is slow (every put sleeps) and at times
-flaky (transient errors on its gets and puts, in short bursts a retry outlasts), an operator's
-``gc --keep-last K`` or a forced ``admin delete`` beside the trainer, a process crash (the node's shared memory survives), and a node
-loss (the trainer dead at once, its shared memory gone) at any point, after which a new incarnation
-restores (through a flaky durable tier, at times) and trains on: its saves of step numbers an earlier
-incarnation committed supersede them only when they are proven lost, and are skipped otherwise.
+Random interleavings, for every policy (exact, differential, layer-wise, replay), eager or lazy snapshots,
+of: training steps with a save each (waiting for the commit or not), a durable tier that is slow (every put
+sleeps), at times flaky (transient errors on its gets and puts, in short bursts a retry outlasts) and at times
+hung (its puts block, a stuck mount, until it recovers), an index that stops answering (a partition) in the
+middle of a save, an operator's ``gc --keep-last K`` or a forced ``admin delete`` beside the trainer, a
+restore into another optimizer type, a write through ``.data`` right after ``save()`` (lazy), a process
+crash (the node's shared memory survives), and a node loss (the trainer dead at once, its shared memory
+gone) at any point, after which a new incarnation restores (through a flaky durable tier, at times) and
+trains on: its saves of step numbers an earlier incarnation committed supersede them only when they are
+proven lost, and are skipped otherwise.
 
 Invariants:
 
@@ -16,7 +19,12 @@ Invariants:
   step within the staleness bound);
 - every step the index reports durable has its durable manifest in the durable tier;
 - every save ``wait()`` reports committed restores (read-only, from another process's store) to what was
-  saved at it, at once; a skipped save is never reported committed.
+  saved at it (the values at ``save()``, whatever was written through ``.data`` after it), at once; a
+  skipped save, or one the index never answered, is never reported committed;
+- every wait ends within its bound: ``wait(durable=True)`` on a hung tier within its ``timeout``
+  (``DurableTimeoutError`` naming the tier), a save or a wait while the index does not answer (typed),
+  ``TierStore.close()`` within ``close_timeout_s``;
+- a restore into another optimizer type is ``RestoreMismatchError`` and changes nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import functools
 import shutil
 import sys
+import time
 import traceback
 import uuid
 from collections import Counter
@@ -39,7 +48,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import tierstore
 from consistency.gc import Retention
 from consistency.manifest import durable_manifest_name
-from tierstore.errors import NoValidCopyError, TierStoreError, UnknownError
+from tierstore.errors import DurableTimeoutError, NoValidCopyError, RestoreMismatchError, TierStoreError, UnknownError
 from tierstore.testing.faults import FaultPlan, FaultRule, install
 from tierstore.train.checkpointer import Checkpointer
 from tierstore.train.policies import differential, exact, layerwise, replay
@@ -55,6 +64,10 @@ POLICIES = {
 }
 SLOW = FaultRule("backend.put@durable", "slow", delay_s=0.02)
 DEAD = [FaultRule(p, "exception") for p in ("backend.put", "backend.get", "backend.delete", "index.script")]
+HANG = FaultRule("backend.put@durable", "hang", delay_s=120.0)  # until the plan is armed again (the mount recovers)
+#: the stores' bounds here (StoreConfig): a stall is reported fast, close() never waits long
+BOUNDS = {"durable_stall_s": 0.3, "close_timeout_s": 5.0}
+SLACK_S = 30.0  # a bound is asserted as the bound plus this (a loaded machine), never as a speed
 
 
 def _net(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -90,8 +103,8 @@ def _said(fn):
 class Durable(RuleBasedStateMachine):
     policy = "exact"
 
-    @initialize()
-    def setup(self):
+    @initialize(lazy=st.booleans())
+    def setup(self, lazy):
         redis.Redis.from_url(ENV["url"]).flushall()
         self.root = Path(ENV["tmp"]) / uuid.uuid4().hex[:8]
         policy = self.policy
@@ -103,9 +116,11 @@ class Durable(RuleBasedStateMachine):
         # precondition on timing makes hypothesis's data generation differ between runs of one example)
         self.saves = 0
         self.saves_since_delete = 0
+        self.lazy = lazy
         self.observer = self._open("observer", FaultPlan())
         self._incarnation(host=self._host())
         RUNS[f"policy {policy}"] += 1
+        RUNS["lazy" if lazy else "eager"] += 1
 
     def _host(self) -> str:
         self.nodes += 1
@@ -114,7 +129,7 @@ class Durable(RuleBasedStateMachine):
     def _open(self, host: str, plan: FaultPlan):
         store = tierstore.open(self.root / "home", redis=ENV["url"], durable=f"file://{self.root / 'durable'}",
                                host_root=host if "/" in host else str(Path(ENV["shm"]) / self.root.name / host),
-                               node_id="node0", migration_backoff_s=0.01, migration_backoff_max_s=0.05)
+                               node_id="node0", migration_backoff_s=0.01, migration_backoff_max_s=0.05, **BOUNDS)
         install(store, plan)
         return store
 
@@ -127,7 +142,8 @@ class Durable(RuleBasedStateMachine):
         self.plan = FaultPlan([SLOW, *([FaultRule("backend.get@durable", "exception", limit=2)] if blip else [])])
         self.store = self._open(host, self.plan)
         self.net, self.opt = _net(len(self.zombies) + 1)
-        self.ck = Checkpointer(self.store, self.m, self.net, self.opt, policy=POLICIES[self.policy](), keep_last=2)
+        self.ck = Checkpointer(self.store, self.m, self.net, self.opt, policy=POLICIES[self.policy](), keep_last=2,
+                               lazy=self.lazy)
         try:
             got, _ = self.ck.restore()
         except NoValidCopyError as e:
@@ -136,7 +152,7 @@ class Durable(RuleBasedStateMachine):
             self.m = f"{self.m}x"
             self.states.clear()
             self.ck = Checkpointer(self.store, self.m, self.net, self.opt, policy=POLICIES[self.policy](),
-                                   keep_last=2)
+                                   keep_last=2, lazy=self.lazy)
             got, _ = self.ck.restore()
             assert got is None
             RUNS["all lost, nothing durable"] += 1
@@ -152,10 +168,13 @@ class Durable(RuleBasedStateMachine):
         if not hasattr(self, "store"):
             return
         for close in (self.ck.close, self.store.close, self.observer.close):
+            t0 = time.monotonic()
             try:
                 close()
             except Exception as e:  # noqa: BLE001 - migrations a node loss cut short report here
                 RUNS[f"teardown {type(e).__name__}"] += 1
+            took = time.monotonic() - t0
+            assert took < BOUNDS["close_timeout_s"] + SLACK_S, f"{close.__qualname__} took {took:.1f} s"
         shutil.rmtree(self.root, ignore_errors=True)
         shutil.rmtree(Path(ENV["shm"]) / self.root.name, ignore_errors=True)
 
@@ -189,27 +208,143 @@ class Durable(RuleBasedStateMachine):
                                    FaultRule("backend.get@durable", "exception", probability=0.3, limit=3)]
                                   if flaky else []))
             RUNS["flaky" if flaky else "steady"] += 1
-        x = torch.linspace(-1, 1, 32).reshape(4, 8)
         for _ in range(n):
-            s = self.next
-            self.opt.zero_grad()
-            (self.net(x) * (1 + s % 5)).square().mean().backward()
-            self.opt.step()
-            self.ck.save(s)
-            outcome = self.ck.wait() if wait else None
-            assert outcome in (None, "committed", "aborted", "skipped"), outcome
-            recs = self.store.steps.records(self.m, [s])
-            if recs and recs[0].epoch == self.ck.epoch and outcome != "skipped":  # saved by this incarnation
-                self.states[s] = _snapshot(self.net, self.opt)
-                self.mine.add(s)
-            if outcome == "committed":  # committed means restorable: by the read path's own rules, now
-                self._restores(s)
-            self.next += 1
+            self._one_save(wait)
         self.saves += n
         self.saves_since_delete += n
         RUNS["save"] += n
         if gc is not None:
             self._operator_gc(gc)
+
+    def _one_save(self, wait: bool, after_save=None, typed: bool = False) -> str | None:
+        """One training step and its save; ``after_save`` runs right after ``save()`` returns (a write through
+        ``.data`` the version counter does not see). Returns what ``wait()`` said (``None``: not waited); with
+        ``typed``, a typed error of the save or its wait is returned as its class name (the loop goes on)."""
+        x = torch.linspace(-1, 1, 32).reshape(4, 8)
+        s = self.next
+        self.opt.zero_grad()
+        (self.net(x) * (1 + s % 5)).square().mean().backward()
+        self.opt.step()
+        at_save = _snapshot(self.net, self.opt)
+        try:
+            self.ck.save(s)
+            if after_save is not None:
+                after_save()
+            outcome = self.ck.wait() if wait else None
+        except TierStoreError as e:
+            if not typed:
+                raise
+            outcome = type(e).__name__  # the index did not answer the wait: the step may be committed all the same
+        assert outcome in (None, "committed", "aborted", "skipped") or typed, outcome
+        recs = self.observer.steps.records(self.m, [s])  # the observer's index link never fails
+        if recs and recs[0].epoch == self.ck.epoch and outcome != "skipped":  # saved by this incarnation
+            self.states[s] = at_save
+            self.mine.add(s)
+        if outcome == "committed":  # committed means restorable: by the read path's own rules, now
+            self._restores(s)
+        self.next += 1
+        return outcome
+
+    @precondition(lambda self: self.saves > 0)
+    @rule(n=st.integers(1, 3))
+    @_said
+    def durable_hangs(self, n):
+        """The durable mount hangs (its puts block: a stuck NFS or FUSE mount) for ``n`` saves: each is committed
+        in memory and restorable, ``wait(durable=True)`` ends within its bound, typed, naming the tier; then the
+        mount recovers (the blocked puts go on)."""
+        if self.ck.saving:
+            self.ck.wait()
+        self.plan.arm(HANG)
+        try:
+            for _ in range(n):
+                outcome = self._one_save(wait=True)
+            t0 = time.monotonic()
+            try:
+                self.ck.wait(timeout=0.5, durable=True)
+                assert outcome != "committed", "a step whose puts all hang was reported durable"
+            except DurableTimeoutError as e:
+                assert outcome == "committed" and e.tier == "durable", (outcome, e)
+                RUNS["hung: wait(durable) ended typed"] += 1
+            took = time.monotonic() - t0
+            assert took < 0.5 + SLACK_S, f"wait(durable=True, timeout=0.5) took {took:.1f} s"
+        finally:
+            self.plan.arm(SLOW)  # the mount recovers
+        self.saves += n
+        self.saves_since_delete += n
+        RUNS["hung durable tier"] += 1
+
+    @precondition(lambda self: self.saves > 0)
+    @rule(after=st.integers(0, 40))
+    @_said
+    def index_partition(self, after):
+        """The index stops answering (a partition) after ``after`` more calls, in the middle of a save: the save
+        or its wait fails typed, within its bound, and is never reported committed; the link heals and the job
+        goes on (the next save's checks do not fail for it)."""
+        if self.ck.saving:
+            self.ck.wait()
+        self.plan.arm(SLOW, FaultRule("index.script", "exception", after=after))
+        t0 = time.monotonic()
+        try:
+            outcome = self._one_save(wait=True, typed=True)  # committed: the read-only restore checks it
+        finally:
+            self.plan.arm(SLOW)  # the link heals
+        RUNS[f"partition: save {outcome}"] += 1
+        took = time.monotonic() - t0
+        assert took < self.ck.timeout + SLACK_S, f"a save under a partition took {took:.1f} s"
+        self.saves += 1
+        self.saves_since_delete += 1
+
+    @precondition(lambda self: self.saves > 0 and self.lazy)
+    @rule()
+    @_said
+    def data_write_after_save(self):
+        """A write through ``.data`` right after a lazy ``save()`` (WGAN's ``p.data.clamp_()``): the version
+        counter does not see it; the step commits the values at ``save()`` or is voted down, never the
+        clamped ones."""
+        if self.ck.saving:
+            self.ck.wait()
+
+        def clamp() -> None:
+            for p in self.net.parameters():
+                p.data.clamp_(-0.01, 0.01)
+
+        # committed: the values at save() (checked by the read-only restore); or the change was seen and the step
+        # voted down (SnapshotChangedError)
+        outcome = self._one_save(wait=True, after_save=clamp, typed=True)
+        assert outcome in ("committed", "aborted", "skipped", "SnapshotChangedError"), outcome
+        RUNS[f".data write: {outcome}"] += 1
+        self.saves += 1
+        self.saves_since_delete += 1
+
+    @precondition(lambda self: self.saves > 0)
+    @rule()
+    @_said
+    def restore_into_another_optimizer(self):
+        """A read-only restore of the newest committed step into Adam (the job trains with SGD): refused typed,
+        naming the optimizer, and nothing of the target changes."""
+        if self.ck.saving:
+            self.ck.wait()
+        if not any(st_ in ("committed", "durable") for _, st_ in self.observer.steps.steps(self.m)):
+            return
+        torch.manual_seed(5)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        store = self._open(self.host, FaultPlan())
+        reader = Checkpointer(store, self.m, net, opt, policy=POLICIES[self.policy](), keep_last=None,
+                              preallocate=False)
+        try:
+            reader.restore(read_only=True)
+            raise AssertionError("a restore into Adam of an SGD checkpoint succeeded")
+        except RestoreMismatchError as e:
+            assert "SGD" in str(e) and "Adam" in str(e), e
+        except NoValidCopyError:  # the newest steps were lost with a node: nothing to restore, nothing refused
+            RUNS["optimizer swap: nothing restorable"] += 1
+        finally:
+            reader.close()
+            store.close()
+        assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+        RUNS["optimizer swap refused"] += 1
 
     def _restores(self, step: int) -> None:
         """A read-only restore of ``step`` (another process on the trainer's node) gets what was saved at it."""

@@ -502,3 +502,28 @@ def _faults_tried(report_counts):
     yield
     report_counts(f"fault matrix ({len(KINDS)} kinds x {len(POINTS)} points in-process, kills in subprocesses), "
                   "faults injected by cell", Counter({f"{p} {k}": n for (p, k), n in (TRIED - before).items()}))
+
+
+def test_a_hang_blocks_until_the_plan_is_armed_again_or_its_bound():
+    """The ``hang`` kind (a stuck mount that recovers): a call blocks until the plan is armed again, then goes
+    on; never longer than ``delay_s``."""
+    import threading
+
+    plan = FaultPlan([FaultRule("backend.put@durable", "hang", delay_s=60.0)])
+    rule = plan.decide("backend.put", "durable")
+    assert rule is not None and rule.kind == "hang"
+    ended = threading.Event()
+
+    def call() -> None:
+        plan.act(rule, "backend.put", "durable", "k")
+        ended.set()
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    assert not ended.wait(0.3), "a hang returned before the plan was armed again"
+    plan.arm()  # the mount recovers
+    assert ended.wait(30), "a hang did not end when the plan was armed again"
+    bounded = FaultPlan([FaultRule("backend.put", "hang", delay_s=0.2)])
+    t0 = time.monotonic()
+    bounded.act(bounded.rules[0], "backend.put", None, "k")  # never armed again: its bound ends it
+    assert time.monotonic() - t0 < 30

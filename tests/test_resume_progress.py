@@ -265,3 +265,53 @@ def test_a_forced_delete_keeps_the_live_writer_fenced_by_the_next_incarnation(op
         got = _incarnation(opener, policy(), 4, 7, hang_after=None, caplog=caplog, check=True)
     assert sorted(got) == [4, 5, 6, 7], sorted(got)
     assert opener().steps.records(M, [5])[0].epoch > ck.epoch  # the lost writer's step 5, saved again, newer
+
+
+def test_an_index_that_stops_answering_half_way_through_the_supersedes_leaves_no_step_unsaveable(opener, caplog):
+    """The resumed job's first save supersedes the lost steps (those of 4-11 retention kept); the index stops
+    answering after the first two supersedes (a partition): that save fails typed, and the retried save, with the link back, carries out
+    the rest (the verdicts are not taken again), so every later save of a lost number is written, never
+    refused with ``StepCommittedError`` (before: the verdicts were dropped with the failure, and the save of a
+    lost step's number hit the still-committed step)."""
+    from tierstore.errors import TierUnavailableError
+
+    gates: list = []
+    _incarnation(opener, exact(), 0, 11, hang_after=3, caplog=caplog, gates=gates)
+    _lose(opener, gates)
+    store = opener()
+    net = _net(0)
+    ck = Checkpointer(store, M, net, policy=exact())
+    start, _ = ck.restore()
+    assert start == 3
+    lost = [s for s, st in store.steps.steps(M) if st in ("committed", "durable") and s > 3]
+    assert len(lost) >= 3, lost  # the partition falls between them
+    real = store.steps.supersede
+    calls: list[int] = []
+
+    def partitioned(model, step, **kw):
+        calls.append(step)
+        if len(calls) > 2:
+            raise TierUnavailableError("injected: the index stopped answering (a partition)")
+        return real(model, step, **kw)
+
+    store.steps.supersede = partitioned
+    try:
+        _step(net, 4)
+        with pytest.raises(TierUnavailableError):
+            ck.save(4)
+    finally:
+        store.steps.supersede = real
+    done = calls[:2]
+    superseded: list[int] = []
+    store.steps.supersede = lambda model, step, **kw: superseded.append(step) or real(model, step, **kw)
+    try:
+        for s in range(4, 14):
+            if s > 4:
+                _step(net, s)
+            ck.save(s)
+            assert ck.wait() == "committed", s
+            _restores(opener, s, {k: v.clone() for k, v in net.state_dict().items()}, exact())
+    finally:
+        store.steps.supersede = real
+        ck.close()
+    assert sorted(done + superseded) == lost, (done, superseded)  # each lost step once

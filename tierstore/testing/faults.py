@@ -23,7 +23,9 @@ tier and key), ``timeout`` (sleep ``delay_s``, then the same error: a hang cut
 short by a deadline), ``kill`` (SIGKILL this process), ``partial`` (write a
 prefix, then fail; at ``commit``: the vote lands but the caller sees an error,
 the ambiguous outcome), ``corrupt`` (flip one byte of what is written or read,
-silently), ``slow`` (sleep ``delay_s``, then go on).
+silently), ``slow`` (sleep ``delay_s``, then go on), ``hang`` (block until the
+plan is armed again, a stuck mount that recovers, or at most ``delay_s``, then
+go on).
 
 Deterministic by seed: whether call *n* at a point fires is a hash of
 ``(seed, point, n)``, not a shared random stream, so threads at other points do
@@ -72,7 +74,7 @@ __all__ = [
 
 POINTS = ("backend.put", "backend.get", "backend.delete", "index.script", "ucx.send", "ucx.recv",
           "migration", "commit")
-KINDS = ("exception", "timeout", "kill", "partial", "corrupt", "slow")
+KINDS = ("exception", "timeout", "kill", "partial", "corrupt", "slow", "hang")
 
 
 class InjectedFault(TierUnavailableError):
@@ -86,7 +88,7 @@ class FaultRule:
     Attributes:
         after: skip the first ``after`` matching calls.
         limit: fire at most this many times (``None``: no limit).
-        delay_s: sleep of ``timeout`` and ``slow``.
+        delay_s: sleep of ``timeout`` and ``slow``; the most a ``hang`` blocks.
     """
 
     point: str
@@ -133,6 +135,7 @@ class FaultPlan:
         self._rule_hits: Counter[int] = Counter()
         self._rule_seen: Counter[int] = Counter()
         self._lock = threading.Lock()
+        self._release = threading.Event()  # set (and replaced) by arm(): what a hang waits for
         self.enabled = True
 
     @contextmanager
@@ -179,17 +182,22 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         if rule.kind in ("timeout", "slow"):
             self.sleep(rule.delay_s)
+        if rule.kind == "hang":
+            self._release.wait(rule.delay_s)
         if rule.kind == "exception":
             raise self.error(rule, point, tier, key)
         if rule.kind == "timeout":
             raise self.error(rule, point, tier, key, f" (no answer after {rule.delay_s}s)")
 
     def arm(self, *rules: FaultRule) -> None:
-        """Replace the rules (and their counters) from now on: how a chaos run injects the next fault."""
+        """Replace the rules (and their counters) from now on: how a chaos run injects the next fault. The calls
+        a ``hang`` blocks go on."""
         with self._lock:
             self.rules = list(rules)
             self._rule_hits.clear()
             self._rule_seen.clear()
+            released, self._release = self._release, threading.Event()
+        released.set()
 
     def total_fired(self) -> int:
         return sum(self.fired.values())

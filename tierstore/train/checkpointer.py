@@ -184,6 +184,7 @@ class Checkpointer(RestoreSide):
         self._passed: set[int] = set()  # committed steps newer than the one this incarnation restored, unjudged
         self._standing: dict[int, str] = {}  # of those, judged and kept (not proven lost): why
         self._unproven: dict[int, str] = {}  # of those, why one could not be judged (a tier did not answer)
+        self._lost: dict[int, str] = {}  # of those, agreed lost by every rank and not yet superseded: why
         self._manifests: dict[int, dict] = {}  # retention's parsed manifests, for this epoch
         self.stats = SaveStats()
         self.report = RestoreReport()

@@ -16,11 +16,17 @@ data-parallel reduction and any gradient clipping. A save writes a log entry
 only when exactly one optimizer step ran since the previous save, and that
 save was made, and no parameter changed in place between that save and this
 update outside the optimizer (a module changing its parameters in forward,
-``nn.Embedding(max_norm=...)``: a log cannot replay that; the version
-counters recorded at ``save()`` tell); otherwise a base. The hook waits until
-the previous save's digest of the parameters is taken; that digest is of the
-parameters at ``save()`` (those a forward pass changes are digested at
-``save()``, and a counter that moved before the digest fails the step).
+``nn.Embedding(max_norm=...)``, or a write the version counter does not see:
+``p.data.clamp_()``, a numpy view; a log cannot replay that. The version
+counters recorded at ``save()`` tell, and so does a fingerprint of the
+parameters taken at ``save()``, the lazy snapshots' rule of
+:mod:`tierstore.train.lazy`, ``StoreConfig.lazy_check``: sampled elements or
+a full digest, compared again before the next update); otherwise a base. The
+hook waits until the previous save's digest of the parameters is taken; that
+digest is of the parameters at ``save()`` (those a forward pass changes are
+digested at ``save()``, and a counter that moved, or a fingerprint that
+differs, after the digest fails the step: it is never committed with a digest
+its log cannot reach).
 
 Restore: the newest committed base, then the committed log steps that follow
 it contiguously, replayed through the same code path (set ``p.grad``, set
@@ -59,7 +65,7 @@ from tierstore.errors import ConfigError, NoValidCopyError, RestoreMismatchError
 from tierstore.keys import ShardKey
 from tierstore.train.hashing import tensor_digest
 from tierstore.train.layers import PARAM
-from tierstore.train.lazy import changed_error
+from tierstore.train.lazy import Fingerprint, changed_error
 from tierstore.train.view import STATE_LAYER, Collected
 from tierstore.train.writing import Snapshot, nbytes
 
@@ -159,6 +165,8 @@ class ReplayLog:
         self._params_free = threading.Event()
         self._params_free.set()
         self._at_save: list[tuple[torch.Tensor, int, str | None]] = []
+        self._fp: Fingerprint | None = None  # of the parameters at save() (writes the counter does not see)
+        self._fp_at_save: Any = None
         self._moved_in_forward = False  # since the last save, a parameter changed outside the optimizer's update
         self._warned = False
         self._hook = self.optimizer.register_step_pre_hook(self._pre_step)
@@ -170,7 +178,7 @@ class ReplayLog:
         if self._replaying:
             return
         self._params_free.wait()  # the previous save's digest reads the parameters
-        if not self._moved_in_forward and any(p._version != v for p, v, _d in self._at_save):
+        if not self._moved_in_forward and (any(p._version != v for p, v, _d in self._at_save) or self._fp_moved()):
             self._moved_in_forward = True  # a parameter changed since save() and before this update: not a log
         captured = []
         for p in self._params():
@@ -265,6 +273,18 @@ class ReplayLog:
         """
         self._at_save = [(p, p._version, tensor_digest(p) if p.numel() and p.data_ptr() in in_forward else None)
                          for p in self._params()]
+        kind = getattr(getattr(self.ckpt.store, "config", None), "lazy_check", "sample")
+        self._fp = Fingerprint([("", str(i), p, v) for i, (p, v, _d) in enumerate(self._at_save)], kind) \
+            if kind != "off" and self._at_save else None
+        self._fp_at_save = self._fp.take() if self._fp is not None else None
+
+    def _fp_moved(self) -> list[torch.Tensor]:
+        """The parameters whose fingerprint differs from the one taken at ``save()`` (a write through
+        ``.data``, a numpy view, ``untyped_storage()``: the version counter did not move)."""
+        fp, before = self._fp, self._fp_at_save
+        if fp is None or before is None:
+            return []
+        return [fp.tensors[int(i)] for _ln, i in fp.differ(before, fp.take())]
 
     def _digest(self, vote_extra: dict) -> None:
         try:
@@ -273,6 +293,8 @@ class ReplayLog:
             for p, _v, d in at:
                 h.update((d if d is not None else tensor_digest(p)).encode())
             moved = [p for p, v, d in at if d is None and p._version != v]
+            if not moved:  # after the digest: a write the counter does not see, before or during it
+                moved = [p for p in self._fp_moved() if not any(p is q and d is not None for q, _v, d in at)]
             if moved:  # checked before the update may run (it waits for _params_free)
                 self._changed(moved)
             vote_extra["replay"]["post"] = h.hexdigest()
@@ -301,6 +323,7 @@ class ReplayLog:
         """After a writer's restore of ``step`` (verified, committed): the next save may continue its chain."""
         self._last_saved, self._last_base, self._steps_since_save = step, base, 0
         self._at_save = [(p, p._version, None) for p in self._params()]
+        self._fp = self._fp_at_save = None
         self._moved_in_forward = False
         if base is not None and base not in self._bases:
             self._bases.append(base)

@@ -71,6 +71,7 @@ class RestoreSide:
     _passed: set[int]
     _standing: dict[int, str]
     _unproven: dict[int, str]
+    _lost: dict[int, str]
     _seeds: dict[str, Any]
 
     if TYPE_CHECKING:  # provided by the Checkpointer
@@ -175,6 +176,7 @@ class RestoreSide:
         self._passed = ({s for s in committed if s > got.step}
                         if not read_only and step is None and got.step is not None else set())
         self._standing = {}
+        self._lost = {}
         self.report.fell_back = got.step != self.report.newest if got.step is not None else False
         if pending is not None:
             if mode == "before_update":
@@ -289,7 +291,7 @@ class RestoreSide:
         step reads (:func:`consistency.closure.readers_of`), is skipped; every other save is written, a lost
         step's number as a new attempt.
         """
-        if self._passed:
+        if self._passed or self._lost:
             self._judge_passed()
         standing = {t: w for t, w in self._standing.items() if t >= step}
         self._standing = standing
@@ -313,24 +315,33 @@ class RestoreSide:
                         "kept, and this save of step %d is skipped; saves are written again from step %d on",
                         step, self.model, standing[step], step, step + 1)
             return False
-        finally:
-            self._standing.pop(step, None)
+        # a standing step stays listed until the saves pass it (``t >= step`` above): a save of its number that
+        # failed for another reason (the index did not answer) and is retried is skipped again, not refused
 
     def _judge_passed(self) -> None:
-        """Judge every passed step at once (collective): supersede those proven lost, together; the rest stand."""
-        passed = sorted(self._passed)
-        self._passed = set()
-        whys = [self._judge(s) for s in passed]
-        lost = self.ranks.all_max_(torch.tensor([1 if w is not None else 0 for w in whys], dtype=torch.int32))
-        for s, why, flag in sorted(zip(passed, whys, lost.tolist()), reverse=True):
-            if not flag:
-                self._standing[s] = self._unproven.pop(s, "it verifies")
-                continue
-            why = why or "another rank found it lost"
+        """Judge every passed step at once (collective): supersede those proven lost, together; the rest stand.
+
+        The verdicts are agreed once (the one collective); the supersedes are carried out newest first and a
+        step leaves ``_lost`` only once its supersede returned, so a supersede that fails (the index stopped
+        answering half-way) fails this save, typed, and the next save carries out the rest, with no new
+        collective: no lost step is left committed for its number's save to hit (``StepCommittedError``)."""
+        if self._passed:
+            passed = sorted(self._passed)
+            whys = [self._judge(s) for s in passed]
+            lost = self.ranks.all_max_(torch.tensor([1 if w is not None else 0 for w in whys], dtype=torch.int32))
+            self._passed = set()
+            for s, why, flag in zip(passed, whys, lost.tolist()):
+                if flag:
+                    self._lost[s] = why or "another rank found it lost"
+                else:
+                    self._standing[s] = self._unproven.pop(s, "it verifies")
+        for s in sorted(self._lost, reverse=True):
+            why = self._lost[s]
             was = self.store.steps.supersede(
                 self.model, s, epoch=self.epoch,
                 reason=f"lost ({why[:300]}): incarnation {self.epoch} resumed from step {self.report.step}; "
                        "saved again (its copies are kept until a newer durable step)")
+            del self._lost[s]
             self._manifests.pop(s, None)  # retention must read the new attempt's manifest
             if was in ("committed", "durable"):
                 log.warning("step %d of %s was %s but is lost: saved again (superseded with the other lost "

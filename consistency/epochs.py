@@ -10,7 +10,9 @@ by the durable manifests the durable tier still holds.
 
 Protocol: :class:`~consistency.twophase.StepProtocol` owns one and calls
 :meth:`EpochLog.check_index` before a step begins, an epoch is taken, or a
-read finds nothing committed; :meth:`EpochLog.open_epoch` at each restore.
+read finds nothing committed; :meth:`EpochLog.check_records` when a read resolves
+the newest step (an index that lost some records of a model it still knows);
+:meth:`EpochLog.open_epoch` at each restore.
 """
 
 from __future__ import annotations
@@ -146,3 +148,41 @@ class EpochLog:
         log.warning("the index lost model %s (%d durable step(s)): rebuilding it from the durable tier",
                     model, len(durable))
         on_lost(model)
+
+    def check_records(self, model: str, states: dict[int, str],
+                      on_lost: Callable[[str], object] | None = None) -> bool:
+        """Refuse to resume ``model`` from an index that lost some of its records (an evicting server, a
+        failover that dropped writes, an operator's ``DEL``) where it still knows the model.
+
+        ``states``: the index's steps of ``model`` (step -> state). The evidence: a durable manifest in the
+        durable tier of a step newer than every step the index records as durable, of which the index has no
+        record at all. Retention and ``admin delete`` remove a step's durable manifest only after its records
+        and never that of the newest durable step, and a migration writes the manifest while the step is
+        recorded committed, so no protocol state shows it. Then ``on_lost`` rebuilds the index from the
+        durable tier (idempotent) and ``True`` is returned (read the records again), else
+        :class:`IndexLostError` names the steps and the command. One listing of the durable manifests; an
+        unreadable durable tier is warned about (nothing is known, nothing is refused).
+        """
+        if self.durable is None:
+            return False
+        try:
+            durable = self.durable_steps(model)
+        except TierStoreError as e:
+            log.warning("cannot check whether the index lost records of %s (the durable tier: %s)", model, e)
+            return False
+        newest = max((s for s, st in states.items() if st == "durable"), default=-1)
+        missing = [s for s in durable if s > newest and s not in states]
+        if not missing:
+            return False
+        if on_lost is None:
+            raise IndexLostError(
+                f"the index lost records of model {model!r}: the durable tier holds durable step(s) "
+                f"{', '.join(map(str, missing[-8:]))} of it, newer than every step the index records as durable "
+                f"({newest if newest >= 0 else 'none'}), and the index has no record of them (an evicting "
+                f"server, a failover that dropped writes, a deleted key). Run `tierstore admin rebuild-index "
+                f"{model} --yes` before training or restoring (or open the store with rebuild_index_on_loss=True)",
+                model=model, durable_steps=durable, missing_steps=missing)
+        log.warning("the index lost the records of durable step(s) %s of %s: rebuilding it from the durable tier",
+                    missing, model)
+        on_lost(model)
+        return True

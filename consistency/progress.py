@@ -44,6 +44,11 @@ class Incarnations(StepBase):
     def check_index(self, model: str) -> None:
         """Refuse to start ``model`` fresh on an index that lost it; see :meth:`EpochLog.check_index`."""
         self.epochs.check_index(model, self.on_lost)
+
+    def check_records(self, model: str, states: dict[int, str]) -> bool:
+        """Refuse to resume ``model`` from an index that lost some of its records; ``True``: they were rebuilt
+        (read them again). See :meth:`EpochLog.check_records`."""
+        return self.epochs.check_records(model, states, self.on_lost)
     # -- incarnations and rank progress (the Checkpointer's; see tierstore.train.ranks) -------------
     def join_epoch(self, model: str, token: str, base: int) -> int:
         """The epoch of the job incarnation ``token``: the first rank to join raises the model's epoch.

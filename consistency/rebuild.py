@@ -21,7 +21,11 @@ is lost (a server restarted without persistence, a FLUSHALL), call
 
 Steps that were only committed in memory are gone from the index: the report
 lists the steps whose objects the host tier still holds but no durable
-manifest covers (``lost_steps``). Idempotent; safe to run again.
+manifest covers (``lost_steps``). A step whose manifest is skipped (it does not
+parse, or objects are missing) is recorded ``aborted`` with why, where the index
+has no record of it, so the read path's check for an index that lost records
+(:meth:`consistency.epochs.EpochLog.check_records`) is satisfied by the rebuild.
+Idempotent; safe to run again.
 """
 
 from __future__ import annotations
@@ -112,11 +116,13 @@ def rebuild_index(steps: StepProtocol, model: str | None = None, *, host: Backen
         except ManifestError as e:
             report.skipped[name] = str(e)
             log.warning("rebuild: skipping %s: %s", name, e)
+            steps.record_unrebuildable(m_name, step, str(e))
             continue
         entries = complete_entries(m)
         missing = [o["key"] for o in entries if not durable.exists(o.get("name") or o["key"])]
         if missing:
             report.skipped[name] = f"{len(missing)} object(s) missing from the durable tier, e.g. {missing[0]}"
+            steps.record_unrebuildable(m_name, step, report.skipped[name])
             continue
         for o in entries:
             _record(steps, durable, host, o)

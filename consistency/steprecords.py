@@ -305,6 +305,24 @@ class StepRecords(StepBase):
                                step, int(manifest.get("attempt") or 1))
         self.index.register_model(model)
 
+    def record_unrebuildable(self, model: str, step: int, reason: str) -> bool:
+        """Record ``step``, whose durable manifest an index rebuild could not use (it does not parse, or objects
+        of its complete set are missing), as ``aborted`` with ``reason``, where the index has no record of it:
+        the rebuild's verdict is kept (``tierstore admin steps`` shows why), and the check for an index that
+        lost records (:meth:`consistency.epochs.EpochLog.check_records`) does not take the step for a lost one
+        again. A step the index does record is left as it is. Returns whether it was recorded."""
+        ks = self._keys(model, step)
+        with translate_redis_errors(f"record step {step} of {model} unrebuildable", self.index.url):
+            if not self.index._r.hsetnx(ks["step"], "state", "aborted"):
+                return False
+            pipe = self.index._r.pipeline(transaction=True)
+            pipe.hset(ks["step"], mapping={"reason": f"not rebuilt: {reason}"[:500], "epoch": 0, "world": 0,
+                                           "timeout": 0, "rebuilt": 1, "attempt": 1})
+            pipe.zadd(ks["steps"], {str(step): step})
+            pipe.execute()
+        self.index.register_model(model)
+        return True
+
     def subscribe(self, model: str) -> EventSubscription:
         """Subscribe to ``model``'s step events (the caller closes the subscription)."""
         validate_name(model, "model")

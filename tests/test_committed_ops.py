@@ -86,6 +86,53 @@ def test_a_lost_index_is_rebuilt_when_configured(store, tmp_path, redis_url, shm
         fresh.close()
 
 
+@pytest.mark.parametrize("lost", ["the newest steps' records", "the step list"])
+def test_an_index_that_lost_some_keys_is_never_taken_for_an_older_or_fresh_job(
+        store, conn, tmp_path, redis_url, shm_root, lost):  # noqa: F811
+    """An index that lost some keys of a model it still knows (an operator's ``DEL``, an evicting server, a
+    failover that dropped writes): a restore neither resumes from an older step nor starts fresh. It raises
+    ``IndexLostError`` naming the steps and ``rebuild-index``, and after the rebuild restores the newest
+    durable step, bitwise."""
+    from tierstore.train.checkpointer import Checkpointer
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ck = Checkpointer(store, M, net, keep_last=2)
+    ck.restore()
+    want = {}
+    for s in range(4):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.5)
+        ck.save(s)
+        assert ck.wait(durable=True) == "committed"
+        want[s] = {k: v.clone() for k, v in net.state_dict().items()}
+    ck.close()
+    r = redis.Redis.from_url(redis_url)
+    k = store.index._k  # the index's key layout (consistency owns it): what an operator's DEL would name
+    if lost == "the step list":
+        r.delete(k(M, "steps"))
+    else:
+        for s in (2, 3):
+            r.delete(k(M, "step", s), k(M, "manifest", s))
+            r.zrem(k(M, "steps"), s)
+    fresh = reopen(tmp_path, redis_url, shm_root)
+    try:
+        net2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        resumed = Checkpointer(fresh, M, net2, keep_last=2)
+        with pytest.raises(IndexLostError) as ei:
+            resumed.restore()
+        assert 3 in ei.value.missing_steps and f"rebuild-index {M} --yes" in str(ei.value), ei.value
+        p = admin_cli(conn, "--json", "rebuild-index", M, "--yes")
+        assert p.returncode == 0, p.stderr
+        got, _ = resumed.restore()
+        assert got == 3
+        assert all(torch.equal(v, want[3][n]) for n, v in net2.state_dict().items())
+        resumed.close()
+    finally:
+        fresh.close()
+
+
 def test_the_epoch_never_goes_backwards_after_an_index_loss(store, tmp_path, redis_url, shm_root):
     e1 = store.open_epoch(M)
     save_step(store, 1, 2, epoch=e1)
@@ -110,7 +157,10 @@ def test_a_differing_durable_manifest_is_never_swallowed(store):
     store.durable.delete(gone)  # the rebuild cannot restore step 1 ...
     lose_index(store.index.url)
     assert store.rebuild_index(M).restored == {M: [2]}
-    save_step(store, 1, 2)  # ... so the index lets step 1 be saved again, with other objects
+    # ... so it records step 1 aborted ("not rebuilt"), and a new incarnation saves it again, with other objects
+    (rec,) = store.steps.records(M, [1])
+    assert rec.state == "aborted"
+    save_step(store, 1, 2, epoch=store.open_epoch(M))
     with pytest.raises(MigrationError):
         store.flush()
     assert store.durable.get(name) == kept  # the durable manifest is not replaced

@@ -104,6 +104,10 @@ def test_bad_or_incomplete_manifests_are_skipped(store):
     assert report.restored == {M: [1]}
     assert "version 42" in report.skipped[durable_manifest_name(M, 3)]
     assert "missing from the durable tier" in report.skipped[durable_manifest_name(M, 2)]
+    # the manifests it could not use are recorded aborted, with why: the read path does not take them for
+    # records the index lost (consistency.epochs.EpochLog.check_records), admin steps says why
+    recs = {r.step: r for r in store.steps.records(M, [2, 3])}
+    assert recs[2].state == recs[3].state == "aborted"
     check(store, 1)
 
 

@@ -179,7 +179,9 @@ class IndexLostError(TierStoreError):
 
     Starting fresh would write over the durable history; run ``tierstore admin
     rebuild-index MODEL --yes`` (or open the store with ``rebuild_index_on_loss``).
-    ``model`` names it; ``durable_steps`` lists the durable manifests found.
+    ``model`` names it; ``durable_steps`` lists the durable manifests found. Also raised when the index
+    still knows the model but lost some of its records (an evicting server, a failover that dropped writes,
+    a deleted key): ``missing_steps`` then lists the durable steps it has no record of.
     """
 
 

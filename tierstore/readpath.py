@@ -263,9 +263,13 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
             ``skipped`` maps each candidate to why, ``lost`` lists those judged lost on
             positive evidence, ``evidence`` is ``"lost"`` when every candidate was), or ``step``
             is not committed.
-        IndexLostError: nothing is committed in the index, but the durable tier holds steps of ``model``.
+        IndexLostError: nothing is committed in the index, but the durable tier holds steps of ``model``; or
+            (resolving the newest step) the durable tier holds a durable step newer than every one the index
+            records as durable, of which the index has no record (it lost some keys).
     """
     records = protocol.steps(model)
+    if step is None and protocol.check_records(model, dict(records)):  # an index that lost some records
+        records = protocol.steps(model)
     committed = [s for s, st in records if st in _COMMITTED]
     states = dict(records)
     if step is not None:

@@ -328,3 +328,23 @@ def test_mutation_fuzzer_finds_only_typed_errors():
     from bench.fuzz import main
 
     assert main(["--n", "5000", "--seed", "3"]) == 0
+
+
+@pytest.mark.parametrize("depth", [900, 5000])
+def test_a_deeply_nested_stored_state_document_is_typed(depth):
+    """A stored state document (the JSON a step's vote carries) nested far deeper than any value ``encode``
+    writes: ``decode`` refuses it with ``CorruptObjectError`` before its recursive walk, never a
+    ``RecursionError``; a document as deep as the deepest value ``encode`` accepts still decodes."""
+    from tierstore.errors import CorruptObjectError
+    from tierstore.train.values import decode, encode
+
+    doc: object = 0
+    for _ in range(depth):
+        doc = {"__tuple__": [doc]}
+    with pytest.raises(CorruptObjectError, match="nested"):
+        decode(doc, {})
+    value: object = 0
+    for _ in range(95):  # 190 levels: a dict and a tuple each
+        value = {"k": (value,)}
+    tensors: dict = {}
+    assert decode(encode(value, tensors, "t", "state"), tensors) == value

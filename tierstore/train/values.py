@@ -243,7 +243,34 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], where: str = "state", 
         CorruptObjectError: a malformed tag or a tensor missing from ``tensors``.
         RestoreMismatchError: a stored dataclass whose fields do not fit its class here.
     """
+    depth = _depth(obj)
+    if depth > _MAX_STORED_DEPTH:  # before the recursive decode: a hostile document never reaches its limit
+        raise CorruptObjectError(f"state {where!r} is nested {depth} levels deep (at most {_MAX_STORED_DEPTH}: "
+                                 f"what a value of {_MAX_DEPTH} levels encodes to)", key=where)
     return _dec(obj, tensors, where, like)
+
+
+#: the deepest stored document :func:`decode` reads: each level of a value encodes to at most 3 JSON levels
+#: (``{"__kv__": [[k, v]]}``), and :func:`encode` refuses values deeper than ``_MAX_DEPTH``
+_MAX_STORED_DEPTH = 3 * _MAX_DEPTH + 8
+
+
+def _depth(obj: Any) -> int:
+    """The nesting depth of a JSON document (lists and objects), without recursion; stops counting once past
+    ``_MAX_STORED_DEPTH``."""
+    deepest = 0
+    todo = [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if d > deepest:
+            deepest = d
+            if deepest > _MAX_STORED_DEPTH:
+                return deepest
+        if isinstance(o, dict):
+            todo.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            todo.extend((v, d + 1) for v in o)
+    return deepest
 
 
 def _sub(like: Any, key: Any) -> Any:

@@ -111,6 +111,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def tied_key(t: torch.Tensor) -> tuple | None:
+    """What makes two state-dict entries one tensor (tied weights): the same storage, offset, shape, strides
+    and dtype. ``None`` where it cannot tell (a DTensor, an empty or meta tensor): never tied."""
+    if isinstance(t, DTensor) or t.numel() == 0 or t.device.type == "meta":
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if not ptr:
+        return None
+    return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def placement_of(t: DTensor) -> dict[str, Any]:
     """The ``dist`` metadata of a DTensor: its mesh shape, placements, global shape and stride."""
     return {"mesh": list(t.device_mesh.shape), "placements": [str(p) for p in t.placements],
@@ -163,17 +177,28 @@ class StateMap:
             self._name_of.setdefault(id(p), fq)
         self.layers: dict[str, LayerSpec] = {}
         self.layer_of: dict[str, str] = {}
+        #: tied tensors (an ``lm_head`` sharing the embedding's weight): the later name -> the first name of the
+        #: same tensor; stored once, under the first (see :func:`tied_key`)
+        self.tied: dict[str, str] = {}
+        first: dict[tuple, str] = {}
         for k, v in self._sd.items():
             fq = normalise_fqn(k)
             self._key[fq] = k
             if not isinstance(v, torch.Tensor):
                 self.extra[fq] = v
                 continue
+            same = tied_key(v)
+            if same is not None:
+                if same in first:
+                    self.tied[fq] = first[same]
+                    continue
+                first[same] = fq
             self.tensors[fq] = v
             layer = sanitize_layer_name(prefix + fn(fq))
             spec = self.layers.setdefault(layer, LayerSpec(layer))
             (spec.params if fq in param_names else spec.buffers).append(fq)
             self.layer_of[fq] = layer
+        self._name_of = {i: self.tied.get(n, n) for i, n in self._name_of.items()}  # a tied parameter: its first name
         self.params: dict[str, torch.Tensor] = {n: self.tensors[n] for s in self.layers.values() for n in s.params}
         self.opt_params: list[str] = []
         self.opt_state: dict[str, dict[str, Any]] = {}
@@ -182,6 +207,7 @@ class StateMap:
             for gi, group in enumerate(optimizer.param_groups):
                 for p in group["params"]:
                     name = self._name_of.get(id(p))
+                    name = self.tied.get(name, name) if name is not None else None
                     if name is None or name not in self.layer_of:
                         raise InvalidValueError(
                             f"optimizer param group {gi} holds a parameter that is not in the module's state dict",
@@ -310,6 +336,7 @@ class StateMap:
         optimizer_meta: dict | None = None,
         extra_state: Mapping[str, Any] | None = None,
         loose: Mapping[str, torch.Tensor] | None = None,
+        stored_tied: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Validate everything; return the plan for :meth:`apply`. Changes nothing.
 
@@ -320,6 +347,8 @@ class StateMap:
                 groups' hyper-parameters when given.
             extra_state: as made by :meth:`extra_state`.
             loose: the tensors :meth:`extra_state` put in its table.
+            stored_tied: the checkpoint's tied names (its module entry's ``"tied"``: alias -> the name it is
+                stored under); a name this module does not tie is filled from its stored source.
 
         Optimizer tensors in ``tensors`` are ignored when this map has no optimizer
         (a weights-only restore).
@@ -329,28 +358,35 @@ class StateMap:
                 shape, dtype or placement mismatch, or different param groups.
         """
         metas = metas or {}
-        extra = sorted(set(tensors) - set(self.layers))
+        mine_tied = {PARAM + a for a in self.tied} | {BUFFER + a for a in self.tied}
+        # a stored layer of nothing but names this module ties (a checkpoint that stored both): nothing to load
+        extra = sorted(ln for ln in set(tensors) - set(self.layers)
+                       if not all(n in mine_tied or n.startswith(OPTIM) for n in tensors[ln]))
         if extra:
             raise RestoreMismatchError(
                 f"stored layer {extra[0]!r} has no counterpart in the module", layer=extra[0], tensor=None
             )
         model_sd: dict[str, Any] = {}
         opt_plan: dict[str, dict[str, Any]] = {}
+        tied = dict(stored_tied or {})
         for layer, spec in self.layers.items():
-            if layer not in tensors:
-                raise RestoreMismatchError(f"layer {layer!r} is missing from the checkpoint", layer=layer, tensor=None)
-            stored, meta = tensors[layer], metas.get(layer) or {}
             expected: dict[str, str] = {PARAM + n: n for n in spec.params}
             expected.update({BUFFER + n: n for n in spec.buffers})
+            if layer not in tensors and not all(n in tied for n in expected.values()):
+                raise RestoreMismatchError(f"layer {layer!r} is missing from the checkpoint", layer=layer, tensor=None)
+            stored, meta = tensors.get(layer) or {}, metas.get(layer) or {}
             for name, n in expected.items():
-                if name not in stored:
+                got = stored.get(name)
+                if got is None and n in tied:  # the checkpoint stored it once, under the name it is tied to
+                    got = self._tied_source(name, tied[n], tensors)
+                if got is None:
                     raise RestoreMismatchError(
                         f"layer {layer!r} tensor {name!r} is missing from the checkpoint", layer=layer, tensor=name
                     )
-                self._check(layer, name, stored[name], self.tensors[n], meta)
-                model_sd[n] = stored[name]
+                self._check(layer, name, got, self.tensors[n], meta)
+                model_sd[n] = got
             for name, t in stored.items():
-                if name in expected:
+                if name in expected or name in mine_tied:
                     continue
                 if not name.startswith(OPTIM):
                     raise RestoreMismatchError(
@@ -393,6 +429,14 @@ class StateMap:
         return {"model": model_sd,
                 "extra": {n: decode(extra_state[n], loose or {}) for n in want_extra} if extra_state else {},
                 "optim": opt_plan, "groups": groups}
+
+    def _tied_source(self, name: str, source: str, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> Any:
+        """The stored tensor a tied ``name`` (``param/...`` or ``buffer/...``) was stored under: ``source``."""
+        kind = PARAM if name.startswith(PARAM) else BUFFER
+        for stored in tensors.values():
+            if kind + source in stored:
+                return stored[kind + source]
+        return None
 
     def _plan_groups(self, optimizer_meta: dict | None) -> list[dict[str, Any]]:
         assert self.optimizer is not None
@@ -438,6 +482,9 @@ class StateMap:
             sd[self._key[n]] = (DTensor.from_local(t, cur.device_mesh, cur.placements, run_check=False,
                                                    shape=cur.shape, stride=cur.stride())
                                 if isinstance(cur, DTensor) else t)
+        for alias, source in self.tied.items():  # the same tensor under its other name (load_state_dict wants both)
+            if source in plan["model"]:
+                sd[self._key[alias]] = sd[self._key[source]]
         for n, v in plan["extra"].items():
             sd[self._key[n]] = v
         sd._metadata = getattr(self._sd, "_metadata", OrderedDict())  # type: ignore[attr-defined]

@@ -107,6 +107,10 @@ def _module_sd(key: str, entry: Mapping[str, Any], shards: Mapping[str, Any],
             for prefix in (PARAM, BUFFER):
                 if name.startswith(prefix):
                     sd[name[len(prefix):]] = t
+    tied = entry.get("tied") or {}
+    for alias, source in tied.items() if isinstance(tied, dict) else ():  # stored once: both names, one tensor
+        if isinstance(alias, str) and source in sd:
+            sd[alias] = sd[source]
     for name, v in (entry.get("extra") or {}).items():
         sd[name] = decode(v, loose, f"{key}.{name}")
     return sd

@@ -158,7 +158,8 @@ class _Layer:
         m, spec, base = self.m, self.m.layers[self.layer], self.sources.get(self.src)
         expected = {PARAM + n: n for n in spec.params}
         expected.update({BUFFER + n: n for n in spec.buffers})
-        stored = {n for n in base.tensors if not n.startswith(OPTIM)}
+        tied = {PARAM + a for a in m.tied} | {BUFFER + a for a in m.tied}  # stored by an older save: not loaded
+        stored = {n for n in base.tensors if not n.startswith(OPTIM) and n not in tied}
         if set(expected) != stored:
             raise _names_error(self.layer, sorted(set(expected) - stored), sorted(stored - set(expected)))
         out = {name: self._assemble(name, m.tensors[n], base) for name, n in expected.items()}

@@ -274,6 +274,8 @@ class StateView:
                 metas[ln] = m.layer_meta(ln)
             entries[mk] = {"kind": "module", "prefix": "" if len(maps) == 1 else f"{mk}.",
                            "layers": sorted(m.layers), "extra": m.extra_state(loose, f"state/{mk}/")}
+            if m.tied:  # tied tensors are stored once, under the first name (restore and plain reads re-tie them)
+                entries[mk]["tied"] = dict(m.tied)
             if m.optimizer is not None:
                 ok = next(k for k, v in self.owner.items() if v == mk)
                 entries[ok] = {"kind": "optimizer", "module": mk, "meta": m.optimizer_meta(),
@@ -369,7 +371,7 @@ class StateView:
                     raise RestoreMismatchError(f"layer {missing[0]!r} of {mk!r} was not read", layer=missing[0],
                                                tensor=None)
                 metas = {ln: shards[ln][1] for ln in tensors}
-                p = m.prepare(tensors, metas, opt_meta, stored.get("extra"), loose)
+                p = m.prepare(tensors, metas, opt_meta, stored.get("extra"), loose, stored.get("tied"))
                 if m.optimizer is not None:
                     _check_state_keys(next(k for k, v in self.owner.items() if v == mk), m, p["optim"])
                 plan["maps"].append((m, p))

@@ -4,7 +4,8 @@ Lightning: a LightningModule of ``--blocks`` Linear(``--width``) blocks with Ada
 one step, then saves the same state with each system, alternating: Lightning's default ``TorchCheckpointIO``
 (``torch.save`` to a local directory), ``TierStoreCheckpointIO`` bound to the trainer (the module's layers,
 ``exact``), the same unbound (Lightning's dict as it is), and ``TierStoreCheckpoint``'s re-save of one path
-under ``differential`` (the ``last.ckpt`` pattern). Hugging Face: a GPT-2 of ``--hf-layers`` x ``--hf-width``
+under ``differential`` (the ``last.ckpt`` pattern), and the bound IO as ``fit``'s own saves see it (the trainer
+running: ``async_save`` returns after the snapshot; its commit is waited for before the durable time). Hugging Face: a GPT-2 of ``--hf-layers`` x ``--hf-width``
 with AdamW; each round trains one step, then one ``_save_checkpoint`` of the Trainer's own flow (weights as
 safetensors, optimizer.pt, scheduler.pt, rng_state.pth) and one of ``TierStoreTrainer``'s, on the same trainer.
 
@@ -54,6 +55,7 @@ def _timed(fn: Any) -> float:
 def lightning(store: Any, work: str, repeats: int, blocks: int, width: int) -> None:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.pytorch.trainer.states import TrainerStatus
 
     from tierstore.interop.lightning import TierStoreCheckpointIO
     from tierstore.train.policies import differential
@@ -87,6 +89,10 @@ def lightning(store: Any, work: str, repeats: int, blocks: int, width: int) -> N
     diff = TierStoreCheckpointIO(store, name="bench-lit-diff", policy=differential(base_every=4))
     diff.bind(trainer)
     systems["tierstore, bound, differential re-save of last.ckpt"] = diff
+    during = TierStoreCheckpointIO(store, name="bench-lit-fit")
+    during.bind(trainer)
+    # as fit's own saves (ModelCheckpoint's, the trainer running): async_save returns after the snapshot
+    systems["tierstore, bound, during fit (async_save)"] = during
     times: dict[str, list[float]] = {n: [] for n in systems}
     durable: dict[str, list[float]] = {n: [] for n in systems if "tierstore" in n}
     batches = iter(data)
@@ -100,9 +106,14 @@ def lightning(store: Any, work: str, repeats: int, blocks: int, width: int) -> N
             trainer.strategy.checkpoint_io = io
             path = os.path.join(work, "lit", f"{name[:12].replace(' ', '_')}-{r}.ckpt" if "last" not in name
                                 else "last.ckpt")
+            running = "during fit" in name
+            if running:
+                trainer.state.status = TrainerStatus.RUNNING
             times[name].append(_timed(lambda p=path: trainer.save_checkpoint(p)))
+            if running:
+                trainer.state.status = TrainerStatus.FINISHED
             if name in durable:
-                durable[name].append(times[name][-1] + _timed(store.flush))
+                durable[name].append(times[name][-1] + _timed(lambda i=io: (i.wait(), store.flush())))
             if "last" not in name:  # untimed: one round's copies at a time in memory and on disk
                 io.remove_checkpoint(path)
     nbytes = sum(p.numel() * 4 * 3 for p in net.parameters())

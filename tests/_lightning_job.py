@@ -133,6 +133,9 @@ class KillAt(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.step:
+            wait = getattr(getattr(trainer.strategy, "checkpoint_io", None), "wait", None)
+            if callable(wait):  # the previous save's commit (the IO saves in the background while fit runs)
+                wait()
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -201,3 +201,46 @@ def test_ddp_rank0_saves_sigkill_resume_bitwise_and_fsdp2(tmp_path):
         assert f["sharded"] and f["layout"] == "dict" and f["equal"], (rank, f)
         assert sorted(map(int, f["losses_b"])) == [3, 4, 5]
         assert all(f["losses_a"][s] == f["losses_b"][s] for s in f["losses_b"])
+
+
+def test_saves_during_fit_return_before_their_commit_and_every_pointer_names_a_committed_step(
+        store, tmp_path, monkeypatch):
+    """``async_save`` (the default): during ``fit`` a save returns after the snapshot while its commit is still
+    pending (the training thread goes on to the next batch), the pointer appears only once the step is committed,
+    the next save waits for the previous one, and at the end of ``fit`` every pointer names a committed step.
+    A save whose commit fails raises, typed, at the next call that waits for it, and leaves no pointer."""
+    import threading
+
+    from tierstore.errors import CommitError
+    from tierstore.train.checkpointer import Checkpointer
+
+    gate = threading.Event()
+    real_wait = Checkpointer.wait
+    seen: list[tuple[int, bool]] = []  # (global step at a batch start, whether a save's commit was pending)
+
+    def held_wait(self, *a, **kw):
+        gate.wait(30)  # the commit's wait is held until the training thread reached the next batch
+        return real_wait(self, *a, **kw)
+
+    monkeypatch.setattr(Checkpointer, "wait", held_wait)
+    cb = _cb(store, tmp_path / "ck", every_n_train_steps=1, save_top_k=-1)
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            pending = cb.io._pending is not None and not cb.io._pending.done()
+            seen.append((trainer.global_step, pending))
+            gate.set()
+
+    J.trainer([cb, Probe()], 3).fit(J.Net(), J.data())
+    assert (1, True) in seen, seen  # the training thread ran on while the first save's commit was pending
+    files = _pointers(tmp_path / "ck")
+    assert len(files) == 3, files
+    for f in files:
+        ptr = read_pointer(tmp_path / "ck" / f)
+        assert store.steps.state(ptr.model, ptr.step) in ("committed", "durable"), f
+
+    monkeypatch.setattr(Checkpointer, "wait", lambda self, *a, **kw: "aborted")
+    cb2 = _cb(store, tmp_path / "ck2", every_n_train_steps=1, save_top_k=-1)
+    with pytest.raises(CommitError, match="was aborted"):
+        J.trainer([cb2], 2).fit(J.Net(), J.data())
+    assert not os.path.isdir(tmp_path / "ck2") or _pointers(tmp_path / "ck2") == []

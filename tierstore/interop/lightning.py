@@ -13,8 +13,10 @@ Three pieces, each at the extension point Lightning offers:
   strategies hand it the checkpoint dict on rank 0 only (``is_global_zero``)
   and it saves it as a step of the path's model (:mod:`tierstore.interop.pointer`),
   rank-local (``world_size=1``: no collective, so the other ranks never wait
-  for it), waits until the step is committed, then writes a small JSON
-  pointer at the path. Lightning's own machinery (``ModelCheckpoint``'s
+  for it) and returns after the snapshot (``async_save``); on a background
+  thread it waits until the step is committed, then writes a small JSON
+  pointer at the path (the next save, a removal, a load and the end of the
+  run wait for it). Lightning's own machinery (``ModelCheckpoint``'s
   top-k, version counters and ``save_last`` links, ``ckpt_path="last"``, which
   lists ``last*.ckpt`` files) works on the pointers unchanged.
   ``load_checkpoint`` reads the step back on every rank (read-only, no epoch
@@ -51,6 +53,8 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -158,15 +162,23 @@ class TierStoreCheckpointIO(CheckpointIO):
         settle: at ``teardown`` (the end of ``fit``), wait for the saves' migration to the durable tier and
             collect the older steps it deferred (see :meth:`teardown`); ``False``: return at once, leaving them
             to the next run's re-saves.
+        async_save: while the bound trainer runs (``fit``'s own saves), ``save_checkpoint`` returns once the
+            state is copied (the snapshot); the wait for the commit, the pointer and the collection of older steps
+            run on a background thread, as Lightning's ``AsyncCheckpointIO`` does. The next save, a ``remove_checkpoint``, a ``load_checkpoint`` and
+            ``teardown`` wait for it first (at most ``timeout``) and raise its error. The pointer is still
+            written only once its step is committed. ``False``: every save returns after its commit.
     """
 
     def __init__(self, store: Any = None, *, name: str = "lightning", policy: Policy | None = None,
-                 timeout: float = 120.0, settle: bool = True) -> None:
+                 timeout: float = 120.0, settle: bool = True, async_save: bool = True) -> None:
         self._ref = StoreRef(store)
         self.name = validate_name(name, "model name prefix")
         self.policy = policy
         self.timeout = timeout
         self.settle = settle
+        self.async_save = async_save
+        self._pending: Future | None = None  # the background part of the last save (async_save)
+        self._bg: ThreadPoolExecutor | None = None
         self._saved: set[str] = set()  # the models this run saved a step of (teardown settles them)
         self._trainer: Any = None
         self._cks: dict[str, tuple[Checkpointer, dict[str, Any]]] = {}
@@ -185,11 +197,13 @@ class TierStoreCheckpointIO(CheckpointIO):
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: configuration only
         return {"_ref": self._ref, "name": self.name, "policy": self.policy, "timeout": self.timeout,
-                "settle": self.settle}
+                "settle": self.settle, "async_save": self.async_save}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.async_save = state.get("async_save", True)
         self._trainer, self._cks, self.latest, self.like, self._saved = None, {}, set(), {}, set()
+        self._pending, self._bg = None, None
 
     # ---- save -----------------------------------------------------------------------------------
     def _state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -223,15 +237,19 @@ class TierStoreCheckpointIO(CheckpointIO):
         return ck
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` as the next step of ``path``'s model, wait for its commit, write the pointer.
+        """Save ``checkpoint`` as the next step of ``path``'s model; once it is committed, write the pointer.
 
-        Called by Lightning on rank 0 only; takes no collective.
+        Called by Lightning on rank 0 only; takes no collective. With ``async_save`` (the default) it returns
+        after the snapshot, and the commit, the pointer and the collection run in the background.
 
         Raises:
             TypeError: ``storage_options`` (not supported, as for Lightning's own ``TorchCheckpointIO``).
             InvalidValueError: a value of the checkpoint cannot be stored (named; nothing written).
-            CommitError: the step did not commit (the pointer at ``path`` is left as it was).
+            CommitError: the step did not commit (the pointer at ``path`` is left as it was); with ``async_save``
+                raised by the next call that waits for it (the next save, ``remove_checkpoint``,
+                ``load_checkpoint``, ``teardown``).
         """
+        self.wait()
         if storage_options is not None:
             raise TypeError(f"storage_options is not supported by {type(self).__name__}")
         rank = self._global_rank()
@@ -246,6 +264,21 @@ class TierStoreCheckpointIO(CheckpointIO):
         step = next_step(self.store, model)
         info = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"), "layout": how}
         ck.save(step, extra={"path": full, **info})
+        if not (self.async_save and self._fitting()):
+            self._complete(ck, model, step, full, info)
+            return
+        if self._bg is None:
+            self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-lightning-save")
+        self._pending = self._bg.submit(self._complete, ck, model, step, full, info)
+
+    def _fitting(self) -> bool:
+        """Whether the bound trainer is running (``fit``'s own saves go on in the background); a save outside a
+        run (``trainer.save_checkpoint(path)`` after ``fit``) returns with its pointer written."""
+        status = getattr(getattr(self._trainer, "state", None), "status", None)
+        return getattr(status, "value", status) == "running"
+
+    def _complete(self, ck: Checkpointer, model: str, step: int, full: str, info: dict[str, Any]) -> None:
+        """The part of a save after the snapshot: the commit, then the pointer, then the older steps' collection."""
         outcome = ck.wait()
         if outcome != "committed":
             raise CommitError(f"the checkpoint at {full} (step {step} of {model}) was {outcome}", model=model,
@@ -253,6 +286,24 @@ class TierStoreCheckpointIO(CheckpointIO):
         write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info, store_of(self.store)))
         self._saved.add(model)
         retire_older(self.store, model)  # a re-save: the older steps go once they are settled
+
+    def wait(self) -> None:
+        """Wait for the background part of the last save (``async_save``): its step committed and its pointer
+        written, within the save's ``timeout`` (and its Checkpointer's, which bounds the commit wait).
+
+        Raises:
+            CommitError: that save did not commit (its pointer was not written); or it did not finish within
+                ``timeout`` seconds.
+            TierStoreError: its commit failed otherwise (typed, as the save itself would have raised it).
+        """
+        fut, self._pending = self._pending, None
+        if fut is None:
+            return
+        try:
+            fut.result(timeout=self.timeout + 60.0)  # the commit wait is bounded by timeout; the rest by the store
+        except FuturesTimeout as e:
+            raise CommitError(f"the last checkpoint save did not finish within {self.timeout + 60.0:.0f} s "
+                              "(the index or a tier is not answering)") from e
 
     def _global_rank(self) -> int:
         if self._trainer is not None:
@@ -286,6 +337,7 @@ class TierStoreCheckpointIO(CheckpointIO):
             CheckpointNotFoundError: nothing at ``path``, or its step is gone from the store.
             CorruptObjectError: a malformed pointer.
         """
+        self.wait()  # a save in flight (async_save): its pointer is written once it is committed
         ptr = self._pointer(path)
         if ptr is None:
             log.info("%s is not a tierstore pointer: loading it with Lightning's TorchCheckpointIO", path)
@@ -363,6 +415,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         A symbolic link (``save_last="link"``) or a copy of a pointer made elsewhere only loses its file: the model
         belongs to the path it was saved at. A file Lightning wrote itself is removed as Lightning would.
         """
+        self.wait()  # a save in flight (async_save) may be of this path
         full = os.path.abspath(os.fspath(path))
         if os.path.islink(full):
             os.unlink(full)
@@ -389,10 +442,21 @@ class TierStoreCheckpointIO(CheckpointIO):
         """Close the Checkpointers (every save waited for its commit); with ``settle``, wait for the saves'
         migration (:meth:`~tierstore.store.TierStore.flush`, bounded by ``StoreConfig.flush_timeout_s``) and
         collect the older steps of every path saved whose collection a re-save deferred while their migration
-        ran, so nothing is left uncollected in the host tier after the last save."""
+        ran, so nothing is left uncollected in the host tier after the last save. A save still in flight
+        (``async_save``) is waited for first; its error is raised after the Checkpointers are closed."""
+        failed: BaseException | None = None
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - raised below, once everything is closed
+            failed = e
+        if self._bg is not None:
+            self._bg.shutdown(wait=False)
+            self._bg = None
         cks, self._cks = list(self._cks.values()), {}
         for ck, _ in cks:
             ck.close()
+        if failed is not None:
+            raise failed
         saved, self._saved = self._saved, set()
         if not (self.settle and saved):
             return
@@ -424,14 +488,16 @@ class TierStoreCheckpoint(ModelCheckpoint):
         policy: see :class:`TierStoreCheckpointIO`.
         timeout: see :class:`TierStoreCheckpointIO`.
         settle: see :class:`TierStoreCheckpointIO`.
+        async_save: see :class:`TierStoreCheckpointIO`.
         **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ...).
     """
 
     def __init__(self, *args: Any, store: Any = None, name: str = "lightning", policy: Policy | None = None,
-                 timeout: float = 120.0, settle: bool = True, **kwargs: Any) -> None:
+                 timeout: float = 120.0, settle: bool = True, async_save: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # ModelCheckpoint's own arguments, positional ones included
-        self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout, settle=settle)
+        self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout, settle=settle,
+                                        async_save=async_save)
 
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """Lightning's ``ckpt_path="last"`` lists these; the IO resumes one of them from the freshest restorable

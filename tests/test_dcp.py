@@ -91,7 +91,10 @@ from tests.redis_server import free_port as _free_port  # noqa: E402
 def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dcp")
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # the ranks' host tier, named: a test of this module opens the same one (each test gets a private
+    # TIERSTORE_SHM_DIR of its own, tests/conftest.py, where a step not yet durable would not be found)
+    (tmp / "shm").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TIERSTORE_SHM_DIR=str(tmp / "shm"))
     procs = [
         subprocess.Popen([sys.executable, "-m", "tests.test_dcp", str(r), "2", str(port), str(tmp / "home"), str(tmp / "out")],
                          cwd=ROOT, env=env)
@@ -109,9 +112,10 @@ def test_two_ranks_round_trip_bitwise(saved):
         assert res == {"ok": True, "ok_async": True}
 
 
-def test_load_into_world_size_one(saved):
+def test_load_into_world_size_one(saved, monkeypatch):
     import tierstore
 
+    monkeypatch.setenv("TIERSTORE_SHM_DIR", str(saved / "shm"))  # the ranks' host tier: step 1 may be in memory only
     store = tierstore.open(home=saved / "home")
     try:
         want = {**_state(0), **_state(1)}

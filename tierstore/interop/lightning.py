@@ -163,10 +163,11 @@ class TierStoreCheckpointIO(CheckpointIO):
             collect the older steps it deferred (see :meth:`teardown`); ``False``: return at once, leaving them
             to the next run's re-saves.
         async_save: while the bound trainer runs (``fit``'s own saves), ``save_checkpoint`` returns once the
-            state is copied (the snapshot); the wait for the commit, the pointer and the collection of older steps
-            run on a background thread, as Lightning's ``AsyncCheckpointIO`` does. The next save, a ``remove_checkpoint``, a ``load_checkpoint`` and
-            ``teardown`` wait for it first (at most ``timeout``) and raise its error. The pointer is still
-            written only once its step is committed. ``False``: every save returns after its commit.
+            state is copied (the snapshot); the wait for the commit, the pointer and the collection of older
+            steps run on a background thread, as Lightning's ``AsyncCheckpointIO`` does. The next save, a
+            ``remove_checkpoint``, a ``load_checkpoint`` and ``teardown`` wait for it first (at most
+            ``timeout``) and raise its error. The pointer is still written only once its step is committed.
+            ``False``: every save returns after its commit.
     """
 
     def __init__(self, store: Any = None, *, name: str = "lightning", policy: Policy | None = None,

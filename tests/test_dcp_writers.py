@@ -153,7 +153,8 @@ def _job(a: dict) -> None:
                     (d / "stalled").touch()
                     os.kill(os.getpid(), signal.SIGSTOP)  # stalled before its write and its vote
                     out = _outcome(lambda: put(self, key, *args, **kw))  # woken up after the job restarted
-                    (d / "zombie.json").write_text(json.dumps(out))
+                    (d / "zombie.json.tmp").write_text(json.dumps(out))
+                    os.replace(d / "zombie.json.tmp", d / "zombie.json")  # whole: the test reads it once it exists
                 return put(self, key, *args, **kw)
 
             TierStore.put = stalling_put  # type: ignore[method-assign]

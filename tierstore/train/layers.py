@@ -361,7 +361,8 @@ class StateMap:
         mine_tied = {PARAM + a for a in self.tied} | {BUFFER + a for a in self.tied}
         # a stored layer of nothing but names this module ties (a checkpoint that stored both): nothing to load
         extra = sorted(ln for ln in set(tensors) - set(self.layers)
-                       if not all(n in mine_tied or n.startswith(OPTIM) for n in tensors[ln]))
+                       if not (mine_tied and tensors[ln]
+                               and all(n in mine_tied or n.startswith(OPTIM) for n in tensors[ln])))
         if extra:
             raise RestoreMismatchError(
                 f"stored layer {extra[0]!r} has no counterpart in the module", layer=extra[0], tensor=None

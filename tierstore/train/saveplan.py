@@ -157,11 +157,10 @@ class SavePlan:
 
     def __init__(self, policy: Policy, ckpt: Any, group: Any) -> None:
         self.policy = policy
-        self.parts: list[Part] = []
         self.layerwise = _Layerwise(policy) if policy.tau is not None else None
         self.differential = _Differential(policy) if policy.base_every else None
         self.dedup = _Dedup(policy, group) if policy.dedup and group is not None else None
-        self.parts = [p for p in (self.layerwise, self.differential, self.dedup) if p is not None]
+        self.parts: list[Part] = [p for p in (self.layerwise, self.differential, self.dedup) if p is not None]
         # replay stands alone (Policy refuses it composed): its log replaces every layer between bases
         self.replay = ReplayLog(ckpt, policy.replay_every, policy.replay_offset) if policy.replay_every else None
 

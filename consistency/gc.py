@@ -27,7 +27,13 @@ Each tier survives another failure, so each keeps its own window
 - aborted steps, and objects of steps never begun (orphans older than the
   newest decided step), are collected; steps still preparing, anything newer
   than the newest decided step and everything their objects reach are never
-  touched.
+  touched. An aborted step keeps its ``state`` (a tombstone: a late ``begin``
+  of the same incarnation cannot open it again) until the proof that no
+  writer can still reach it: a kept committed step of the same or a newer
+  epoch is newer than it, and it is older than every kept step (every rank
+  of its epoch voted for a later step, or its epoch is fenced). Then its
+  record goes too, so tombstones stay bounded by the windows; a step an index
+  rebuild could not use keeps its record (its durable manifest stays).
 
 A manifest records the complete set of objects a restore of its step reads
 (its own, the older layer versions it inherits under a layer-wise policy,
@@ -131,6 +137,8 @@ class RetentionPlan:
         memory: steps the memory tiers keep; ``durable``: steps the durable tier keeps.
         retired: committed steps to retire (durable manifest, objects no kept step reaches, records).
         aborted: aborted steps to collect; ``held``: committed steps left for a later pass.
+        expired: the aborted steps whose tombstone goes too (see the module docstring); ``attempts``: the
+            attempt of each aborted step (only that attempt's records are collected).
         keep_memory / keep_durable: objects the memory tiers / the durable tier keep.
         keep_held: what the held steps' restores read (kept for them, from a retired step too).
         protected: objects of steps in flight and what they reach (never touched).
@@ -151,6 +159,8 @@ class RetentionPlan:
     newest_durable: int = -1
     retention: Retention | None = None
     keep_held: set[ShardKey] = field(default_factory=set)
+    expired: list[int] = field(default_factory=list)
+    attempts: dict[int, int] = field(default_factory=dict)
     _gone: set[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -229,6 +239,7 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
     held = ahead | {r.step for r in recs if r.state == "committed" and r.step > newest_durable
                     and r.step not in memory and r.step not in ahead and hold is not None and hold(r)}
     retired = set(committed) - memory - kept_durable - held
+    expired = _expired(recs, memory | kept_durable)
     objects = steps.index.list_objects(model) if objects is None else objects
     objects_in_flight = {k for k in objects if k.step in preparing or k.step > newest_decided}
     return RetentionPlan(
@@ -240,7 +251,22 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
         newest_decided=newest_decided, recorded=set(state), newest_durable=newest_durable, retention=retention,
         # a held step stays, so what its restore reads stays with it (from a retired step too)
         keep_held=reachable(steps, model, sorted(held), cache=cache) if held else set(),
+        expired=expired, attempts={r.step: r.attempt for r in recs if r.state == "aborted"},
     )
+
+
+def _expired(recs: list, kept: set[int]) -> list[int]:
+    """The aborted steps whose tombstone may go: older than every kept step, with a kept committed step of the
+    same or a newer epoch (every rank of the aborted step's epoch voted for that later step after it, since a
+    rank saves its steps in order; or that epoch is fenced). Not a step an index rebuild could not use
+    (``rebuilt``: its record keeps the check for lost records from taking it for a lost step)."""
+    if not kept:
+        return []
+    oldest = min(kept)
+    by_step = {r.step: r for r in recs}
+    newest_epoch = max(by_step[s].epoch for s in kept if s in by_step)
+    return sorted(r.step for r in recs if r.state == "aborted" and not r.rebuilt and r.step < oldest
+                  and r.epoch <= newest_epoch)
 
 
 def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[ShardKey], *,
@@ -250,8 +276,8 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     """Carry out ``plan`` on ``keys`` (the objects considered: a writer's own, or every object of ``model``).
 
     In this order: the records of the retired and collected steps (so no step is reported, or restored,
-    while its copies go; an aborted step keeps its ``state``, so a late vote cannot re-open it; the retired
-    ones are counted in the model's retention note, which ``tierstore admin steps`` shows); their
+    while its copies go; an aborted step keeps its ``state`` until it expires, so a late begin cannot re-open
+    it; the retired ones are counted in the model's retention note, which ``tierstore admin steps`` shows); their
     durable manifests (so an index rebuild can never resurrect a step whose objects are going); the
     memory copies of what only the durable tier keeps (``release``, only where the index records a
     durable copy); the objects no kept step reaches (``delete``: from every tier and the index, while
@@ -275,7 +301,10 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     todo = [k for k, f in fates.items() if f != "keep"]
     recs = dict(zip(todo, steps.index.get_objects(todo))) if todo else {}
     if not dry_run:  # no longer reported (nor restorable) before anything of them goes
-        dropped = set(steps.drop_steps(model, report.dropped_steps, keep_aborted_state=True))
+        dropped = set(steps.drop_steps(model, plan.retired, keep_aborted_state=True))
+        # aborted: only the attempt the plan saw (a newer incarnation may have begun the number again); the
+        # tombstones no writer can reach any more go too (see _expired)
+        steps.drop_aborted(model, plan.attempts, tombstones=plan.expired)
         steps.note_retention(model, sorted(dropped & set(plan.retired)), memory=plan.memory, durable=plan.durable,
                              keep_last=plan.retention.keep_last if plan.retention else None,
                              time_s=steps.index.server_time())  # what admin steps says of the missing steps

@@ -495,6 +495,20 @@ redis.call('PUBLISH', ARGV[3], ARGV[4] .. ' aborted')
 return st
 """
 
+# Collect the records of an aborted step's attempt (garbage collection): its manifest, votes and vote info, and,
+# with ARGV[3] == '1', its record (the tombstone) too; only while that attempt is still the step's, aborted (a newer
+# incarnation may have begun the number again meanwhile: its records are left alone). KEYS: step, steps, manifest,
+# votes, vinfo; ARGV: step, attempt, drop the record. Returns 2 (record dropped), 1 (kept) or 0 (left alone).
+DROP_ABORTED = """
+local h = redis.call('HMGET', KEYS[1], 'state', 'attempt')
+if h[1] ~= 'aborted' or (h[2] or '1') ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
+if ARGV[3] ~= '1' then return 1 end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 2
+"""
+
 # KEYS: step; ARGV: reason. Record why a committed step stays in memory only (its migration gave up), if the
 # step is still recorded and not durable.
 MEMORY_ONLY = """

@@ -19,7 +19,18 @@ from backends.retry import RetryPolicy
 from consistency.epochs import EpochLog
 from consistency.index import Index, translate_redis_errors
 from consistency.manifest import parse_manifest
-from consistency.scripts import BEGIN, CLAIM, DURABLE, EXPIRE, JOIN_EPOCH, MEMORY_ONLY, MIGRATED, SUPERSEDE, VOTE
+from consistency.scripts import (
+    BEGIN,
+    CLAIM,
+    DROP_ABORTED,
+    DURABLE,
+    EXPIRE,
+    JOIN_EPOCH,
+    MEMORY_ONLY,
+    MIGRATED,
+    SUPERSEDE,
+    VOTE,
+)
 from tierstore.errors import CommitError, InvalidKeyError, TierUnavailableError
 from tierstore.keys import validate_name, validate_step
 
@@ -73,6 +84,7 @@ class StepBase:
         self._memory_only = r.register_script(MEMORY_ONLY)
         self._join = r.register_script(JOIN_EPOCH)
         self._supersede = r.register_script(SUPERSEDE)
+        self._drop_aborted = r.register_script(DROP_ABORTED)
 
     def _register(self, model: str) -> None:
         """Add ``model`` to the models list once per instance (it lives outside the model's slot)."""

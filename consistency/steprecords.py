@@ -183,6 +183,22 @@ class StepRecords(StepBase):
             replies = pipe.execute()
         return [s for s, i in at.items() if replies[i]]
 
+    def drop_aborted(self, model: str, attempts: dict[int, int], *, tombstones: Iterable[int] = ()) -> list[int]:
+        """Delete the manifest, votes and vote info of aborted steps (``attempts``: step -> the attempt that was
+        aborted), and the record itself (the tombstone) of those in ``tombstones``; each only while that attempt
+        is still the step's and aborted (a newer incarnation that began the number again keeps its records).
+        One script per step (atomic), not waiting for replicas (a record left behind is dropped by the next pass). Returns the steps whose record went."""
+        gone = set(tombstones)
+        steps = sorted(attempts)
+        if not steps:
+            return []
+        with translate_redis_errors(f"drop aborted steps of {model}", self.index.url):
+            replies = [self.index.run_script(
+                self._drop_aborted, [ks["step"], ks["steps"], ks["manifest"], ks["votes"], ks["vinfo"]],
+                [s, attempts[s], "1" if s in gone else "0"], ack=False, what=f"drop aborted step {s} of {model}")
+                for s, ks in ((s, self._keys(model, s)) for s in steps)]
+        return [s for s, r in zip(steps, replies) if int(r) == 2]
+
     def note_retention(self, model: str, retired: Iterable[int], *, memory: Iterable[int],
                        durable: Iterable[int], keep_last: int | None, time_s: float) -> None:
         """Record a retention pass that retired ``retired`` (committed steps whose records it dropped: what

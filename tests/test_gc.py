@@ -181,6 +181,60 @@ def test_aborted_steps_are_removed_from_every_tier(store):
     assert store.vote(M, 2, 0, []) == "aborted"
 
 
+def test_aborted_tombstones_stay_bounded_by_the_windows(store):
+    """A long run with many aborted steps does not keep a record of each for ever: a tombstone older than every
+    kept step, with a kept step of its epoch newer than it, goes with its objects; a newer one stays (a late
+    vote is still answered ``aborted``); a vote for a step whose record went opens nothing (typed)."""
+    from tierstore.errors import CommitError
+
+    for s in range(1, 13):
+        save_step(store, s, 2, ok=s % 3 != 0)  # steps 3, 6, 9, 12 aborted
+        store.flush()
+    store.gc(M, Retention(keep_last=2), dry_run=False)  # keeps 10, 11
+    listed = dict(store.steps.steps(M))
+    assert listed == {10: "durable", 11: "durable", 12: "aborted"}, listed
+    assert all(gone(store, k) for s in (3, 6, 9, 12) for k in step_keys(s))
+    assert store.vote(M, 12, 0, []) == "aborted"
+    with pytest.raises(CommitError):
+        store.vote(M, 9, 0, [])  # a vote never opens a step: nothing is re-created
+    assert store.steps.state(M, 9) is None
+    assert store.resolve(M, step=11) is not None
+
+
+def test_a_tombstone_stays_while_no_kept_step_of_its_epoch_is_newer(store):
+    """The proof a tombstone may go is a kept step of its own (or a newer) epoch after it: a new incarnation
+    that fell back to step 1 and has committed nothing yet keeps its aborted step 2's record, though the
+    older incarnation's step 3 is kept (the new incarnation's ranks may still begin 2)."""
+    for s in (1, 3):
+        save_step(store, s, 2, epoch=1)
+        store.flush()
+    store.begin_step(M, 2, 2, epoch=2)
+    store.vote(M, 2, 0, [], ok=False, epoch=2)
+    store.gc(M, Retention(keep_last=1), dry_run=False)
+    assert store.steps.state(M, 2) == "aborted"
+    assert store.steps.begin(M, 2, 2, epoch=2) == "aborted"  # the same incarnation cannot open it again
+
+
+def test_collecting_an_aborted_step_leaves_a_new_attempt_of_it_alone(store):
+    """Retention planned on an aborted step; before it acts, a newer incarnation begins that step number
+    again: its records (the new attempt's votes) are not collected, and it commits."""
+    from consistency.gc import plan_retention, retire
+
+    save_step(store, 1, 2, epoch=1)
+    save_step(store, 2, 2, epoch=1, ok=False)
+    save_step(store, 3, 2, epoch=1)
+    store.flush()
+    plan = plan_retention(store.steps, M, Retention(keep_last=1))
+    assert 2 in plan.expired
+    assert store.steps.begin(M, 2, 2, epoch=2) == "preparing"  # a newer incarnation saves number 2 again
+    infos = [store.put(ShardKey(M, ly, 2, 0), shard(ly, 2, 0), epoch=2) for ly in ("a", "b")]
+    assert store.vote(M, 2, 0, infos, epoch=2) == "preparing"
+    retire(store.steps, M, plan, [], delete=lambda *a: None, release=lambda *a: True, drop=lambda *a: None)
+    assert store.steps.state(M, 2) == "preparing" and store.steps.records(M, [2])[0].votes == 1
+    infos = [store.put(ShardKey(M, ly, 2, 1), shard(ly, 2, 1), epoch=2) for ly in ("a", "b")]
+    assert store.vote(M, 2, 1, infos, epoch=2) == "committed"
+
+
 def test_in_flight_steps_and_what_they_reach_are_never_touched(store):
     save_step(store, 1, 2)
     save_step(store, 2, 2)

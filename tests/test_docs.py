@@ -293,12 +293,16 @@ def test_python_block_runs_as_a_script_and_pasted_into_the_repl(block, tmp_path,
 
 
 def _console_script(bindir: Path) -> None:
-    """A ``tierstore`` on PATH as pip's console script is: no current directory on sys.path (``python -P``)."""
+    """A ``tierstore`` on PATH as pip's console script is: no current directory on sys.path (``python -P``); and
+    ``python``, the suite's interpreter."""
     bindir.mkdir()
     shim = bindir / "tierstore"
     shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -P -c "
                     "'import sys; from tierstore.cli import main; sys.exit(main())' \"$@\"\n")
     shim.chmod(0o755)
+    py = bindir / "python"  # a block's `python` is the interpreter the suite runs on, as in an activated venv
+    py.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    py.chmod(0o755)
 
 
 @pytest.mark.parametrize("block", RUN_BASH, ids=lambda b: b.id)

@@ -335,6 +335,18 @@ class Protocol(RuleBasedStateMachine):
         newest_durable = durable[-1] if durable else -1
         kept |= {s for s in window if before.get(s) == "committed" and s > newest_durable
                  and records[s].memory_only is None}
+        # an aborted step's tombstone goes once a step of its epoch (or a newer one) that retention's windows
+        # keep is newer than it, and it is older than every such step (consistency.gc._expired); not a step an
+        # index rebuild could not use. Epochs and that mark are read from the records, as above
+        windows = set(window[-keep_last:]) | set(durable[-1:]) | ({s for s in durable if s % every == 0} if every
+                                                                  else set())
+        if windows:
+            top = max(records[t].epoch for t in windows if t in records)
+            for s in [s for s, v in self.steps.items() if v["state"] == "aborted"]:
+                r = records.get(s)
+                if r is not None and r.state == "aborted" and not r.rebuilt and s < min(windows) and r.epoch <= top:
+                    del self.steps[s]
+                    RUNS["gc: tombstone expired"] += 1
         for s in committed:
             if s not in kept:
                 del self.steps[s]

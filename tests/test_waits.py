@@ -84,6 +84,8 @@ def test_a_hung_durable_put_is_reported_and_every_wait_ends(tmp_path, redis_url,
         assert ended and store.durable_stalled()
         key, phase, _age = store.durable_stalled()[0]
         assert key.model == "hung" and phase == "put to the durable tier"
+        # the watchdog warns at its next wake-up (a quarter of durable_stall_s) after stalled() says so
+        _until(lambda: any("stalled" in r.getMessage() for r in caplog.records))
         warned = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
         assert warned and "durable tier" in warned[0] and f"step {key.step} of hung" in warned[0]
         # wait(durable=True) ends within its bound, typed, naming the tier and the step

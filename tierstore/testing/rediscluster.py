@@ -72,9 +72,7 @@ class LocalCluster:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0"
 
     # -- processes ---------------------------------------------------------------------
-    def _spawn(self, n: ClusterNode, fresh: int = 0) -> None:
-        """Start node ``n``; ``fresh``: a first start, which may pick new ports this many times when one it
-        picked was taken meanwhile (a restart keeps the ports the cluster knows)."""
+    def _spawn(self, n: ClusterNode) -> None:
         args = [server_binary(), "--port", str(n.port), "--cluster-port", str(n.bus_port), "--bind", "127.0.0.1",
                 "--dir", str(n.workdir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self.node_timeout_ms), "--appendonly", "no", "--save", "",
@@ -88,12 +86,6 @@ class LocalCluster:
                 return
             except redis.exceptions.RedisError:
                 if n.proc.poll() is not None:
-                    log = (n.workdir / "server.log").read_text()
-                    if fresh and "Address already in use" in log:  # another process took a free port first
-                        n.port, n.bus_port = free_port(), free_port()
-                        for f in ("server.log", "nodes.conf"):
-                            (n.workdir / f).unlink(missing_ok=True)
-                        return self._spawn(n, fresh=fresh - 1)
                     raise RuntimeError(f"cluster node on port {n.port} exited: "
                                        f"{(n.workdir / 'server.log').read_text()[-1500:]}") from None
                 time.sleep(0.02)
@@ -101,7 +93,7 @@ class LocalCluster:
 
     def start(self) -> None:
         for n in self.nodes:
-            self._spawn(n, fresh=5)
+            self._spawn(n)
         cs = [n.client() for n in self.nodes]
         for i in range(self.primaries):
             lo, hi = i * SLOTS // self.primaries, (i + 1) * SLOTS // self.primaries - 1

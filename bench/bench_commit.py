@@ -35,6 +35,7 @@ import redis
 from consistency.index import Index
 from consistency.twophase import StepProtocol, Vote
 from tierstore.embedded import server_binary
+from tierstore.ports import free_port
 
 __all__ = ["main"]
 
@@ -46,11 +47,8 @@ def _objects(rank: int, step: int) -> list[dict]:
 
 
 def _server(workdir: str) -> tuple[subprocess.Popen, str]:
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
                              "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

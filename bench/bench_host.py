@@ -29,7 +29,6 @@ import datetime
 import os
 import resource
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -38,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tierstore.ports import free_port
 
 KEYS = ("copy", "put stall", "  reserve", "  write", "  other", "put committed", "get", "torch.save", "torch.load")
 
@@ -167,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="tsbench-")
     shm = tempfile.mkdtemp(prefix="tsbench-", dir="/dev/shm")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out: dict = mp.Manager().dict() if a.ranks > 1 else {}
     try:
         if a.ranks > 1:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import time
 from datetime import timedelta
 
 from tierstore.embedded import stop_server
+from tierstore.ports import free_port
 
 
 def _policies(a: argparse.Namespace):
@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         out = os.path.join(tmp, "out")
         mp.start_processes(_rank, args=(2, port, os.path.join(tmp, "home"), out, a), nprocs=2, start_method="spawn")
         stop_server(os.path.join(tmp, "home"))  # the embedded index server the ranks shared

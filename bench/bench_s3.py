@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import numpy as np
 
 from backends.localfs import LocalFSBackend
 from backends.s3 import S3Backend, S3Config
+from tierstore.ports import free_port
 
 MiB = 1024 * 1024
 
@@ -45,9 +45,7 @@ def row(label: str, t: tuple[float, float, float], nbytes: int) -> None:
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

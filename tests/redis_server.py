@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,12 +11,7 @@ import pytest
 import redis
 
 from tierstore.embedded import server_binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tierstore.ports import free_port
 
 
 class RedisProcess:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tierstore.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +32,8 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     import torch.distributed as dist
 
     import tierstore
-    from tierstore.train.checkpointer import Checkpointer
     from tierstore.testing.gpt import GPTConfig, make_model, setup_determinism, train
+    from tierstore.train.checkpointer import Checkpointer
     from tierstore.train.policies import compose, dedup, differential
 
     setup_determinism(0)
@@ -83,9 +84,7 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
 
 
 def test_dedup_two_ranks(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen([sys.executable, "-m", "tests.test_checkpointer_dedup", str(r), str(port),

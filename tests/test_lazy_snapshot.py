@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tierstore.ports import free_port
 from tierstore.testing.gpt import GPTConfig, char_dataset, get_batch, make_model, train
 from tierstore.train.checkpointer import Checkpointer
 from tierstore.train.gradlog import GRAD, LOG_LAYER
@@ -341,9 +341,7 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
 
 
 def test_two_gloo_ranks_lazy_dedup_differential(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen([sys.executable, "-m", "tests.test_lazy_snapshot", str(r), str(port),

@@ -17,6 +17,7 @@ import tierstore
 from tests._tiers import live_path
 from tierstore import codec
 from tierstore.errors import ConfigError, NoValidCopyError, RestoreVerifyError
+from tierstore.ports import free_port
 from tierstore.train.checkpointer import Checkpointer, load
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -302,15 +303,12 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
 def test_two_gloo_ranks_one_bad_copy_every_rank_refuses_the_update(tmp_path):
     import json
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_restore_verify", str(r), str(port),
                                str(tmp_path / "home"), str(tmp_path / "out")], cwd=root, env=env)

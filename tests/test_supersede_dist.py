@@ -10,12 +10,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from tierstore.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 M = "sup2"
@@ -64,9 +65,7 @@ def worker(rank: int, port: int, home: str, phase: str, out: str) -> None:
 
 
 def _run(tmp_path: Path, phase: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     out = tmp_path / phase
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_supersede_dist", str(r), str(port),

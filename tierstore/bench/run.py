@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ from tierstore.bench.harness import rank_main
 from tierstore.bench.report import growth_rows, machine_info, render_growth
 from tierstore.cli.common import HelpFormatter, Interrupted, interruptible, uninterrupted
 from tierstore.embedded import find_servers, stop_server
+from tierstore.ports import free_port
 
 __all__ = ["DEFAULT_SYSTEMS", "STOP_RANKS_S", "SWEEP_SYSTEMS", "SWEEP_TENSORS", "build_parser", "main", "sweep_points"]
 
@@ -98,10 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stop_embedded(root: str) -> None:
@@ -258,7 +254,7 @@ def _one_run(args: argparse.Namespace, base: dict[str, Any], out: str, *, ranks:
         "out": out,
         "shm_dir": shm_dir,
         "disk_dir": disk_dir,
-        "init_method": f"tcp://127.0.0.1:{_free_port()}",
+        "init_method": f"tcp://127.0.0.1:{free_port()}",
     }
     size = base["size_gib"]
     print(f"bench: {ranks} rank(s), {len(systems)} system(s), {base['repeats']} round(s), "

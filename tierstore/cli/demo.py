@@ -38,7 +38,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,6 +67,7 @@ from tierstore.cli.admin import human_bytes
 from tierstore.cli.common import HelpFormatter
 from tierstore.cli.demo_plot import draw, figures
 from tierstore.errors import ConfigError
+from tierstore.ports import free_port
 from tierstore.testing import gpt
 from tierstore.train import policies as P
 from tierstore.train.checkpointer import Checkpointer
@@ -250,10 +250,6 @@ def full_checkpoint_bytes(model: Any, opt: Any) -> int:
 
 
 # -- the launcher ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _read_events(path: Path) -> list[dict[str, Any]]:
@@ -273,7 +269,7 @@ def _run_phase(base: dict[str, Any], phase: int, out: Path, progress: Any, task:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     root = str(Path(__file__).resolve().parents[2])  # the folder holding the tierstore package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(base["world"]):
         cfg = dict(base, rank=r, phase=phase, port=port, events=str(out / f"rank{r}.phase{phase}.jsonl"))

@@ -12,7 +12,6 @@ it longer, or nodes that answer late are failed over spuriously.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -23,16 +22,13 @@ import redis
 from redis.cluster import key_slot
 
 from tierstore.embedded import server_binary
+from tierstore.ports import free_port
 
-__all__ = ["ClusterNode", "LocalCluster", "free_port"]
+__all__ = ["ClusterNode", "LocalCluster", "free_port"]  # free_port: tierstore.ports, re-exported
 
 SLOTS = 16384
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -71,3 +71,21 @@ def test_a_cache_of_zero_parses_every_time(loads, monkeypatch):
     for _ in range(3):
         codec.open_object(_blob())
     assert len(loads) == 3 and not head._TABLES
+
+
+def test_the_store_config_sets_the_cache_size(loads, monkeypatch, tmp_path, redis_url, shm_root):
+    import tierstore
+    from tierstore.config import StoreConfig
+    from tierstore.errors import ConfigError
+
+    monkeypatch.setattr(head, "TABLE_CACHE_MAX", head.TABLE_CACHE_MAX)  # restored after the test
+    store = tierstore.open(tmp_path, redis=redis_url, host_root=str(shm_root), durable="none", table_cache=0)
+    try:
+        assert head.TABLE_CACHE_MAX == 0
+        for _ in range(3):
+            codec.open_object(_blob())
+        assert len(loads) == 3 and not head._TABLES
+    finally:
+        store.close()
+    with pytest.raises(ConfigError, match="table_cache"):
+        StoreConfig(table_cache=-1)

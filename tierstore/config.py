@@ -179,6 +179,10 @@ class StoreConfig:
             :meth:`~tierstore.store.TierStore.finish_many` finishes several (default 64; 1: one call
             per object, as ``PendingObject.finish()``); the outcome is the one finishing them one by
             one gives. A batch is one script on the index server: larger ones hold it longer.
+        table_cache: how many parsed object tables (each at most 16 KiB) the codec keeps, least
+            recently used out, so a restore that reads the same layouts again skips their JSON parse
+            and checks (default 1024; 0: parse every time). Process-wide: the store opened last sets it
+            (:func:`tierstore.codec.head.set_table_cache_max`).
     """
 
     home: str = ".tierstore"
@@ -217,6 +221,7 @@ class StoreConfig:
     lazy_check: str = "sample"
     lazy_check_samples: int = 64
     publish_batch: int = 64
+    table_cache: int = 1024
 
     @property
     def retry(self) -> RetryPolicy:
@@ -263,6 +268,8 @@ class StoreConfig:
         if isinstance(self.publish_batch, bool) or not isinstance(self.publish_batch, int) or self.publish_batch < 1:
             raise ConfigError(f"publish_batch must be a positive int, got {self.publish_batch!r}",
                               field="publish_batch")
+        if isinstance(self.table_cache, bool) or not isinstance(self.table_cache, int) or self.table_cache < 0:
+            raise ConfigError(f"table_cache must be an int >= 0, got {self.table_cache!r}", field="table_cache")
         if isinstance(self.lazy_check_samples, bool) or not isinstance(self.lazy_check_samples, int) \
                 or self.lazy_check_samples < 1:
             raise ConfigError(f"lazy_check_samples must be a positive int, got {self.lazy_check_samples!r}",

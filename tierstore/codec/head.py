@@ -39,7 +39,8 @@ from tierstore.codec.format import (
 )
 from tierstore.errors import CorruptObjectError, InvalidValueError
 
-__all__ = ["TABLE_CACHE_MAX", "Head", "bytes_view", "parse_chunks", "parse_head", "parse_table", "verify_head"]
+__all__ = ["TABLE_CACHE_MAX", "Head", "bytes_view", "parse_chunks", "parse_head", "parse_table", "set_table_cache_max",
+           "verify_head"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,18 @@ TABLE_CACHE_MAX = 1024
 _TABLE_CACHED_LEN = 16 << 10  # larger tables are parsed every time: the cache stays within 16 MiB
 _TABLES: OrderedDict[tuple[bytes, int], tuple[tuple[TensorInfo, ...], dict]] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
+
+
+def set_table_cache_max(n: int) -> None:
+    """Set :data:`TABLE_CACHE_MAX` (process-wide; ``StoreConfig.table_cache`` of the store opened last sets
+    it), dropping the least recently used tables beyond it; 0 turns the cache off."""
+    global TABLE_CACHE_MAX
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"the table cache holds a count of tables >= 0, got {n!r}")
+    with _TABLES_LOCK:
+        TABLE_CACHE_MAX = n
+        while len(_TABLES) > n:
+            _TABLES.popitem(last=False)
 
 
 def _copy_json(o: Any) -> Any:

@@ -50,6 +50,7 @@ from consistency.manifest import complete_entries
 from consistency.rebuild import RebuildReport, rebuild_index
 from consistency.twophase import StepProtocol
 from tierstore.chains import ChainDepths
+from tierstore.codec.head import set_table_cache_max
 from tierstore.config import StoreConfig
 from tierstore.errors import DurableTimeoutError, TierUnavailableError
 from tierstore.eviction import evict_host
@@ -88,6 +89,7 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
         peer: Backend | None = None,
     ) -> None:
         self.config = config
+        set_table_cache_max(config.table_cache)
         self.index = index
         self.host = host
         self.peer = peer

@@ -73,7 +73,7 @@ def _pct(xs: list[float], p: float) -> float:
 # -- servers -------------------------------------------------------------------------------------
 def _server(workdir: Path, *extra: str) -> tuple[subprocess.Popen, int]:
     from tierstore.embedded import server_binary
-    from tierstore.testing.rediscluster import free_port
+    from tierstore.ports import free_port
 
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -98,8 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-
-
 def _stop_embedded(root: str) -> None:
     """Stop every embedded index server of a home under ``root`` (the ranks' stores live there): those a
     failed or interrupted run left, found by process (:func:`tierstore.embedded.find_servers`), so one whose

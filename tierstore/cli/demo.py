@@ -250,8 +250,6 @@ def full_checkpoint_bytes(model: Any, opt: Any) -> int:
 
 
 # -- the launcher ----------------------------------------------------------------------------
-
-
 def _read_events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

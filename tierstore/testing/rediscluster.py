@@ -24,11 +24,9 @@ from redis.cluster import key_slot
 from tierstore.embedded import server_binary
 from tierstore.ports import free_port
 
-__all__ = ["ClusterNode", "LocalCluster", "free_port"]  # free_port: tierstore.ports, re-exported
+__all__ = ["ClusterNode", "LocalCluster"]
 
 SLOTS = 16384
-
-
 
 
 @dataclass

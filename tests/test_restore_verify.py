@@ -78,7 +78,17 @@ def _flip_data(store, name: str, step: int) -> str:
     return store.info(key).name
 
 
-def test_a_flipped_host_byte_never_reaches_an_update(store):
+def _cpus(monkeypatch, n: int) -> None:
+    """This process may run on ``n`` CPUs (what :func:`tierstore.train.restoring.core_free` reads), one rank."""
+    from tierstore.train import restoring
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(restoring.os, "sched_getaffinity", lambda pid: set(range(n)))
+
+
+@pytest.mark.parametrize("cpus", [1, 4], ids=["every-core-busy", "a-core-free"])
+def test_a_flipped_host_byte_never_reaches_an_update(store, monkeypatch, cpus):
+    _cpus(monkeypatch, cpus)  # a core free: the hashing starts with the first copy, beside the loading
     saved = _train_and_save(store, "flip", 3)
     bad = _flip_data(store, "flip", 2)
     m, opt = _model(7)
@@ -324,3 +334,26 @@ if __name__ == "__main__":
 
     a = sys.argv[1:]
     worker(int(a[0]), int(a[1]), a[2], a[3])
+
+
+@pytest.mark.parametrize("cpus,mode", [(1, "in_pass"), (2, "before_return"), (4, "before_return")])
+def test_a_read_only_restore_verifies_beside_the_copies_where_a_core_is_free(store, monkeypatch, cpus, mode):
+    _cpus(monkeypatch, cpus)
+    saved = _train_and_save(store, "free", 2)
+    weights = {k: v for k, v in saved[1].items() if k.startswith("m.")}
+    m, _opt = _model(7)
+    ck = Checkpointer(store, "free", m)
+    try:
+        assert ck.restore(read_only=True).step == 1
+        assert ck.report.verify == mode  # the default: beside the copies where a core is free, else in the pass
+        _flip_data(store, "free", 1)
+        m2, _ = _model(8)
+        ck2 = Checkpointer(store, "free", m2)
+        try:
+            assert ck2.restore(read_only=True).step == 1
+            # verified before it returned, either way: the flipped copy was not loaded, the durable one was
+            assert _same({f"m.{k}": v for k, v in m2.state_dict().items()}, weights)
+        finally:
+            ck2.close()
+    finally:
+        ck.close()

@@ -29,6 +29,7 @@ from tierstore.train.restoring import (
     IN_PASS,
     PendingRestore,
     agreed_step,
+    core_free,
     prepare_agreed,
     read_unverified,
     refuse_until_restored,
@@ -153,7 +154,7 @@ class RestoreSide:
             ConfigError: an unknown ``verify``.
         """
         only = weights_of(self.state, only) if weights_only else only
-        mode = verify_mode(verify, read_only, self.state)
+        mode = verify_mode(verify, read_only, self.state, self.world_size)
         self._drain()
         self._abandon_restore()
         if not read_only:
@@ -216,7 +217,8 @@ class RestoreSide:
             return self._restore(step, only, IN_PASS, read_only)
         if deferred:
             try:
-                shards, v = read_unverified(self, res, layers, eager=mode == "before_return")
+                eager = mode == "before_return" or core_free(self.world_size)  # a core free: hash beside the copies
+                shards, v = read_unverified(self, res, layers, eager=eager)
                 failed: Exception | None = None
             except Exception as e:  # noqa: BLE001 - a read that failed (no valid trailer) is read again, verified
                 shards, v, failed = {}, None, e

@@ -59,11 +59,12 @@ from rich.table import Table
 from consistency.index import Index
 from consistency.nodes import NodeRegistry
 from tierstore.cli.common import HelpFormatter
-from tierstore.cli.demo import _free_port, _read_events, _tail
+from tierstore.cli.demo import _read_events, _tail
 from tierstore.cli.netns import Fabric, netns_supported
 from tierstore.config import StoreConfig
 from tierstore.embedded import server_binary
 from tierstore.errors import TierUnavailableError
+from tierstore.ports import free_port
 
 __all__ = ["Testbed", "main", "netns_supported", "peer_supported"]
 
@@ -164,7 +165,7 @@ class Testbed:
         if self.fabric is not None:
             self.fabric.up()
         host = self.service_host
-        port = _free_port()
+        port = free_port()
         p = self.spawn("redis", [server_binary(), "--port", str(port), "--bind", host, "--save", "",
                                  "--appendonly", "no", "--dir", str(self.work), "--protected-mode", "no"])
         self.redis_url = f"redis://{host}:{port}/0"
@@ -180,7 +181,7 @@ class Testbed:
                 index.close()
 
         _wait(redis_up, 30, "redis", p, self.work / "redis.log")
-        port = _free_port()
+        port = free_port()
         p = self.spawn("s3", [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)])
         self.s3_endpoint = f"http://{host}:{port}"
         client = boto3.client("s3", endpoint_url=self.s3_endpoint, region_name="us-east-1",
@@ -218,7 +219,7 @@ class Testbed:
 
     # -- ranks ---------------------------------------------------------------------------
     def start_ranks(self, phase: int) -> dict[int, subprocess.Popen]:
-        port = _free_port()
+        port = free_port()
         ranks = {}
         # with --netns, gloo meets at rank 0's node address (env://), not on the launcher's loopback
         rendezvous = {"MASTER_ADDR": self.node_host(self.nodes[0]), "MASTER_PORT": str(port)}

@@ -8,8 +8,8 @@ thread, at its background priority); it is *committed* when the last one is.
 Segments are pre-allocated in setup and recycled after each round's cleanup,
 as the Checkpointer does. Restore gets every shard back into
 the live tensors at the copy's speed (``store.get_many_deferred(keys, outs=...)``:
-one index round trip, the checksums hashed on a thread of their own: from the
-first copy on where a core per rank is free, else once the copies are done); its ``verified`` mark is when every checksum matched (what the
+one index round trip, the checksums hashed beside the copies on a thread of
+their own); its ``verified`` mark is when every checksum matched (what the
 first optimizer update waits for after a Checkpointer's restore). The
 store is opened with ``home`` in the run's disk directory, ``host_root`` in its
 /dev/shm directory and ``durable="none"`` unless ``options["tierstore_open"]``
@@ -186,10 +186,7 @@ if _open is not None:
             groups = list(self.ctx.work.layers.values())
             deferred = getattr(self.store, "get_many_deferred", None)
             if deferred is not None:  # copied at the copy's speed, each shard's checksum verified beside it
-                # where a core per rank is free, the hashing starts with the first copy, on that core;
-                # otherwise once the copies are done (they come first, the hashing overlaps what follows)
-                eager = (os.cpu_count() or 1) >= 2 * self.ctx.world
-                shards, self._verification = deferred(self.keys, outs=groups, eager=eager)
+                shards, self._verification = deferred(self.keys, outs=groups)
                 for key, got in zip(self.keys, shards):
                     if got is None:
                         raise RuntimeError(f"tierstore lost shard {key}")

@@ -30,5 +30,7 @@ def test_a_machine_whose_ephemeral_range_starts_low_gets_the_kernels_choice(monk
     monkeypatch.setattr(ports, "_ephemeral_low", lambda: 1024)
     monkeypatch.setattr(ports, "_given", set())
     p = ports.free_port()
+    assert p in ports._given and 0 < p < 65536
     with socket.socket() as s:
         s.bind(("127.0.0.1", p))  # free: the kernel chose it just now
+        assert s.getsockname()[1] == p

@@ -155,7 +155,7 @@ class RestoreSide:
         """
         only = weights_of(self.state, only) if weights_only else only
         mode = verify_mode(verify, read_only, self.state, self.world_size)
-        if verify is None and mode != "before_update":  # the default hangs on this node's cores (and GPU): every
+        if verify is None and mode != "before_update":  # the default depends on this node's cores (and GPU): every
             # rank verifies alike (the deferred and in-pass restores run different collectives), in the pass if any
             # rank would (collective; every rank of a state of the same kind takes this branch)
             mode = "before_return" if self.ranks.all_min(int(mode == "before_return")) else IN_PASS

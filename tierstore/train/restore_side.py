@@ -29,7 +29,7 @@ from tierstore.train.restoring import (
     IN_PASS,
     PendingRestore,
     agreed_step,
-    core_free,
+    hash_eagerly,
     prepare_agreed,
     read_unverified,
     refuse_until_restored,
@@ -221,8 +221,7 @@ class RestoreSide:
             return self._restore(step, only, IN_PASS, read_only)
         if deferred:
             try:
-                eager = mode == "before_return" or core_free(self.world_size)  # a core free: hash beside the copies
-                shards, v = read_unverified(self, res, layers, eager=eager)
+                shards, v = read_unverified(self, res, layers, eager=hash_eagerly(mode, self.world_size))
                 failed: Exception | None = None
             except Exception as e:  # noqa: BLE001 - a read that failed (no valid trailer) is read again, verified
                 shards, v, failed = {}, None, e

@@ -86,8 +86,8 @@ from tierstore.train.gather import read_shards
 from tierstore.train.reshard import adapt_document
 from tierstore.train.view import STATE_LAYER
 
-__all__ = ["IN_PASS", "VERIFY_MODES", "PendingRestore", "agree", "agreed_step", "core_free", "prepare_agreed",
-           "read_unverified", "refuse_until_restored", "verify_mode", "weights_of"]
+__all__ = ["IN_PASS", "VERIFY_MODES", "PendingRestore", "agree", "agreed_step", "core_free", "hash_eagerly",
+           "prepare_agreed", "read_unverified", "refuse_until_restored", "verify_mode", "weights_of"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,12 @@ def core_free(world_size: int) -> bool:
     except ValueError:
         local = world_size
     return cpus >= 2 * max(1, local)
+
+
+def hash_eagerly(mode: str, world_size: int) -> bool:
+    """Whether a deferred restore in ``mode`` hashes its copies from the first on (beside the loading) rather
+    than after them: with ``"before_return"`` (its verdict is awaited at once), or where a core is free."""
+    return mode == "before_return" or core_free(world_size)
 
 
 def verify_mode(verify: str | None, read_only: bool, state: MutableMapping[str, Any], world_size: int = 1) -> str:

@@ -16,6 +16,10 @@ Each tier survives another failure, so each keeps its own window
   *ahead* of the newest step the newest incarnation committed (a restore fell
   back past them) are held, never retired here, until the live line saves
   their numbers again (supersedes them, with proof that they are lost);
+- a **pinned** committed step (:meth:`consistency.steprecords.StepRecords.pin`: a
+  checkpoint path that Lightning's top-k or the Trainer's ``save_total_limit``
+  still holds names it) is kept whatever the windows: by the memory tiers
+  until it is durable, then by the durable tier (its memory copies go);
 - a committed step in neither window is **retired**: its step records go
   first (it is no longer reported, nor restorable, anywhere), then its
   durable manifest (an index rebuild can never resurrect it), then its
@@ -230,8 +234,12 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
         if floor is not None:
             oldest = min(oldest, floor(oldest))
         memory = {s for s in committed if s >= oldest}
+    # pinned steps (a framework's checkpoint names them: StepRecords.pin) stay: in memory until durable, then
+    # in the durable tier only (so host memory follows the window, not the number of checkpoints kept)
+    pinned = set(steps.pins(model).values()) & set(committed)
+    memory |= pinned - set(durable)
     memory = required_steps(steps, model, sorted(memory), cache=cache) & set(committed)
-    kept_durable = set(durable[-retention.keep_durable:])
+    kept_durable = set(durable[-retention.keep_durable:]) | (pinned & set(durable))
     if retention.keep_durable_every > 0:
         kept_durable |= {s for s in durable if s % retention.keep_durable_every == 0}
     kept_durable = required_steps(steps, model, sorted(kept_durable), cache=cache) & set(committed)

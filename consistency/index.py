@@ -25,6 +25,9 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:{m}:progress                HASH   rank -> "<epoch> <step>": the newest step it began saving
     ts:{m}:retired                 HASH   physical name -> a superseded step's copy, kept until a newer
                                           durable step (see :mod:`consistency.retired`)
+    ts:{m}:retention               HASH   what the retention passes retired (StepRecords.note_retention)
+    ts:{m}:pins                    HASH   label (a checkpoint path) -> a step every retention pass keeps
+                                          (StepRecords.pin)
     ts:node:<id>                   HASH   a node agent's registration (TTL), see :mod:`consistency.nodes`
     ts:nodes                       SET    registered node ids
 

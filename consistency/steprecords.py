@@ -24,7 +24,7 @@ from consistency.manifest import (
 )
 from consistency.retired import RetiredCopy
 from consistency.stepbase import StepBase, _f, _s
-from tierstore.errors import KeyExistsError
+from tierstore.errors import InvalidKeyError, KeyExistsError
 from tierstore.keys import ShardKey, validate_name
 
 __all__ = ["DurableLag", "EventSubscription", "StepRecord", "StepRecords", "durable_lag"]
@@ -231,6 +231,43 @@ class StepRecords(StepBase):
         return {"retired": int(h.get("retired") or 0), "newest_retired": int(h.get("newest_retired") or -1),
                 "memory": json.loads(h.get("memory") or "[]"), "durable": json.loads(h.get("durable") or "[]"),
                 "keep_last": int(h["keep_last"]) if h.get("keep_last") else None, "at": _f(h.get("at"))}
+
+    def pin(self, model: str, label: str, step: int) -> None:
+        """Keep committed ``step`` of ``model`` through every retention pass while ``label`` names it (a pin:
+        one per label, so pinning a label again moves it to the new step). For the framework integrations: a
+        checkpoint path (``label``) that Lightning's top-k or the Trainer's ``save_total_limit`` still holds
+        keeps the step it names, whatever the memory window (:func:`consistency.gc.plan_retention`: in memory
+        until it is durable, then in the durable tier). Acknowledged by the index's replicas before it returns
+        (a failover cannot lose the pin while the step it keeps is collected).
+
+        One hash per model (``pins``: label -> step), removed with the model; an index rebuild starts with none
+        (the integrations pin their checkpoints' steps again at their next save).
+
+        Raises:
+            InvalidKeyError: an empty ``label``; CommitError: a malformed ``step``.
+            ReplicaAckError: too few replicas acknowledged the pin in time.
+        """
+        self._check(model, step)
+        if not isinstance(label, str) or not label:
+            raise InvalidKeyError(f"a pin's label must be a non-empty string, got {label!r}", field="label")
+        with translate_redis_errors(f"pin step {step} of {model}", self.index.url):
+            self.index._r.hset(self.index._k(model, "pins"), label, step)
+        self.index.sync(model, f"pin step {step} of {model}")
+
+    def unpin(self, model: str, labels: Iterable[str]) -> None:
+        """Remove the pins ``labels`` of ``model`` (:meth:`pin`); the steps they kept go at the next retention
+        pass that no longer keeps them otherwise. A label that pins nothing is ignored."""
+        labels = sorted(set(labels))
+        if not labels:
+            return
+        with translate_redis_errors(f"unpin steps of {model}", self.index.url):
+            self.index._r.hdel(self.index._k(model, "pins"), *labels)
+
+    def pins(self, model: str) -> dict[str, int]:
+        """``model``'s pins: label -> the step it keeps (:meth:`pin`)."""
+        with translate_redis_errors(f"read the pins of {model}", self.index.url):
+            h = self.index._r.hgetall(self.index._k(model, "pins"))
+        return {_s(a): int(_s(b)) for a, b in h.items()}
 
     def supersede(self, model: str, step: int, *, epoch: int, reason: str) -> str:
         """Record committed ``step`` aborted, with ``reason``, so incarnation ``epoch`` can save it again.

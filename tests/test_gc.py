@@ -321,3 +321,61 @@ def test_a_held_step_keeps_what_it_reads_from_a_retired_step(store):
         assert torch.equal(store.get(got.objects[("b", 0)].key).tensors["w"], shard("b", 5, 0)["w"])
     finally:
         gate.set()
+
+
+def test_a_pinned_step_survives_retention_in_the_durable_tier_until_unpinned(store):
+    saved(store, range(1, 5))
+    store.steps.pin(M, "/run/epoch=0-step=2.ckpt", 2)
+    assert store.steps.pins(M) == {"/run/epoch=0-step=2.ckpt": 2}
+    report = store.gc(M, Retention(keep_last=1), dry_run=False)
+    assert report.kept_steps == [2, 4] and report.dropped_steps == [1, 3]
+    assert report.durable_only == [2]  # host memory follows the window, not the number of checkpoints kept
+    assert all(everywhere(store, k) == {"index": True, "host": False, "durable": True} for k in step_keys(2))
+    got = store.resolve(M, step=2)
+    for (layer, r), info in got.objects.items():
+        assert torch.equal(store.get(info.key).tensors["w"], shard(layer, 2, r)["w"])
+    store.steps.unpin(M, ["/run/epoch=0-step=2.ckpt", "/run/never-pinned.ckpt"])
+    assert store.steps.pins(M) == {}
+    report = store.gc(M, Retention(keep_last=1), dry_run=False)
+    assert report.dropped_steps == [2] and report.kept_steps == [4]
+    assert all(gone(store, k) for k in step_keys(2))
+
+
+def test_pinning_a_label_again_moves_it_and_the_old_step_goes(store):
+    saved(store, range(1, 4))
+    store.steps.pin(M, "last", 1)
+    store.steps.pin(M, "last", 3)
+    assert store.steps.pins(M) == {"last": 3}
+    report = store.gc(M, Retention(keep_last=1), dry_run=False)
+    assert report.dropped_steps == [1, 2] and report.kept_steps == [3]
+
+
+def test_a_pinned_step_not_yet_durable_stays_in_memory(store):
+    saved(store, [1])
+    gate = threading.Event()
+    store.rewire(before_migrate=lambda key: gate.wait(30) if key.step >= 2 else None)
+    save_step(store, 2, 2)
+    save_step(store, 3, 2)  # committed, migration held up
+    try:
+        store.steps.pin(M, "best", 2)
+        report = store.gc(M, Retention(keep_last=1), dry_run=False)
+        assert 2 in report.kept_steps and 2 not in report.durable_only and 2 not in report.dropped_steps
+        assert all(copies(store.host, k) for k in step_keys(2))  # its only copies are in memory: they stay
+        res = store.resolve(M, step=2)
+        assert res.step == 2
+    finally:
+        gate.set()
+    store.flush()
+    report = store.gc(M, Retention(keep_last=1), dry_run=False)
+    assert report.durable_only == [2]  # durable now: its memory copies go, the pin keeps the durable ones
+
+
+def test_a_pin_needs_a_label_and_a_step(store):
+    from tierstore.errors import CommitError, InvalidKeyError
+
+    saved(store, [1])
+    with pytest.raises(InvalidKeyError, match="label"):
+        store.steps.pin(M, "", 1)
+    with pytest.raises(CommitError):
+        store.steps.pin(M, "x", -1)
+    assert store.steps.pins(M) == {}

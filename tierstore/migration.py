@@ -13,7 +13,11 @@ step's state); when it does, older jobs of the same model that have not
 started are *skipped*: they are not migrated, except the objects the chosen
 step's manifest still reaches (its delta bases, inherited layer versions,
 ref targets: ``reach``), and their callbacks are told so (the tier manager
-records such a step as staying in memory only, and why). A started job is
+records such a step as staying in memory only, and why). A pinned step
+(``kept``: a framework's checkpoint names it,
+:meth:`consistency.steprecords.StepRecords.pin`) is never skipped: it migrates
+after the newer one, since retention keeps it in memory until it is durable.
+A started job is
 always finished, so the durable tier is never more than about one step's
 migration behind the newest committed step, however slow it is. With no
 committed job waiting, the newest job is migrated ahead of its commit (the
@@ -129,6 +133,7 @@ class Migrator:
             committed ``step``'s manifest reaches and the durable tier does not hold yet.
         stall_s: an object whose migration has not finished after this many seconds is reported stalled
             (a warning naming the tier, step and what it is blocked in; :meth:`stalled`); ``None``: never.
+        kept: ``kept(model)``: its pinned steps, never skipped (asked only where older jobs would be).
     """
 
     def __init__(self, source: Backend, target: Backend, index: Index, *, maxsize: int = 1024, workers: int = 1,
@@ -136,8 +141,9 @@ class Migrator:
                  sleep: Callable[[float], None] = time.sleep, nice: int = 0,
                  decided: Callable[[str, int], str | None] | None = None,
                  reach: Callable[[str, int, int], list[tuple[ShardKey, str, str]]] | None = None,
-                 stall_s: float | None = 10.0):
+                 stall_s: float | None = 10.0, kept: Callable[[str], set[int]] | None = None):
         self.source = source
+        self.kept = kept
         self.target = target
         self.before_each: Callable[[ShardKey], None] | None = None  # called before each object migrates
         self.index = index
@@ -329,6 +335,15 @@ class Migrator:
                 chosen.callbacks, chosen.fired = chosen.fired + chosen.callbacks, []  # called again once they land
         older = [j for j in self._jobs.values() if j.model == chosen.model and j.rank == chosen.rank
                  and j.step < chosen.step and not j.started and j.skipped is None]
+        if older and self.kept is not None:
+            kept = self.kept
+            try:
+                pinned = self._unlocked(lambda: kept(chosen.model))
+            except TierStoreError as e:  # unknown: skip nothing this time (a pin may keep any of them)
+                log.debug("pins of %s unknown: %s", chosen.model, e)
+                return
+            # the lock was released while the index answered: take only what is still unstarted
+            older = [j for j in older if j.step not in pinned and not j.started and j.skipped is None]  # type: ignore[operator]
         if not older:
             return
         why = f"step {chosen.step} was migrated first (the durable tier lagged behind the saves)"

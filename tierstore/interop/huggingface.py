@@ -28,11 +28,15 @@ data position before any callback runs.
 So, per checkpoint directory:
 
 * **save** (``save_model`` as ``_save_checkpoint`` calls it, on every rank):
-  one tierstore step of the directory's model (``<name>.checkpoint-<N>-<digest>``,
-  :mod:`tierstore.interop.pointer`) holding the model, optimizer, scheduler,
+  the next tierstore step of the run's model (``output_dir`` is one model,
+  ``<name>.<output_dir's name>-<digest>``, and each ``checkpoint-N`` a step
+  of it, pinned while the directory names it: :mod:`tierstore.interop.pointer`;
+  one Checkpointer per run, so the policy builds on the previous checkpoint)
+  holding the model, optimizer, scheduler,
   gradient scaler, this rank's RNG state and the ``TrainerState``, saved by
   every rank (``dedup()`` by default with several ranks: replicas stored
-  once), committed, then rank 0 writes ``tierstore.json`` (the pointer) in the
+  once), committed, then rank 0 pins it and writes ``tierstore.json`` (the
+  pointer) in the
   directory. The weight, optimizer, scheduler, scaler and RNG files are not
   written; the Trainer then writes ``trainer_state.json`` itself, last. A
   directory is complete when both files are there.
@@ -47,10 +51,11 @@ So, per checkpoint directory:
   :class:`~tierstore.errors.CheckpointGoneError` naming the newest that restores.
   Directories the Trainer wrote itself (no pointer) load as the Trainer loads them.
 * **rotation** (``save_total_limit``): after the Trainer deletes old
-  directories, the models of the ``checkpoint-N`` directories that are gone
-  from the run directory that holds the new checkpoint are deleted from
-  the store (the Trainer's ``rmtree`` is the evidence; a run directory that
-  cannot be seen deletes nothing).
+  directories, the pins of the ``checkpoint-N`` directories that are gone
+  from the run directory that holds the new checkpoint are dropped and their
+  steps collected (the Trainer's ``rmtree`` is the evidence; a run directory
+  that cannot be seen drops nothing). Host memory holds the newest step and
+  the pinned ones not yet durable, whatever ``save_total_limit`` is.
 
 Not supported: ``load_best_model_at_end`` (refused at construction),
 DeepSpeed, FSDP and SageMaker model parallelism (they save through their
@@ -82,10 +87,12 @@ from tierstore.interop.pointer import (
     model_name,
     named_store,
     next_step,
+    pin,
     read_pointer,
     restores,
     retire_older,
     store_of,
+    unpin_gone,
     write_pointer,
 )
 from tierstore.interop.store_ref import StoreRef
@@ -152,8 +159,8 @@ class TierStoreTrainerMixin:
     Keyword arguments (besides the Trainer's):
         store: an open :class:`~tierstore.store.TierStore` (or a :class:`~tierstore.config.StoreConfig` / a
             dict of :func:`tierstore.open` arguments).
-        store_name: the models' name prefix (default ``"hf"``): a checkpoint directory's model is
-            ``<store_name>.checkpoint-<N>-<digest of its absolute path>``.
+        store_name: the models' name prefix (default ``"hf"``): a run's model is
+            ``<store_name>.<output_dir's name>-<digest of its absolute path>``.
         store_policy: the Checkpointer policy (default ``dedup()`` with several ranks, else ``exact()``).
         store_timeout: seconds a save waits for its step to commit.
     """
@@ -171,6 +178,7 @@ class TierStoreTrainerMixin:
         self._ts_timeout = store_timeout
         self._ts_saving = False
         self._ts_group: Any = None
+        self._ts_ck: tuple[Any, dict[str, Any]] | None = None  # the run's Checkpointer, kept across saves
 
     args: Any
     state: Any
@@ -213,7 +221,24 @@ class TierStoreTrainerMixin:
                 log.info("resume_from_checkpoint=True: %s holds no checkpoint yet; starting fresh",
                          self.args.output_dir)
             resume_from_checkpoint = found
-        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._ts_close()
+
+    def _ts_close(self) -> None:
+        """Close the run's Checkpointer (every save waited for its commit) and collect what no checkpoint names."""
+        got, self._ts_ck = self._ts_ck, None
+        if got is None:
+            return
+        ck, _ = got
+        ck.close()
+        if self.args.should_save:
+            try:
+                retire_older(self.store, ck.model)
+            except Exception as e:  # noqa: BLE001 - best effort: the next run's saves collect them
+                log.warning("collecting the older steps of %s at the end of the run failed (%s: %s)", ck.model,
+                            type(e).__name__, e)
 
     def _ts_load(self, checkpoint: str, state: dict[str, Any], only: list[str]) -> bool:
         ptr = _pointer(checkpoint)
@@ -327,38 +352,60 @@ class TierStoreTrainerMixin:
             self._ts_group = dist.new_group(backend="gloo")  # every rank saves together: a collective
         return world, rank, self._ts_group
 
+    def _ts_checkpointer(self, model: str, state: dict[str, Any], world: int, rank: int, group: Any) -> Any:
+        """The run's Checkpointer (one per run, kept across saves, so the policies build on the previous step);
+        made again where the state's objects changed (a new optimizer)."""
+        if self._ts_ck is not None:
+            ck, held = self._ts_ck
+            if ck.model == model and held.keys() == state.keys() and all(
+                    held[k] is state[k] for k in state if k != "rng"):
+                return ck
+            self._ts_ck = None
+            ck.close()
+        policy = self._ts_policy or (dedup() if world > 1 else exact())
+        ck = Checkpointer(self.store, model, state=state, policy=policy, rank=rank, world_size=world, group=group,
+                          keep_last=1, preallocate=False, timeout=self._ts_timeout)
+        self._ts_ck = (ck, state)
+        return ck
+
     def _ts_save(self, output_dir: str) -> None:
-        """One committed step of ``output_dir``'s model from every rank, then the pointer (rank 0)."""
+        """One committed step of the run's model (``output_dir``'s parent) from every rank, then (rank 0) its pin
+        and the pointer in ``output_dir``."""
         full = os.path.abspath(output_dir)
         world, rank, group = self._ts_world()
-        model = model_name(self._ts_name, full)
+        model = model_name(self._ts_name, os.path.dirname(full))  # the run (output_dir) is one model
         step = torch.tensor([next_step(self.store, model) if rank == 0 else 0], dtype=torch.int64)
         if group is not None:  # every rank takes the number rank 0 chose
             dist.broadcast(step, src=dist.get_global_rank(group, 0), group=group)
         state, _ = self._ts_state(saving=True)
-        policy = self._ts_policy or (dedup() if world > 1 else exact())
-        ck = Checkpointer(self.store, model, state=state, policy=policy, rank=rank, world_size=world, group=group,
-                          keep_last=1, preallocate=False, timeout=self._ts_timeout)
+        ck = self._ts_checkpointer(model, state, world, rank, group)
         try:
             ck.save(int(step), extra={"dir": full, "global_step": self.state.global_step})
             outcome = ck.wait()
-        finally:
+        except BaseException:
+            self._ts_ck = None
             ck.close()
+            raise
         if outcome != "committed":
             raise CommitError(f"the checkpoint {full} (step {int(step)} of {model}) was {outcome}", model=model,
                               step=int(step))
         self._ts_last_dir = full
         if self.args.should_save:
             info = {"global_step": self.state.global_step, "epoch": self.state.epoch, "world": world,
-                    "entries": sorted(state)}
+                    "entries": sorted(state), "pin": full}
+            pin(self.store, model, full, int(step))  # first: the pointer only ever names a step retention keeps
             write_pointer(os.path.join(full, POINTER_FILE), Pointer(model, int(step), full, FRAMEWORK,
                                                                    time.time(), info, store_of(self.store)))
-            retire_older(self.store, model)  # a re-save: the older steps go once they are settled
 
     def _ts_collect_rotated(self, run_dir: str) -> None:
-        """Delete the models of ``checkpoint-N`` directories of ``run_dir`` the Trainer's rotation removed."""
+        """After the Trainer's rotation: drop the pins of the ``checkpoint-N`` directories of ``run_dir`` it removed,
+        collect the run's steps no checkpoint names, and delete the models of removed directories saved before
+        runs were one model (one model per directory)."""
         if self._ts_last_dir is None or not os.path.isdir(self._ts_last_dir):
             return  # the run directory that holds the new checkpoint is not visible here: delete nothing
+        model = model_name(self._ts_name, run_dir)
+        unpin_gone(self.store, model, run_dir, lambda d: os.path.join(d, POINTER_FILE))
+        retire_older(self.store, model)
         prefix = f"{self._ts_name}.{PREFIX_CHECKPOINT_DIR}-"
         for m in self.store.models():
             if not m.startswith(prefix):

@@ -11,7 +11,8 @@ Three pieces, each at the extension point Lightning offers:
 
 * :class:`TierStoreCheckpointIO` (``Trainer(plugins=[...])``): Lightning's
   strategies hand it the checkpoint dict on rank 0 only (``is_global_zero``)
-  and it saves it as a step of the path's model (:mod:`tierstore.interop.pointer`),
+  and it saves it as the next step of the run's model (``dirpath``: one model per run, a checkpoint is a
+  step of it, kept while its path names it: :mod:`tierstore.interop.pointer`),
   rank-local (``world_size=1``: no collective, so the other ranks never wait
   for it) and returns after the snapshot (``async_save``); on a background
   thread it waits until the step is committed, then writes a small JSON
@@ -23,16 +24,17 @@ Three pieces, each at the extension point Lightning offers:
   taken); a path that holds no tierstore checkpoint raises
   :class:`~tierstore.errors.CheckpointNotFoundError` (a ``FileNotFoundError``);
   a file Lightning wrote itself is loaded by Lightning's ``TorchCheckpointIO``.
-  ``remove_checkpoint`` (top-k rotation) deletes the pointer, then the path's
-  model from every tier. Re-saving a path is a new step of its model (the old
-  one is collected once the new one is committed).
+  ``remove_checkpoint`` (top-k rotation) deletes the pointer, then its pin:
+  the step goes at the next collection. Host memory holds the newest step and
+  the pinned steps not yet durable (durable pinned steps are kept in the
+  durable tier only), whatever ``save_top_k`` is.
 * :class:`TierStoreCheckpoint`, a ``ModelCheckpoint`` (same arguments) that
   installs the IO into the trainer's strategy and binds it to the trainer:
   where the checkpoint dict holds the LightningModule's own tensors (single
   device, DDP: checked tensor by tensor), the module and its optimizer go
   through the Checkpointer's layer path, so the ``policy`` applies
-  (``differential``, ``layerwise``: they pay across re-saves of one path,
-  ``last.ckpt``). Elsewhere (FSDP's gathered state dict) the dict is stored as is.
+  (``differential``, ``layerwise``: they build on the run's previous step,
+  whichever path it was saved at). Elsewhere (FSDP's gathered state dict) the dict is stored as is.
 * :class:`TierStoreModelParallelStrategy`: Lightning's FSDP2 strategy
   (``ModelParallelStrategy``, ``fully_shard``), whose ``load_checkpoint``
   bypasses ``CheckpointIO``: this one reads pointers through the IO. Saves
@@ -79,9 +81,13 @@ from tierstore.interop.pointer import (
     model_name,
     named_store,
     next_step,
+    pin,
+    pinned_by,
     read_pointer,
     retire_older,
     store_of,
+    unpin,
+    unpin_gone,
     write_pointer,
 )
 from tierstore.interop.store_ref import StoreRef
@@ -156,7 +162,7 @@ class TierStoreCheckpointIO(CheckpointIO):
     Args:
         store: an open :class:`~tierstore.store.TierStore`, or a :class:`~tierstore.config.StoreConfig` / a dict
             of :func:`tierstore.open` arguments (opened once per process: ``ddp_spawn`` pickles the plugin).
-        name: the models' name prefix: a path's model is ``<name>.<file stem>-<digest of the absolute path>``.
+        name: the models' name prefix: a run's model is ``<name>.<dirpath's name>-<digest of its absolute path>``.
         policy: the Checkpointer policy where the module's own tensors are saved (see :class:`TierStoreCheckpoint`).
         timeout: seconds a save waits for its step to commit.
         settle: at ``teardown`` (the end of ``fit``), wait for the saves' migration to the durable tier and
@@ -259,11 +265,12 @@ class TierStoreCheckpointIO(CheckpointIO):
                               "of global rank 0, as Lightning's own strategies call it (this strategy saves on every "
                               "rank: use its own checkpoint format)", field="strategy")
         full = os.path.abspath(os.fspath(path))
-        model = model_name(self.name, full)
+        model = model_name(self.name, os.path.dirname(full))  # the run (dirpath) is one model
         state, how = self._state(checkpoint)
         ck = self._checkpointer(model, state)
         step = next_step(self.store, model)
-        info = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"), "layout": how}
+        info = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"), "layout": how,
+                "pin": full}
         ck.save(step, extra={"path": full, **info})
         if not (self.async_save and self._fitting()):
             self._complete(ck, model, step, full, info)
@@ -279,14 +286,18 @@ class TierStoreCheckpointIO(CheckpointIO):
         return getattr(status, "value", status) == "running"
 
     def _complete(self, ck: Checkpointer, model: str, step: int, full: str, info: dict[str, Any]) -> None:
-        """The part of a save after the snapshot: the commit, then the pointer, then the older steps' collection."""
+        """The part of a save after the snapshot: the commit, the pin, the pointer, then the collection of the
+        steps no checkpoint of the run names any more."""
         outcome = ck.wait()
         if outcome != "committed":
             raise CommitError(f"the checkpoint at {full} (step {step} of {model}) was {outcome}", model=model,
                               step=step)
-        write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info, store_of(self.store)))
+        store = self.store
+        pin(store, model, full, step)  # first: the pointer only ever names a step retention keeps
+        write_pointer(full, Pointer(model, step, full, FRAMEWORK, time.time(), info, store_of(store)))
         self._saved.add(model)
-        retire_older(self.store, model)  # a re-save: the older steps go once they are settled
+        unpin_gone(store, model, os.path.dirname(full))  # checkpoints removed behind the IO's back, or a crash
+        retire_older(store, model)
 
     def wait(self) -> None:
         """Wait for the background part of the last save (``async_save``): its step committed and its pointer
@@ -346,11 +357,15 @@ class TierStoreCheckpointIO(CheckpointIO):
             return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
         self._adopt_store(ptr)
         store = self.store
-        if not store.steps.steps(ptr.model):
+        recorded = {s for s, _ in store.steps.steps(ptr.model)}
+        if not recorded:
             raise CheckpointNotFoundError(f"the checkpoint at {os.fspath(path)} names step {ptr.step} of "
                                           f"{ptr.model}, which this store does not hold (deleted, or another store)",
                                           what="checkpoint", path=os.fspath(path), model=ptr.model, step=ptr.step)
         try:  # the read path resolves (and verifies) the step itself
+            if ptr.step not in recorded:  # collected: its pin was lost (an index rebuilt from the durable tier)
+                raise NoValidCopyError(f"step {ptr.step} of {ptr.model} is no longer recorded (collected)",
+                                       model=ptr.model, step=ptr.step)
             plain = read_plain(store, ptr.model, ptr.step, templates=self._templates())
         except NoValidCopyError as e:  # a node loss took it
             found = self._fallback(os.path.abspath(os.fspath(path)), ptr, f"{type(e).__name__}: {e}")
@@ -411,9 +426,11 @@ class TierStoreCheckpointIO(CheckpointIO):
 
     # ---- remove ---------------------------------------------------------------------------------
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path``: the pointer first, then its model from every tier.
+        """Delete the checkpoint at ``path``: the pointer first, then its pin, then the run's steps that no
+        checkpoint names any more are collected (the Checkpointer's window stays). A pointer written before runs
+        were one model deletes its own model from every tier.
 
-        A symbolic link (``save_last="link"``) or a copy of a pointer made elsewhere only loses its file: the model
+        A symbolic link (``save_last="link"``) or a copy of a pointer made elsewhere only loses its file: the step
         belongs to the path it was saved at. A file Lightning wrote itself is removed as Lightning would.
         """
         self.wait()  # a save in flight (async_save) may be of this path
@@ -427,8 +444,12 @@ class TierStoreCheckpointIO(CheckpointIO):
         if ptr is None:
             TorchCheckpointIO().remove_checkpoint(path)
             return
-        os.remove(full)  # first: ckpt_path="last" can never pick a pointer to a deleted model
+        os.remove(full)  # first: ckpt_path="last" can never pick a pointer to a deleted step
         if os.path.abspath(ptr.path) != full:
+            return
+        if pinned_by(ptr, full):  # a step of the run: Lightning's rotation is the evidence that it may go
+            unpin(self.store, ptr.model, [full])
+            retire_older(self.store, ptr.model)
             return
         got = self._cks.pop(ptr.model, None)
         self._saved.discard(ptr.model)

@@ -36,12 +36,30 @@ asked for "the latest" (Lightning's ``ckpt_path="last"``, the Trainer's
 log which; an explicit path whose step is gone raises
 :class:`~tierstore.errors.CheckpointGoneError` naming the newest that restores.
 
-Each path gets its own model (:func:`model_name`: the integration's name, the
-path's stem and a digest of the absolute path), and every save of the path is
-a new step of that model (:func:`next_step`): re-saving a path is an
+**A run is one model, a checkpoint is a step of it.** The directory the
+framework saves a run's checkpoints in (Lightning's ``dirpath``, the Trainer's
+``output_dir``) maps to one model (:func:`model_name` of the directory: the
+integration's name, the directory's name and a digest of its absolute path),
+and every save is its next step (:func:`next_step`): re-saving a path is an
 overwrite for the framework and a new step for tierstore, never a write into
-a committed one; removing the path deletes its model
-(:meth:`tierstore.store.TierStore.delete_model`).
+a committed one, and the policies (``differential``, ``layerwise``,
+``dedup``) build on the run's previous step whichever path it was saved at.
+Which steps stay is the framework's choice, kept as **pins**
+(:meth:`consistency.steprecords.StepRecords.pin`, label: the checkpoint's
+path): the writer pins the step before it writes the pointer (:func:`pin`),
+so a pointer only ever names a pinned step; a pinned step survives every
+retention pass (in host memory until it is durable, then in the durable tier
+only), so host memory follows the Checkpointer's window (the newest step and
+what migrates), not the number of checkpoints ``save_top_k`` or
+``save_total_limit`` keep. Removing a checkpoint deletes its pointer, then
+its pin (:func:`unpin`), then collects (:func:`retire_older`); a pin whose
+pointer is gone from a visible run directory, or names another step, is
+dropped at the next save (:func:`unpin_gone`: the framework's rotation, or a
+crash between the two, is the evidence). An index rebuilt from the durable
+tier starts without pins; the integrations pin again at their next save.
+
+Pointers written before runs were one model (each path its own model, named
+from the path) stay readable; removing one deletes its model, as then.
 """
 
 from __future__ import annotations
@@ -59,7 +77,8 @@ from tierstore.errors import CheckpointGoneError, CorruptObjectError, IndexLostE
 from tierstore.keys import MAX_NAME_LEN, validate_name
 
 __all__ = ["MAX_POINTER_BYTES", "POINTER_VERSION", "Found", "Pointer", "freshest", "gone", "model_name", "named_store",
-           "next_step", "read_pointer", "restores", "retire_older", "store_args", "store_of", "write_pointer"]
+           "next_step", "pin", "pinned_by", "read_pointer", "restores", "retire_older", "store_args", "store_of",
+           "unpin", "unpin_gone", "write_pointer"]
 
 POINTER_VERSION = 1
 MAX_POINTER_BYTES = 1 << 20
@@ -206,7 +225,8 @@ def _clean(text: str) -> str:
 
 
 def model_name(prefix: str, path: str | os.PathLike[str]) -> str:
-    """The model holding the checkpoint saved at ``path``: ``<prefix>.<stem>-<digest of the absolute path>``.
+    """The model of ``path`` (a run's checkpoint directory; before runs were one model, a checkpoint's own path):
+    ``<prefix>.<stem>-<digest of the absolute path>``.
 
     Raises:
         InvalidKeyError: ``prefix`` is not a valid model name.
@@ -226,16 +246,60 @@ def next_step(store: Any, model: str) -> int:
 
 
 def retire_older(store: Any, model: str) -> bool:
-    """After a re-save of a path committed, collect the model's older steps: ``gc`` keeping the newest in
-    memory, and the newest durable one in the durable tier until the new step is durable too (so a re-save
-    never leaves the path without a durable copy); a step whose migration is still running is left for the
-    next re-save. Returns whether there was anything older to collect."""
+    """After a save committed (or a checkpoint was removed), collect the model's older steps: ``gc`` keeping the
+    newest in memory, and the newest durable one in the durable tier until the new step is durable too (so a save
+    never leaves the run without a durable copy), and every pinned step (:func:`pin`: the checkpoints the
+    framework still holds); a step whose migration is still running is left for the next save. Returns whether
+    there was anything older to collect."""
     if len(store.steps.steps(model)) < 2:
         return False
     from consistency.gc import Retention  # lazy: only re-saves collect
 
     store.gc(model, Retention(keep_last=1), dry_run=False)
     return True
+
+
+def pin(store: Any, model: str, path: str, step: int) -> None:
+    """Keep ``model``'s committed ``step`` while the checkpoint at ``path`` (absolute) names it; the writer calls
+    this before it writes the pointer (a pointer only ever names a pinned step)."""
+    store.steps.pin(model, path, step)
+
+
+def pinned_by(pointer: Pointer, path: str) -> bool:
+    """Whether ``pointer`` (read at ``path``) is a run's checkpoint kept by a pin (else: written before runs were
+    one model, its own model per path)."""
+    return pointer.info.get("pin") == os.path.abspath(path)
+
+
+def unpin(store: Any, model: str, paths: list[str]) -> None:
+    """Drop the pins of the checkpoints at ``paths`` (removed); :func:`retire_older` then collects their steps."""
+    store.steps.unpin(model, paths)
+
+
+def unpin_gone(store: Any, model: str, run_dir: str, pointer_file: Any = None) -> list[str]:
+    """Drop ``model``'s pins of checkpoints in ``run_dir`` whose pointer is gone or names another step; returns
+    their paths. Only on positive evidence: ``run_dir`` is a directory here, and the pointer file
+    (``pointer_file(path)``; default: the path itself) does not exist, is not a pointer (the framework wrote its
+    own file there) or names another model or step. A pointer that cannot be read keeps its pin."""
+    run = os.path.abspath(run_dir)
+    if not os.path.isdir(run):
+        return []
+    drop = []
+    for path, step in sorted(store.steps.pins(model).items()):
+        if os.path.dirname(path) != run:
+            continue
+        p = pointer_file(path) if pointer_file is not None else path
+        try:
+            ptr = read_pointer(p)
+        except FileNotFoundError:
+            ptr = None
+        except (OSError, CorruptObjectError):
+            continue  # not evidence that it is gone
+        if ptr is None or ptr.model != model or ptr.step != step:
+            drop.append(path)
+    if drop:
+        store.steps.unpin(model, drop)
+    return drop
 
 
 def write_pointer(path: str | os.PathLike[str], pointer: Pointer) -> None:

@@ -79,12 +79,15 @@ def run_all(store: Any, root: str) -> dict[str, Any]:
     d = TierStoreTrainer(model=model(), args=args(f"{root}/A", max_steps=16, save_total_limit=2),
                          train_dataset=Windows(), store=store)
     d.train(resume_from_checkpoint=True)
-    from tierstore.interop.pointer import model_name
+    from tierstore.interop.pointer import model_name, read_pointer
 
-    a_models = {model_name("hf", os.path.abspath(f"{root}/A/checkpoint-{n}")) for n in range(17)}
-    out["D"] = {"log": steps_logged(d), "dirs": sorted(os.listdir(f"{root}/A")),
-                "models": sorted(m for m in store.models() if m in a_models),
-                "want": sorted(model_name("hf", os.path.abspath(f"{root}/A/{c}")) for c in os.listdir(f"{root}/A"))}
+    run = os.path.abspath(f"{root}/A")
+    pointers = {os.path.join(run, c): read_pointer(os.path.join(run, c, "tierstore.json")) for c in os.listdir(run)}
+    out["D"] = {"log": steps_logged(d), "dirs": sorted(os.listdir(run)), "model": model_name("hf", run),
+                "pointer_models": sorted({p.model for p in pointers.values()}),
+                "pins": store.steps.pins(model_name("hf", run)),
+                "want": {k: p.step for k, p in pointers.items()},
+                "per_directory": sorted(m for m in store.models() if m.startswith("hf.checkpoint-"))}
     return out
 
 

@@ -164,7 +164,8 @@ def _ddp(home: str, ckpt_dir: str, mode: str, kill: int, steps: int) -> dict[str
     trainer([], steps, devices=2, strategy="ddp", enable_checkpointing=False).fit(ref, data(rank, 2))
     out["ref"] = {"losses": ref.losses, "params": {n: p.tolist() for n, p in params(ref).items()}}
     out["files"] = sorted(os.listdir(ckpt_dir))
-    out["models"] = [m for m in store.models() if m.startswith("lightning.")]
+    out["models"] = sorted(m for m in store.models() if m.startswith("lightning."))
+    out["pins"] = {k: v for m in out["models"] for k, v in store.steps.pins(m).items()}
     out.update(_fsdp2(store, ckpt_dir + "-fsdp2", rank))
     store.close()
     return out

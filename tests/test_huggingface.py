@@ -44,7 +44,8 @@ def _check(res: dict) -> None:
     d = res["D"]
     assert d["dirs"] == ["checkpoint-12", "checkpoint-16"]  # resumed from 12 (the newest), rotated to 2 kept
     assert sorted(map(int, d["log"])) == list(range(1, 17))
-    assert d["models"] == d["want"] and len(d["models"]) == 2  # no dead model for a rotated directory
+    assert d["pointer_models"] == [d["model"]] and d["per_directory"] == []  # the run is one model
+    assert d["pins"] == d["want"] and len(d["pins"]) == 2  # rotation: the pins follow the directories
 
 
 def test_trainer_resumes_bitwise_in_the_first_and_a_later_epoch_one_process(store, tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ pl = pytest.importorskip("lightning.pytorch", reason="needs PyTorch Lightning (t
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from tests import _lightning_job as J  # noqa: E402
+from tests._runs import check_run  # noqa: E402
 from tierstore.errors import CheckpointNotFoundError, InvalidValueError  # noqa: E402
 from tierstore.interop.lightning import TierStoreCheckpoint, TierStoreCheckpointIO  # noqa: E402
 from tierstore.interop.pointer import read_pointer, retire_older  # noqa: E402
@@ -59,13 +60,14 @@ def test_resume_last_is_bitwise_and_the_policy_applies_to_resaves(store, tmp_pat
     J.trainer([], 12, enable_checkpointing=False).fit(ref, J.data())
     a = J.Net()
     J.trainer([_cb(store, tmp_path, save_last=True, save_top_k=2, monitor="train_loss",
-                   policy=differential(base_every=3))], 6).fit(a, J.data())
+                   policy=differential(base_every=3, payoff=None))], 6).fit(a, J.data())
     files = _pointers(tmp_path)
     assert "last.ckpt" in files and len(files) == 3  # last + top 2
     last = read_pointer(tmp_path / "last.ckpt")
-    assert last.info == {"global_step": 6, "epoch": 1, "layout": "module"} and last.step == 2  # 3rd save of the path
+    assert last.info == {"global_step": 6, "epoch": 1, "layout": "module", "pin": str(tmp_path / "last.ckpt")}
+    assert last.step == max(s for s, _ in store.steps.steps(last.model))  # the run's newest step
     kinds = {r.kind for r in store.index.get_objects(store.list(last.model))}
-    assert "delta" in kinds  # the re-saves of last.ckpt went through the differential policy
+    assert "delta" in kinds  # the run's saves went through the differential policy, building on the previous one
     b = J.Net()
     J.trainer([_cb(store, tmp_path, save_last=True, save_top_k=2, monitor="train_loss")], 12).fit(
         b, J.data(), ckpt_path="last")
@@ -73,15 +75,13 @@ def test_resume_last_is_bitwise_and_the_policy_applies_to_resaves(store, tmp_pat
     assert all(b.losses[s] == ref.losses[s] for s in b.losses)
     pr, pb = J.params(ref), J.params(b)
     assert all(torch.equal(pr[n], pb[n]) for n in pr)
-    # top-k rotation leaves exactly one model per checkpoint file; its newest step is the pointer's, and no
-    # durable manifest outlives its step (re-saves collect older steps only once their migration is done)
+    # top-k rotation leaves one model for the run, its pins exactly the checkpoint files' steps, nothing
+    # uncollected, and no durable manifest outliving its step
     files = _pointers(tmp_path)
-    assert _lightning_models(store) == sorted(read_pointer(tmp_path / f).model for f in files)
+    model = check_run(store, {str(tmp_path / f): read_pointer(tmp_path / f) for f in files})
+    assert _lightning_models(store) == [model]
     store.flush()
-    for f in files:
-        ptr = read_pointer(tmp_path / f)
-        recorded = [s for s, _ in store.steps.steps(ptr.model)]
-        assert recorded[-1] == ptr.step and set(store.steps.durable_steps(ptr.model)) <= set(recorded)
+    assert set(store.steps.durable_steps(model)) <= {s for s, _ in store.steps.steps(model)}
 
 
 def test_resaving_a_path_overwrites_it_and_a_path_never_saved_is_an_error(store, tmp_path):
@@ -196,7 +196,9 @@ def test_ddp_rank0_saves_sigkill_resume_bitwise_and_fsdp2(tmp_path):
         assert sorted(map(int, got["losses"])) == list(range(6, 12))
         assert all(got["losses"][s] == ref["losses"][s] for s in got["losses"]), rank
         assert got["params"] == ref["params"], rank
-        assert res["models"] == sorted(read_pointer(ck / f).model for f in res["files"])  # rotation: no dead models
+        run = {str(ck / f): read_pointer(ck / f) for f in res["files"] if not os.path.islink(ck / f)}
+        assert res["models"] == sorted({p.model for p in run.values()})  # the run is one model
+        assert res["pins"] == {k: p.step for k, p in run.items()}  # rotation: the pins follow the files
         f = res["fsdp2"]
         assert f["sharded"] and f["layout"] == "dict" and f["equal"], (rank, f)
         assert sorted(map(int, f["losses_b"])) == [3, 4, 5]

@@ -190,19 +190,33 @@ def restores(store: Any, model: str, step: int | None = None) -> Any:
 
 
 def freshest(store: Any, pointers: list[Pointer]) -> Found | None:
-    """The newest restorable step among ``pointers`` (a run's checkpoints): each pointer's model's newest step
-    that the read path still restores (its own step, or an older re-save of its path), the highest global step
-    first, then a pointer's own step (a path that names it), then the newest save. ``None``: none restores."""
-    best: tuple[tuple[int, bool, float], Found] | None = None
+    """The newest restorable step among ``pointers`` (a run's checkpoints), by the read path's own rules: each
+    pointer's own step where it still restores (the highest global step first, then the newest save); where
+    none does, the newest step a pointer's model still restores (an older re-save of its path, a step of the
+    run the window kept), found through the newest pointer of that model. ``None``: none restores."""
+    best: tuple[tuple[int, float], Found] | None = None
     for p in pointers:
+        res = restores(store, p.model, p.step)
+        if isinstance(res, str):
+            continue
+        gs = _global_step(res, p.info.get("global_step"))
+        rank = (gs if gs is not None else -1, p.saved_at)
+        if best is None or rank > best[0]:
+            best = (rank, Found(p.path, p.model, int(res.step), gs))
+    if best is not None:
+        return best[1]
+    seen: set[str] = set()
+    for p in sorted(pointers, key=lambda p: p.saved_at, reverse=True):
+        if p.model in seen:  # a run's pointers share one model: its newest step once
+            continue
+        seen.add(p.model)
         res = restores(store, p.model)
         if isinstance(res, str):
             continue
-        gs = _global_step(res, p.info.get("global_step") if res.step == p.step else None)
-        found = Found(p.path, p.model, int(res.step), gs)
-        rank = (gs if gs is not None else -1, res.step == p.step, p.saved_at)
-        if best is None or rank > best[0]:
-            best = (rank, found)
+        found = Found(p.path, p.model, int(res.step), _global_step(res, None))
+        gs = found.global_step if found.global_step is not None else -1
+        if best is None or (gs, p.saved_at) > best[0]:
+            best = ((gs, p.saved_at), found)
     return None if best is None else best[1]
 
 

@@ -130,8 +130,6 @@ def huggingface(store: Any, work: str, repeats: int, layers: int, width: int) ->
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from tierstore.interop.huggingface import TierStoreTrainer
-    from tierstore.interop.pointer import read_pointer
-
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=width, n_layer=layers, n_head=8,
                                        bos_token_id=0, eos_token_id=0))
@@ -159,9 +157,8 @@ def huggingface(store: Any, work: str, repeats: int, layers: int, width: int) ->
         times["TierStoreTrainer._save_checkpoint"].append(_timed(lambda: t._save_checkpoint(t.model, None)))
         durable.append(times["TierStoreTrainer._save_checkpoint"][-1] + _timed(store.flush))
         shutil.rmtree(os.path.join(work, "hf", "own"), ignore_errors=True)  # untimed: one round's copies at a time
-        done = os.path.join(work, "hf", "tierstore", f"checkpoint-{1 + r}")
-        store.delete_model(read_pointer(os.path.join(done, "tierstore.json")).model, force=True)
-        shutil.rmtree(done, ignore_errors=True)
+        # as save_total_limit's rotation does: the directory goes, the next save drops its pin and collects it
+        shutil.rmtree(os.path.join(work, "hf", "tierstore", f"checkpoint-{1 + r}"), ignore_errors=True)
     nbytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     _table("Hugging Face: Trainer._save_checkpoint", times, next(iter(times)), nbytes)
     ref = statistics.median(next(iter(times.values())))

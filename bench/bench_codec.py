@@ -146,7 +146,7 @@ def main() -> None:
     ab_versions(blob, dst, p, buf, a.reps, nbytes, bound[0])
     row("digest_many xxh3 (AdaCheck)", timeit(lambda: digest_many(state), a.reps), nbytes, bound[0])
     row("digest_many blake2s", timeit(lambda: digest_many(state, "blake2s"), 1), nbytes, bound[0])
-    del blob, buf, p
+    blob = buf = p = None  # type: ignore[assignment]  # freed before the next section allocates
 
     big_new = torch.cat(list(state.values()))
     big_base = big_new + 1e-3 * torch.randn_like(big_new)
@@ -158,7 +158,7 @@ def main() -> None:
     row("plain torch XOR on int32 views (no shuffle)",
         timeit(lambda: torch.bitwise_xor(big_new.view(torch.int32), big_base.view(torch.int32)), a.reps),
         nbytes, bound[0])
-    del big_new, big_base, d
+    big_new = big_base = d = None  # type: ignore[assignment]  # freed
 
     print(f"lz4 (ratio = compressed/raw; Linear({a.hidden},{a.hidden}) AdamW lr=1e-4, consecutive steps):")
     dense = torch.randn(a.hidden * a.hidden).numpy().tobytes()

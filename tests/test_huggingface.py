@@ -95,3 +95,56 @@ def test_trainer_resumes_bitwise_on_two_processes(tmp_path):
     assert codes == [0, 0], b"\n".join(p.stderr.read()[-3000:] for p in procs).decode(errors="replace")
     for rank in range(2):  # each rank's own RNG (dropout) and the replicas stored once (dedup)
         _check(json.loads(Path(f"{out}.{rank}.json").read_text()))
+
+
+def test_a_save_returns_before_its_commit_and_the_pointer_follows_it(store, tmp_path, monkeypatch):
+    """``store_async`` (the default): ``_save_checkpoint`` returns while the step's commit is still held up (the
+    training goes on); the pointer appears only once the step is committed; the next save waits for the previous
+    one; a directory whose save never committed (``trainer_state.json`` alone) is skipped by a resume; a commit
+    that fails raises, typed, at the next call that waits for it, and writes no pointer."""
+    import threading
+
+    from tierstore.errors import CommitError
+    from tierstore.interop.huggingface import TierStoreTrainer, last_checkpoint
+    from tierstore.train.checkpointer import Checkpointer
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    gate, seen = threading.Event(), []
+    real_wait = Checkpointer.wait
+
+    def held_wait(self, *a, **kw):  # the commit waits off the training thread are held until it went on
+        name = threading.current_thread().name
+        seen.append(name)
+        if name.startswith("tierstore-hf-save"):
+            assert gate.wait(60)
+        return real_wait(self, *a, **kw)
+
+    monkeypatch.setattr(Checkpointer, "wait", held_wait)
+
+    class Watch(TierStoreTrainer):
+        def training_step(self, *a, **kw):
+            if self.state.global_step == 5:  # after the save of checkpoint-4 returned
+                assert not (tmp_path / "run" / "checkpoint-4" / "tierstore.json").exists()  # not committed yet
+                assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.json").exists()
+                gate.set()
+            return super().training_step(*a, **kw)
+
+    t = Watch(model=H.model(), args=H.args(str(tmp_path / "run"), max_steps=8), train_dataset=H.Windows(),
+              store=store)
+    t.train()
+    # each save's commit was waited for off the training thread
+    assert sum(n.startswith("tierstore-hf-save") for n in seen) == 2, seen
+    for n in (4, 8):
+        ptr = json.loads((tmp_path / "run" / f"checkpoint-{n}" / "tierstore.json").read_text())
+        assert store.steps.state(ptr["model"], ptr["step"]) in ("committed", "durable")
+    # a save that never committed: trainer_state.json alone; a resume takes the newest that did
+    (tmp_path / "run" / "checkpoint-12").mkdir()
+    (tmp_path / "run" / "checkpoint-12" / "trainer_state.json").write_text("{}")
+    assert last_checkpoint(tmp_path / "run", store) == str(tmp_path / "run" / "checkpoint-8")
+    monkeypatch.setattr(Checkpointer, "wait", lambda self, *a, **kw: "aborted")
+    bad = TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "bad"), max_steps=4),
+                           train_dataset=H.Windows(), store=store)
+    with pytest.raises(CommitError, match="aborted"):
+        bad.train()  # its only save fails: raised when train() ends, which waits for it
+    assert not (tmp_path / "bad" / "checkpoint-4" / "tierstore.json").exists()

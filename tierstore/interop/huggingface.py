@@ -38,8 +38,12 @@ So, per checkpoint directory:
   once), committed, then rank 0 pins it and writes ``tierstore.json`` (the
   pointer) in the
   directory. The weight, optimizer, scheduler, scaler and RNG files are not
-  written; the Trainer then writes ``trainer_state.json`` itself, last. A
-  directory is complete when both files are there.
+  written; the Trainer then writes ``trainer_state.json`` itself. A
+  directory is complete when both files are there. With ``store_async``
+  (the default) the save returns after the snapshot and the commit, the pin
+  and the pointer follow on a background thread (the next save and the end
+  of ``train()`` wait for it): a directory holding ``trainer_state.json``
+  alone is a save that never committed, and a resume skips it.
 * **resume** (``train(resume_from_checkpoint=True)`` or a directory): ``True``
   picks the newest *complete* ``checkpoint-N`` whose step still restores (HF
   would pick the newest number, even one a killed save left half-written;
@@ -68,6 +72,9 @@ import logging
 import os
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -130,17 +137,28 @@ def _numbered(run: str) -> list[str]:
     return [os.path.join(run, d) for _, d in found]
 
 
+def _pending(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` holds ``trainer_state.json`` and nothing else of a checkpoint: a save of this
+    integration whose commit had not finished (``store_async``) when the process stopped, or failed."""
+    names = [n for n in os.listdir(checkpoint_dir) if not n.startswith(".")]
+    return names == [TRAINER_STATE]
+
+
 def last_checkpoint(run_dir: str | os.PathLike[str], store: Any | None = None, *, say: bool = True) -> str | None:
     """The newest complete ``checkpoint-N`` directory of ``run_dir``: its pointer and ``trainer_state.json`` are
     there, and (given ``store``) the step it names still restores through the read path (memory, peer, durable:
     after a node reboot took a step that was not durable yet, an older directory's durable step). Directories the
-    Trainer wrote itself (no pointer) count when their ``trainer_state.json`` is there; ``say``: log the newer
-    ones skipped and which one it took. ``None``: none."""
+    Trainer wrote itself (no pointer) count when their ``trainer_state.json`` is there and something else (its
+    weights); a directory holding ``trainer_state.json`` alone is a save whose commit never finished, skipped.
+    ``say``: log the newer ones skipped and which one it took. ``None``: none."""
     skipped: list[str] = []
     for full in _numbered(os.fspath(run_dir)):
         if not os.path.isfile(os.path.join(full, TRAINER_STATE)):
             continue
         ptr = _pointer(full)
+        if ptr is None and _pending(full):
+            skipped.append(f"{os.path.basename(full)} (its save never committed: no pointer, no weights)")
+            continue
         if ptr is not None and store is not None:
             res = restores(store, ptr.model, ptr.step)
             if isinstance(res, str):
@@ -163,10 +181,16 @@ class TierStoreTrainerMixin:
             ``<store_name>.<output_dir's name>-<digest of its absolute path>``.
         store_policy: the Checkpointer policy (default ``dedup()`` with several ranks, else ``exact()``).
         store_timeout: seconds a save waits for its step to commit.
+        store_async: a checkpoint save returns once every rank's state is copied (the snapshot); the wait for
+            the commit, the pin, the pointer and the collection run on a background thread, as Lightning's
+            ``AsyncCheckpointIO`` does. The next save and the end of ``train()`` wait for it first (at most
+            ``store_timeout`` + 60 s) and raise its error. The pointer is still written only once its step is
+            committed: until then the directory holds ``trainer_state.json`` alone, which a resume skips.
+            ``False``: a save returns after its commit.
     """
 
     def __init__(self, *args: Any, store: Any = None, store_name: str = "hf", store_policy: Policy | None = None,
-                 store_timeout: float = 120.0, **kwargs: Any) -> None:
+                 store_timeout: float = 120.0, store_async: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         if self.args.load_best_model_at_end:
             raise ConfigError("TierStoreTrainer does not support load_best_model_at_end yet (the best checkpoint's "
@@ -179,6 +203,9 @@ class TierStoreTrainerMixin:
         self._ts_saving = False
         self._ts_group: Any = None
         self._ts_ck: tuple[Any, dict[str, Any]] | None = None  # the run's Checkpointer, kept across saves
+        self._ts_async = bool(store_async)
+        self._ts_bg: ThreadPoolExecutor | None = None  # one worker: the background parts run in order
+        self._ts_pending: list[Future] = []
 
     args: Any
     state: Any
@@ -226,13 +253,52 @@ class TierStoreTrainerMixin:
         finally:
             self._ts_close()
 
+    def _ts_wait(self) -> None:
+        """Wait for the background parts of the saves so far (``store_async``): committed, pinned, pointer written.
+
+        Raises:
+            CommitError: a save did not commit (its pointer was not written), or did not finish in time.
+            TierStoreError: its commit failed otherwise (typed, as the save itself would have raised it).
+        """
+        pending, self._ts_pending = self._ts_pending, []
+        bound = self._ts_timeout + 60.0  # the commit wait is bounded by store_timeout; the rest by the store
+        failed: BaseException | None = None
+        for fut in pending:
+            try:
+                fut.result(timeout=bound)
+            except FuturesTimeout:
+                failed = failed or CommitError(f"a checkpoint save did not finish within {bound:.0f} s (the index or "
+                                               "a tier is not answering)")
+            except BaseException as e:  # noqa: BLE001 - raised once every part was waited for
+                failed = failed or e
+        if failed is not None:
+            raise failed
+
     def _ts_close(self) -> None:
-        """Close the run's Checkpointer (every save waited for its commit) and collect what no checkpoint names."""
+        """Wait for the last save, close the run's Checkpointer and collect what no checkpoint names. With several
+        ranks, every rank returns once every rank's saves finished (the last pointer is written), with one
+        verdict: a save that failed on any rank raises on every rank."""
         got, self._ts_ck = self._ts_ck, None
         if got is None:
             return
+        failed: BaseException | None = None
+        try:
+            self._ts_wait()
+        except BaseException as e:  # noqa: BLE001 - raised below, once every rank knows
+            failed = e
+        if self._ts_bg is not None:
+            self._ts_bg.shutdown(wait=False)
+            self._ts_bg = None
         ck, _ = got
         ck.close()
+        if self._ts_group is not None:  # bounded by the group's timeout (store_timeout + 120 s)
+            flag = torch.tensor([0 if failed is None else 1], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ts_group)
+            if failed is None and int(flag):
+                failed = CommitError(f"a checkpoint save of {ck.model} failed on another rank (its error is raised "
+                                     "there); the last checkpoint's pointer may be missing", model=ck.model)
+        if failed is not None:
+            raise failed
         if self.args.should_save:
             try:
                 retire_older(self.store, ck.model)
@@ -319,7 +385,7 @@ class TierStoreTrainerMixin:
         finally:
             self._ts_saving = False
         if self.args.should_save and self._ts_last_dir is not None:
-            self._ts_collect_rotated(os.path.dirname(self._ts_last_dir))
+            self._ts_later(self._ts_collect_rotated, os.path.dirname(self._ts_last_dir))
 
     _ts_last_dir: str | None = None
 
@@ -349,7 +415,7 @@ class TierStoreTrainerMixin:
         if world > 1 and self._ts_group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ConfigError(f"{world} processes without torch.distributed", field="world_size")
-            self._ts_group = dist.new_group(backend="gloo")  # every rank saves together: a collective
+            self._ts_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._ts_timeout + 120.0))  # every rank saves together: a collective
         return world, rank, self._ts_group
 
     def _ts_checkpointer(self, model: str, state: dict[str, Any], world: int, rank: int, group: Any) -> Any:
@@ -368,9 +434,19 @@ class TierStoreTrainerMixin:
         self._ts_ck = (ck, state)
         return ck
 
+    def _ts_later(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` after the background parts before it (``store_async``), else now."""
+        if not self._ts_async:
+            fn(*args)
+            return
+        if self._ts_bg is None:
+            self._ts_bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-hf-save")
+        self._ts_pending.append(self._ts_bg.submit(fn, *args))
+
     def _ts_save(self, output_dir: str) -> None:
-        """One committed step of the run's model (``output_dir``'s parent) from every rank, then (rank 0) its pin
-        and the pointer in ``output_dir``."""
+        """One step of the run's model (``output_dir``'s parent) from every rank; once it is committed (in the
+        background with ``store_async``), rank 0 pins it and writes the pointer in ``output_dir``."""
+        self._ts_wait()  # the previous save's commit and pointer first: its error surfaces here
         full = os.path.abspath(output_dir)
         world, rank, group = self._ts_world()
         model = model_name(self._ts_name, os.path.dirname(full))  # the run (output_dir) is one model
@@ -381,21 +457,27 @@ class TierStoreTrainerMixin:
         ck = self._ts_checkpointer(model, state, world, rank, group)
         try:
             ck.save(int(step), extra={"dir": full, "global_step": self.state.global_step})
-            outcome = ck.wait()
         except BaseException:
             self._ts_ck = None
             ck.close()
             raise
-        if outcome != "committed":
-            raise CommitError(f"the checkpoint {full} (step {int(step)} of {model}) was {outcome}", model=model,
-                              step=int(step))
         self._ts_last_dir = full
+        if self.args.should_save:  # the Trainer writes trainer_state.json into it next, as after its own files
+            os.makedirs(full, exist_ok=True)
+        info = {"global_step": self.state.global_step, "epoch": self.state.epoch, "world": world,
+                "entries": sorted(state), "pin": full}
+        self._ts_later(self._ts_complete, ck, model, int(step), full, info)
+
+    def _ts_complete(self, ck: Any, model: str, step: int, full: str, info: dict[str, Any]) -> None:
+        """The part of a save after the snapshot: the commit, then (rank 0) the pin and the pointer."""
+        outcome = ck.wait()
+        if outcome != "committed":
+            raise CommitError(f"the checkpoint {full} (step {step} of {model}) was {outcome}", model=model,
+                              step=step)
         if self.args.should_save:
-            info = {"global_step": self.state.global_step, "epoch": self.state.epoch, "world": world,
-                    "entries": sorted(state), "pin": full}
-            pin(self.store, model, full, int(step))  # first: the pointer only ever names a step retention keeps
-            write_pointer(os.path.join(full, POINTER_FILE), Pointer(model, int(step), full, FRAMEWORK,
-                                                                   time.time(), info, store_of(self.store)))
+            pin(self.store, model, full, step)  # first: the pointer only ever names a step retention keeps
+            write_pointer(os.path.join(full, POINTER_FILE), Pointer(model, step, full, FRAMEWORK, time.time(), info,
+                                                                   store_of(self.store)))
 
     def _ts_collect_rotated(self, run_dir: str) -> None:
         """After the Trainer's rotation: drop the pins of the ``checkpoint-N`` directories of ``run_dir`` it removed,

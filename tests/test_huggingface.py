@@ -13,10 +13,6 @@ directories' models in the store. On 1 process (in this one) and on 2 (torch.dis
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -76,23 +72,11 @@ def test_trainer_resumes_bitwise_in_the_first_and_a_later_epoch_one_process(stor
 
 
 def test_trainer_resumes_bitwise_on_two_processes(tmp_path):
-    from tests.redis_server import free_port
+    from tests._ranks import run_ranks
 
-    port, out = free_port(), tmp_path / "out"
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests._hf_job", str(out), str(tmp_path / "home")],
-                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    deadline = time.monotonic() + 400
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    assert codes == [0, 0], b"\n".join(p.stderr.read()[-3000:] for p in procs).decode(errors="replace")
+    out = tmp_path / "out"
+    job = run_ranks("tests._hf_job", [str(out), str(tmp_path / "home")], timeout_s=400)
+    assert job.codes == [0, 0], job.tail()
     for rank in range(2):  # each rank's own RNG (dropout) and the replicas stored once (dedup)
         _check(json.loads(Path(f"{out}.{rank}.json").read_text()))
 

@@ -17,9 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -126,25 +123,12 @@ def test_the_pointer_names_its_store_and_another_directory_finds_it(tmp_path, mo
 
 
 def _launch(phase: str, home: Path, run: Path, out: Path) -> list[int]:
-    from tests.redis_server import free_port
+    from tests._ranks import run_ranks
 
-    port, procs = free_port(), []
-    for r in range(2):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests._hf_reboot_job", phase, str(home), str(run),
-                                       str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE))
-    deadline = time.monotonic() + 300
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    if phase != "b" and codes != [0, 0]:
-        print(b"\n".join(p.stderr.read()[-3000:] for p in procs).decode(errors="replace"))
-    return codes
+    job = run_ranks("tests._hf_reboot_job", [phase, str(home), str(run), str(out)], timeout_s=300)
+    if phase != "b" and job.codes != [0, 0]:
+        print(job.tail())
+    return job.codes
 
 
 def test_reboot_right_after_a_save_on_two_processes(tmp_path):

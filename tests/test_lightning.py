@@ -20,9 +20,6 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -163,26 +160,12 @@ def test_plain_checkpoint_io_under_lightnings_own_model_checkpoint(store, tmp_pa
 
 
 def _launch(mode: str, home: Path, ck: Path, out: Path, kill: int, steps: int) -> list[int]:
-    from tests.redis_server import free_port
+    from tests._ranks import run_ranks
 
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests._lightning_job", mode, str(home), str(ck),
-                                       str(out), str(kill), str(steps)], cwd=ROOT, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    deadline = time.monotonic() + 240
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    if mode != "first" and codes != [0, 0]:
-        print(b"\n".join(p.stderr.read()[-3000:] for p in procs).decode(errors="replace"))
-    return codes
+    job = run_ranks("tests._lightning_job", [mode, str(home), str(ck), str(out), str(kill), str(steps)])
+    if mode != "first" and job.codes != [0, 0]:
+        print(job.tail())
+    return job.codes
 
 
 def test_ddp_rank0_saves_sigkill_resume_bitwise_and_fsdp2(tmp_path):

@@ -18,9 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -112,25 +109,12 @@ def test_the_pointer_names_its_store_and_another_directory_finds_it(tmp_path, mo
 
 
 def _launch(phase: str, home: Path, ckpts: Path, out: Path) -> list[int]:
-    from tests.redis_server import free_port
+    from tests._ranks import run_ranks
 
-    port, procs = free_port(), []
-    for r in range(2):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests._lightning_reboot_job", phase, str(home),
-                                       str(ckpts), str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE))
-    deadline = time.monotonic() + 240
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    if phase != "b" and codes != [0, 0]:
-        print(b"\n".join(p.stderr.read()[-3000:] for p in procs).decode(errors="replace"))
-    return codes
+    job = run_ranks("tests._lightning_reboot_job", [phase, str(home), str(ckpts), str(out)])
+    if phase != "b" and job.codes != [0, 0]:
+        print(job.tail())
+    return job.codes
 
 
 def test_reboot_right_after_a_save_on_two_processes(tmp_path):

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -208,25 +206,16 @@ def fsdp_worker(rank: int, port: int, home: str, out: str) -> None:
 
 
 from tests._leaks import purge_homes  # noqa: E402
-from tests.redis_server import free_port as _free_port  # noqa: E402
+from tests._ranks import run_ranks  # noqa: E402
 
 
 def _run(args: list[str], kill: bool = False, deadline_s: float = 300) -> list[int]:
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_trainer_ddp", args[0], str(r), str(port), *args[1:]],
-                              cwd=ROOT, env=env) for r in range(2)]
-    deadline = time.monotonic() + deadline_s
-    codes: list[int | None] = [None, None]
-    while None in codes and time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if kill and codes[1] == 17 and codes[0] is None:
-            procs[0].send_signal(signal.SIGKILL)  # the surviving rank dies with the job
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    return [p.wait() for p in procs]
+    # kill: rank 1 exiting 17 takes the surviving rank down with the job
+    job = run_ranks("tests.test_trainer_ddp", lambda r, port: [args[0], str(r), str(port), *args[1:]],
+                    timeout_s=deadline_s, torchrun=False, dies_with=17 if kill else None)
+    if job.codes != [0, 0] and not kill:
+        print(job.tail())
+    return job.codes
 
 
 def _load(out: Path) -> list[dict]:

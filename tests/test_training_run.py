@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -107,31 +105,17 @@ def worker(rank: int, world: int, port: int, home: str, out: str, kill_at: int) 
 
 
 from tests._leaks import purge_homes  # noqa: E402
-from tests.redis_server import free_port as _free_port  # noqa: E402
+from tests._ranks import run_ranks  # noqa: E402
 
 
 def _run(home: Path, out: Path, kill_at: int) -> list[int]:
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.test_training_run", str(r), "2", str(port), str(home), str(out), str(kill_at)],
-            cwd=ROOT,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    deadline = time.monotonic() + 240
-    codes: list[int | None] = [None, None]
-    while None in codes and time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if codes[1] == 17 and codes[0] is None:
-            procs[0].send_signal(signal.SIGKILL)  # the surviving rank dies with the job
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    return [p.wait() for p in procs]
+    # rank 1 exiting 17 (the kill point) takes the surviving rank down with the job
+    job = run_ranks("tests.test_training_run",
+                    lambda r, port: [str(r), "2", str(port), str(home), str(out), str(kill_at)],
+                    timeout_s=240, torchrun=False, dies_with=17)
+    if job.codes[1] != 17 and job.codes != [0, 0]:
+        print(job.tail())
+    return job.codes
 
 
 _DONE: list = []  # this session's results: the runs are made once even when the module's fixtures are set up again

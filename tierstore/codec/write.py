@@ -136,8 +136,15 @@ class _Layout:
 
 _LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
 _LAYOUTS_MAX = 1024  # a trainer saves the same layers with the same metadata every step
-_LAYOUT_CACHED_TABLE = 16 << 10  # larger tables (and chunk tables) are not kept: the cache stays within 32 MiB
+# the tables kept, in bytes (tables and chunk tables): an object of thousands of tensors has a table of hundreds of
+# KiB, and building it again each step was most of its save's stall; the least recently used go first
+_LAYOUTS_MAX_BYTES = 32 << 20
+_LAYOUTS_BYTES = [0]
 _LAYOUTS_LOCK = threading.Lock()
+
+
+def _layout_bytes(layout: _Layout) -> int:
+    return len(layout.table) + len(layout.chunk_table)
 
 
 def _layout(meta_json: bytes, sig: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> _Layout:
@@ -148,12 +155,16 @@ def _layout(meta_json: bytes, sig: tuple[tuple[str, str, tuple[int, ...], int], 
             _LAYOUTS.move_to_end(key)
             return layout
     layout = _Layout(meta_json, sig)
-    if len(layout.table) > _LAYOUT_CACHED_TABLE or len(layout.chunk_table) > _LAYOUT_CACHED_TABLE:
+    size = _layout_bytes(layout)
+    if size > _LAYOUTS_MAX_BYTES // 4:
         return layout
     with _LAYOUTS_LOCK:
-        _LAYOUTS[key] = layout
-        if len(_LAYOUTS) > _LAYOUTS_MAX:
-            _LAYOUTS.popitem(last=False)
+        if key not in _LAYOUTS:
+            _LAYOUTS[key] = layout
+            _LAYOUTS_BYTES[0] += size
+        while len(_LAYOUTS) > _LAYOUTS_MAX or _LAYOUTS_BYTES[0] > _LAYOUTS_MAX_BYTES:
+            _, old = _LAYOUTS.popitem(last=False)
+            _LAYOUTS_BYTES[0] -= _layout_bytes(old)
     return layout
 
 

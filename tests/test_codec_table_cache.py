@@ -89,3 +89,33 @@ def test_the_store_config_sets_the_cache_size(loads, monkeypatch, tmp_path, redi
         store.close()
     with pytest.raises(ConfigError, match="table_cache"):
         StoreConfig(table_cache=-1)
+
+
+def test_a_large_layout_is_built_once_and_the_cache_stays_within_its_bound(monkeypatch):
+    """An object of thousands of tensors (a table of hundreds of KiB) is planned from the cached layout on the next
+    save, not rebuilt; the cache drops the least recently used layouts to stay within its bytes."""
+    from tierstore.codec import write
+
+    monkeypatch.setattr(write, "_LAYOUTS", type(write._LAYOUTS)())
+    monkeypatch.setattr(write, "_LAYOUTS_BYTES", [0])
+    built: list[int] = []
+    real = write._Layout.__init__
+
+    def counting(self, meta_json, sig):
+        built.append(len(sig))
+        real(self, meta_json, sig)
+
+    monkeypatch.setattr(write._Layout, "__init__", counting)
+    tensors = {f"layers.{i}.weight": torch.zeros(4) for i in range(4000)}
+    first = write.EncodePlan(tensors)
+    assert len(first._table) > 16 << 10  # larger than the old per-table limit
+    write.EncodePlan(tensors)
+    assert built == [4000]
+    size = write._layout_bytes(next(iter(write._LAYOUTS.values())))
+    monkeypatch.setattr(write, "_LAYOUTS_MAX_BYTES", 4 * size)  # four of them
+    for n in range(1, 6):  # five other layouts of the same size: the oldest go
+        write.EncodePlan({f"layers.{i}.weight": torch.zeros(4 + n) for i in range(4000)})
+    assert write._LAYOUTS_BYTES[0] <= write._LAYOUTS_MAX_BYTES and len(write._LAYOUTS) == 4
+    assert write._LAYOUTS_BYTES[0] == sum(write._layout_bytes(v) for v in write._LAYOUTS.values())
+    write.EncodePlan(tensors)  # dropped: built again
+    assert built.count(4000) == 7

@@ -136,9 +136,10 @@ class _Layout:
 
 _LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
 _LAYOUTS_MAX = 1024  # a trainer saves the same layers with the same metadata every step
-# the tables kept, in bytes (tables and chunk tables): an object of thousands of tensors has a table of hundreds of
-# KiB, and building it again each step was most of its save's stall; the least recently used go first
-_LAYOUTS_MAX_BYTES = 32 << 20
+# the tables kept, in bytes (tables and chunk tables; the rows and keys beside them take a few times that): an
+# object of thousands of tensors has a table of hundreds of KiB, and building it again each step was most of its
+# save's stall; the least recently used go first, and a layout over a quarter of the bound is not kept
+_LAYOUTS_MAX_BYTES = 8 << 20
 _LAYOUTS_BYTES = [0]
 _LAYOUTS_LOCK = threading.Lock()
 

@@ -212,7 +212,7 @@ def test_saves_during_fit_return_before_their_commit_and_every_pointer_names_a_c
 
     class Probe(pl.Callback):
         def on_train_batch_start(self, trainer, *args):
-            pending = cb.io._pending is not None and not cb.io._pending.done()
+            pending = cb.io._saves.busy()
             seen.append((trainer.global_step, pending))
             gate.set()
 

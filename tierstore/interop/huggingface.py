@@ -72,8 +72,6 @@ import logging
 import os
 import re
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any
 
@@ -102,6 +100,7 @@ from tierstore.interop.pointer import (
     unpin_gone,
     write_pointer,
 )
+from tierstore.interop.save_queue import SaveQueue
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import validate_name
 from tierstore.train.checkpointer import Checkpointer, load
@@ -204,8 +203,7 @@ class TierStoreTrainerMixin:
         self._ts_group: Any = None
         self._ts_ck: tuple[Any, dict[str, Any]] | None = None  # the run's Checkpointer, kept across saves
         self._ts_async = bool(store_async)
-        self._ts_bg: ThreadPoolExecutor | None = None  # one worker: the background parts run in order
-        self._ts_pending: list[Future] = []
+        self._ts_saves = SaveQueue("tierstore-hf-save")  # the background parts of saves (store_async)
 
     args: Any
     state: Any
@@ -260,19 +258,7 @@ class TierStoreTrainerMixin:
             CommitError: a save did not commit (its pointer was not written), or did not finish in time.
             TierStoreError: its commit failed otherwise (typed, as the save itself would have raised it).
         """
-        pending, self._ts_pending = self._ts_pending, []
-        bound = self._ts_timeout + 60.0  # the commit wait is bounded by store_timeout; the rest by the store
-        failed: BaseException | None = None
-        for fut in pending:
-            try:
-                fut.result(timeout=bound)
-            except FuturesTimeout:
-                failed = failed or CommitError(f"a checkpoint save did not finish within {bound:.0f} s (the index or "
-                                               "a tier is not answering)")
-            except BaseException as e:  # noqa: BLE001 - raised once every part was waited for
-                failed = failed or e
-        if failed is not None:
-            raise failed
+        self._ts_saves.wait(self._ts_timeout + 60.0)  # the commit wait is bounded by store_timeout; the rest by the store
 
     def _ts_close(self) -> None:
         """Wait for the last save, close the run's Checkpointer and collect what no checkpoint names. With several
@@ -286,9 +272,7 @@ class TierStoreTrainerMixin:
             self._ts_wait()
         except BaseException as e:  # noqa: BLE001 - raised below, once every rank knows
             failed = e
-        if self._ts_bg is not None:
-            self._ts_bg.shutdown(wait=False)
-            self._ts_bg = None
+        self._ts_saves.close()
         ck, _ = got
         ck.close()
         if self._ts_group is not None:  # bounded by the group's timeout (store_timeout + 120 s)
@@ -439,9 +423,7 @@ class TierStoreTrainerMixin:
         if not self._ts_async:
             fn(*args)
             return
-        if self._ts_bg is None:
-            self._ts_bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-hf-save")
-        self._ts_pending.append(self._ts_bg.submit(fn, *args))
+        self._ts_saves.submit(fn, *args)
 
     def _ts_save(self, output_dir: str) -> None:
         """One step of the run's model (``output_dir``'s parent) from every rank; once it is committed (in the

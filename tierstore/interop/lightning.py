@@ -55,8 +55,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +88,7 @@ from tierstore.interop.pointer import (
     unpin_gone,
     write_pointer,
 )
+from tierstore.interop.save_queue import SaveQueue
 from tierstore.interop.store_ref import StoreRef
 from tierstore.keys import validate_name
 from tierstore.train.checkpointer import Checkpointer
@@ -184,8 +183,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         self.timeout = timeout
         self.settle = settle
         self.async_save = async_save
-        self._pending: Future | None = None  # the background part of the last save (async_save)
-        self._bg: ThreadPoolExecutor | None = None
+        self._saves = SaveQueue("tierstore-lightning-save")  # the background parts of saves (async_save)
         self._saved: set[str] = set()  # the models this run saved a step of (teardown settles them)
         self._trainer: Any = None
         self._cks: dict[str, tuple[Checkpointer, dict[str, Any]]] = {}
@@ -210,7 +208,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         self.__dict__.update(state)
         self.async_save = state.get("async_save", True)
         self._trainer, self._cks, self.latest, self.like, self._saved = None, {}, set(), {}, set()
-        self._pending, self._bg = None, None
+        self._saves = SaveQueue("tierstore-lightning-save")
 
     # ---- save -----------------------------------------------------------------------------------
     def _state(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -275,9 +273,7 @@ class TierStoreCheckpointIO(CheckpointIO):
         if not (self.async_save and self._fitting()):
             self._complete(ck, model, step, full, info)
             return
-        if self._bg is None:
-            self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-lightning-save")
-        self._pending = self._bg.submit(self._complete, ck, model, step, full, info)
+        self._saves.submit(self._complete, ck, model, step, full, info)
 
     def _fitting(self) -> bool:
         """Whether the bound trainer is running (``fit``'s own saves go on in the background); a save outside a
@@ -308,14 +304,7 @@ class TierStoreCheckpointIO(CheckpointIO):
                 ``timeout`` seconds.
             TierStoreError: its commit failed otherwise (typed, as the save itself would have raised it).
         """
-        fut, self._pending = self._pending, None
-        if fut is None:
-            return
-        try:
-            fut.result(timeout=self.timeout + 60.0)  # the commit wait is bounded by timeout; the rest by the store
-        except FuturesTimeout as e:
-            raise CommitError(f"the last checkpoint save did not finish within {self.timeout + 60.0:.0f} s "
-                              "(the index or a tier is not answering)") from e
+        self._saves.wait(self.timeout + 60.0)  # the commit wait is bounded by timeout; the rest by the store
 
     def _global_rank(self) -> int:
         if self._trainer is not None:
@@ -471,9 +460,7 @@ class TierStoreCheckpointIO(CheckpointIO):
             self.wait()
         except Exception as e:  # noqa: BLE001 - raised below, once everything is closed
             failed = e
-        if self._bg is not None:
-            self._bg.shutdown(wait=False)
-            self._bg = None
+        self._saves.close()
         cks, self._cks = list(self._cks.values()), {}
         for ck, _ in cks:
             ck.close()

@@ -1,7 +1,7 @@
 """Launch a job of rank processes, as a launcher does, and wait for it with a bound: the one loop the tests that
 run real ``torch.distributed`` ranks share.
 
-Each rank is ``python -m MODULE ARGS...`` in the checkout, one thread for BLAS, its output to a file (a pipe
+Each rank is ``python -m MODULE ARGS...`` in the checkout (forked from a warm interpreter, :mod:`tests._warm`), one thread for BLAS, its output to a file (a pipe
 read only at the end blocks a rank that logs more than the pipe holds). ``torchrun=True`` sets what ``torchrun``
 sets (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``); otherwise the
 ranks get the port from their arguments. A rank that exits with ``dies_with`` takes the job down with it (the
@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests import _warm
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +39,10 @@ class Job:
 
 def run_ranks(module: str, args: Sequence[str] | Callable[[int, int], Sequence[str]], *, world: int = 2,
               timeout_s: float = 240, torchrun: bool = True, dies_with: int | None = None,
-              env: dict[str, str] | None = None) -> Job:
+              env: dict[str, str] | None = None, preload: Sequence[str] = _warm.TORCH) -> Job:
     """Run ``world`` ranks of ``python -m module`` and wait (at most ``timeout_s``). ``args``: every rank's
-    arguments, or ``args(rank, port)``."""
+    arguments, or ``args(rank, port)``. Each rank is a child of the warm interpreter that imported
+    ``preload`` (:mod:`tests._warm`): a process of its own, without the seconds of ``import torch``."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as logdir:
         procs, files = [], []
@@ -52,8 +54,8 @@ def run_ranks(module: str, args: Sequence[str] | Callable[[int, int], Sequence[s
             argv = list(args(r, port) if callable(args) else args)
             f = open(os.path.join(logdir, f"rank{r}.log"), "w+b")  # noqa: SIM115 - closed below
             files.append(f)
-            procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], cwd=ROOT, env=e, stdout=f,
-                                          stderr=subprocess.STDOUT))
+            procs.append(_warm.popen([sys.executable, "-m", module, *argv], preload=preload, cwd=ROOT, env=e,
+                                     stdout=f, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout_s
         try:
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:

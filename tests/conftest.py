@@ -205,6 +205,9 @@ def _nothing_left_behind(tmp_path_factory, request):
     # exit with the interpreter: stopped here, they are not counted
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
+
+    from tests import _warm
+    _warm.shutdown()  # the warm interpreters the rank jobs were forked from (tests/_warm.py)
     for helper in (multiprocessing.forkserver._forkserver, multiprocessing.resource_tracker._resource_tracker):
         try:
             helper._stop()  # type: ignore[attr-defined]

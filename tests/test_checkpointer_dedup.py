@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tierstore.ports import free_port
 
+from tests import _warm
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -87,7 +89,7 @@ def test_dedup_two_ranks(tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.test_checkpointer_dedup", str(r), str(port),
+        _warm.popen([sys.executable, "-m", "tests.test_checkpointer_dedup", str(r), str(port),
                           str(tmp_path / "home"), str(tmp_path / "out")], cwd=ROOT, env=env)
         for r in range(2)
     ]

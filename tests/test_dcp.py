@@ -83,6 +83,7 @@ def worker(rank: int, world: int, port: int, home: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+from tests import _warm  # noqa: E402
 from tests._leaks import purge_homes  # noqa: E402
 from tests.redis_server import free_port as _free_port  # noqa: E402
 
@@ -96,7 +97,7 @@ def saved(tmp_path_factory):
     (tmp / "shm").mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TIERSTORE_SHM_DIR=str(tmp / "shm"))
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.test_dcp", str(r), "2", str(port), str(tmp / "home"), str(tmp / "out")],
+        _warm.popen([sys.executable, "-m", "tests.test_dcp", str(r), "2", str(port), str(tmp / "home"), str(tmp / "out")],
                          cwd=ROOT, env=env)
         for r in range(2)
     ]

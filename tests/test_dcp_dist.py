@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import _warm
 from tests._leaks import purge_homes
 from tests.redis_server import free_port
 
@@ -264,7 +265,7 @@ def worker(scenario: str, rank: int, world: int, port: int, home: str, out: str)
 def _run(scenario: str, world: int, home: Path, out: Path) -> list[dict]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_dcp_dist", scenario, str(r), str(world), str(port),
+    procs = [_warm.popen([sys.executable, "-m", "tests.test_dcp_dist", scenario, str(r), str(world), str(port),
                                str(home), str(out)], cwd=ROOT, env=env) for r in range(world)]
     try:
         codes = [p.wait(timeout=TIMEOUT) for p in procs]

@@ -22,6 +22,7 @@ import torch
 
 from consistency.attempts import Lease
 from consistency.twophase import StepProtocol
+from tests import _warm
 from tests.redis_server import free_port
 from tests.test_dcp_writers import WAIT, _config, _like, _open, _outcome, _same, _state, _wait_for
 from tests.test_twophase import Clock
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _spawn(scenario: str, **args: Any) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "tests.test_dcp_lease", scenario, json.dumps(args)], cwd=ROOT,
+    return _warm.popen([sys.executable, "-m", "tests.test_dcp_lease", scenario, json.dumps(args)], cwd=ROOT,
                             env=env)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import _warm
 from tests.redis_server import free_port
 from tierstore import ShardKey
 from tierstore.errors import KeyExistsError, StepBusyError
@@ -59,7 +60,7 @@ def _wait_for(path: Path, procs: list[subprocess.Popen] = ()) -> None:
 
 def _spawn(scenario: str, **args: Any) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "tests.test_dcp_writers", scenario, json.dumps(args)], cwd=ROOT,
+    return _warm.popen([sys.executable, "-m", "tests.test_dcp_writers", scenario, json.dumps(args)], cwd=ROOT,
                             env=env)
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import _warm
+
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 MARK = re.compile(r"<!-- test: ([a-z ]+) -->")
@@ -274,7 +276,7 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.id)
 def test_python_block_runs_as_a_script_and_pasted_into_the_repl(block, tmp_path, request):
-    """One interpreter (torch imported once): the block as a script (``runpy``, as ``__main__``) in one fresh
+    """One interpreter (forked warm, torch imported: tests/_warm.py): the block as a script (``runpy``, as ``__main__``) in one fresh
     directory, then pasted into ``code.InteractiveConsole`` in another."""
     setup, text, teardown = _prepare(block, request)
     script, repl = tmp_path / "script", tmp_path / "repl"
@@ -286,8 +288,8 @@ def test_python_block_runs_as_a_script_and_pasted_into_the_repl(block, tmp_path,
     # TMPDIR under the test's own directory: a home a snippet makes with tempfile.mkdtemp() is there, so its
     # index server (which outlives the store, by design) is stopped after the test like every other
     env = {**_env(), "TMPDIR": str(tmp_path)}
-    p = subprocess.run([sys.executable, "-c", REPL, str(script), str(repl)], env=env, capture_output=True,
-                       text=True, timeout=300, check=False)
+    preload = _warm.LIGHTNING if "lightning" in text else _warm.HF if "transformers" in text else _warm.TORCH
+    p = _warm.run([sys.executable, "-c", REPL, str(script), str(repl)], env=env, timeout=300, preload=preload)
     mode = "pasted into the REPL" if "== ran as a script" in p.stdout else "as a script"
     assert p.returncode == 0, f"{block.id} {mode}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
 
@@ -313,8 +315,7 @@ def test_bash_block_runs_as_written(block, tmp_path, request):
     cwd.mkdir()
     env = {**_env(), "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     (cwd / "_setup.py").write_text(setup + "\n" + teardown)
-    p = subprocess.run([sys.executable, "_setup.py"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-                       check=False)
+    p = _warm.run([sys.executable, "_setup.py"], cwd=cwd, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     p = subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=cwd, env=env, capture_output=True, text=True,
                        timeout=300, check=False)

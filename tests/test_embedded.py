@@ -13,6 +13,8 @@ import torch
 import tierstore
 from tierstore.embedded import ensure_server, stop_server
 
+from tests import _warm
+
 ROOT = str(Path(__file__).parents[1])
 
 CHILD = """
@@ -27,7 +29,7 @@ s.close()
 def test_open_with_no_services(tmp_path, shm_root):
     home = tmp_path / "home"
     env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), str(home), str(shm_root), str(r)],
+    procs = [_warm.popen([sys.executable, "-c", textwrap.dedent(CHILD), str(home), str(shm_root), str(r)],
                               env=env) for r in range(3)]
     assert [p.wait(60) for p in procs] == [0, 0, 0]
     s = tierstore.open(home, host_root=str(shm_root))

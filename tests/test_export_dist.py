@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import tierstore
+from tests import _warm
 from tests._trainer import CFG
 from tests.redis_server import free_port
 from tests.test_export import bits, load_export, pretrained
@@ -108,7 +109,7 @@ def ddp_worker(rank: int, port: int, home: str, out: str) -> None:
 def _run(mode: str, home: Path, out: Path, deadline_s: float = 240) -> list[int]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_export_dist", mode, str(r), str(port), str(home),
+    procs = [_warm.popen([sys.executable, "-m", "tests.test_export_dist", mode, str(r), str(port), str(home),
                                str(out)], cwd=ROOT, env=env) for r in range(2)]
     deadline = time.monotonic() + deadline_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:

@@ -41,6 +41,7 @@ from tierstore.errors import (
 from tierstore.testing.faults import FaultPlan, FaultRule, install
 from tierstore.keys import ShardKey
 from tierstore.store import TierStore
+from tests import _warm
 from tests.redis_server import RedisProcess
 
 MODEL = "m"
@@ -246,7 +247,7 @@ def test_kill_at_point(point, tmp_path, redis_url, shm_root):
     root = str(Path(__file__).resolve().parents[1])
     code = _CHILD.format(root=root, tmp=str(tmp_path), url=redis_url, shm=str(shm_root), point=point,
                          after=1 if point.startswith("backend") else 0)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    p = _warm.run([sys.executable, "-c", code], timeout=120, cwd=root)  # forked warm: tests/_warm.py
     assert p.returncode == -9, f"child was not killed at {point}: rc={p.returncode}\n{p.stdout}\n{p.stderr[-2000:]}"
     TRIED[(point, "kill")] += 1
     store = make_store(tmp_path, redis_url, shm_root)

@@ -72,10 +72,11 @@ def test_trainer_resumes_bitwise_in_the_first_and_a_later_epoch_one_process(stor
 
 
 def test_trainer_resumes_bitwise_on_two_processes(tmp_path):
+    from tests import _warm
     from tests._ranks import run_ranks
 
     out = tmp_path / "out"
-    job = run_ranks("tests._hf_job", [str(out), str(tmp_path / "home")], timeout_s=400)
+    job = run_ranks("tests._hf_job", [str(out), str(tmp_path / "home")], preload=_warm.HF, timeout_s=400)
     assert job.codes == [0, 0], job.tail()
     for rank in range(2):  # each rank's own RNG (dropout) and the replicas stored once (dedup)
         _check(json.loads(Path(f"{out}.{rank}.json").read_text()))

@@ -123,9 +123,10 @@ def test_the_pointer_names_its_store_and_another_directory_finds_it(tmp_path, mo
 
 
 def _launch(phase: str, home: Path, run: Path, out: Path) -> list[int]:
+    from tests import _warm
     from tests._ranks import run_ranks
 
-    job = run_ranks("tests._hf_reboot_job", [phase, str(home), str(run), str(out)], timeout_s=300)
+    job = run_ranks("tests._hf_reboot_job", [phase, str(home), str(run), str(out)], preload=_warm.HF, timeout_s=300)
     if phase != "b" and job.codes != [0, 0]:
         print(job.tail())
     return job.codes

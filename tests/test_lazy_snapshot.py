@@ -27,6 +27,8 @@ from tierstore.train.checkpointer import Checkpointer
 from tierstore.train.gradlog import GRAD, LOG_LAYER
 from tierstore.train.policies import compose, differential, exact, layerwise, replay
 
+from tests import _warm
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GPTConfig(d_model=32, n_layer=2, n_head=2, block=32)
 POLICIES = {
@@ -344,7 +346,7 @@ def test_two_gloo_ranks_lazy_dedup_differential(tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.test_lazy_snapshot", str(r), str(port),
+        _warm.popen([sys.executable, "-m", "tests.test_lazy_snapshot", str(r), str(port),
                           str(tmp_path / "home"), str(tmp_path / "out")], cwd=ROOT, env=env)
         for r in range(2)
     ]

@@ -160,9 +160,11 @@ def test_plain_checkpoint_io_under_lightnings_own_model_checkpoint(store, tmp_pa
 
 
 def _launch(mode: str, home: Path, ck: Path, out: Path, kill: int, steps: int) -> list[int]:
+    from tests import _warm
     from tests._ranks import run_ranks
 
-    job = run_ranks("tests._lightning_job", [mode, str(home), str(ck), str(out), str(kill), str(steps)])
+    job = run_ranks("tests._lightning_job", [mode, str(home), str(ck), str(out), str(kill), str(steps)],
+                    preload=_warm.LIGHTNING)
     if mode != "first" and job.codes != [0, 0]:
         print(job.tail())
     return job.codes

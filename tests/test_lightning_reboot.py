@@ -109,9 +109,10 @@ def test_the_pointer_names_its_store_and_another_directory_finds_it(tmp_path, mo
 
 
 def _launch(phase: str, home: Path, ckpts: Path, out: Path) -> list[int]:
+    from tests import _warm
     from tests._ranks import run_ranks
 
-    job = run_ranks("tests._lightning_reboot_job", [phase, str(home), str(ckpts), str(out)])
+    job = run_ranks("tests._lightning_reboot_job", [phase, str(home), str(ckpts), str(out)], preload=_warm.LIGHTNING)
     if phase != "b" and job.codes != [0, 0]:
         print(job.tail())
     return job.codes

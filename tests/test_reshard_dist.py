@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import tierstore
+from tests import _warm
 from tests import _reshard as R
 from tests._tiers import live_path
 from tests.redis_server import free_port
@@ -207,7 +208,7 @@ def load_worker(rank: int, port: int, home: str, out: str) -> None:
 def _run(mode: str, world: int, home: Path, out: Path, deadline_s: float = 400) -> list[int]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_reshard_dist", mode, str(r), str(port), str(home),
+    procs = [_warm.popen([sys.executable, "-m", "tests.test_reshard_dist", mode, str(r), str(port), str(home),
                                str(out)], cwd=ROOT, env=env) for r in range(world)]
     deadline = time.monotonic() + deadline_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:

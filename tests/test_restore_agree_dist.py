@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from tests import _warm
 from tests import _reshard as R
 from tests.redis_server import free_port
 
@@ -182,7 +183,7 @@ def test_ranks_agree_on_every_restore_verdict(tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     out = tmp_path / "out"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_restore_agree_dist", str(r), str(port),
+    procs = [_warm.popen([sys.executable, "-m", "tests.test_restore_agree_dist", str(r), str(port),
                                str(tmp_path / "home"), str(out)], cwd=ROOT, env=env) for r in range(2)]
     deadline = time.monotonic() + 400
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import tierstore
+from tests import _warm
 from tests._tiers import live_path
 from tierstore import codec
 from tierstore.errors import ConfigError, NoValidCopyError, RestoreVerifyError
@@ -320,7 +321,7 @@ def test_two_gloo_ranks_one_bad_copy_every_rank_refuses_the_update(tmp_path):
     root = Path(__file__).resolve().parents[1]
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_restore_verify", str(r), str(port),
+    procs = [_warm.popen([sys.executable, "-m", "tests.test_restore_verify", str(r), str(port),
                                str(tmp_path / "home"), str(tmp_path / "out")], cwd=root, env=env)
              for r in range(2)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0]

@@ -18,6 +18,8 @@ import torch
 
 from tierstore.ports import free_port
 
+from tests import _warm
+
 ROOT = Path(__file__).resolve().parent.parent
 M = "sup2"
 
@@ -68,7 +70,7 @@ def _run(tmp_path: Path, phase: str) -> list[dict]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     out = tmp_path / phase
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_supersede_dist", str(r), str(port),
+    procs = [_warm.popen([sys.executable, "-m", "tests.test_supersede_dist", str(r), str(port),
                                str(tmp_path / "home"), phase, str(out)], cwd=ROOT, env=env) for r in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]

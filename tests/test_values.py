@@ -28,6 +28,8 @@ from tierstore.errors import CorruptObjectError, InvalidValueError, RestoreMisma
 from tierstore.train import values as V
 from tierstore.train.checkpointer import Checkpointer
 
+from tests import _warm
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -232,7 +234,7 @@ def test_world_size_one_under_torch_distributed_needs_no_collective(tmp_path):
     port, script = free_port(), tmp_path / "rank_local.py"
     script.write_text(_RANK_LOCAL)
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path / "home")], cwd=ROOT,
+    procs = [_warm.popen([sys.executable, str(script), str(r), str(port), str(tmp_path / "home")], cwd=ROOT,
                               env={**__import__("os").environ, **env}) for r in range(2)]
     try:
         codes = [p.wait(timeout=90) for p in procs]  # on main, rank 0 hangs in dist.new_group

@@ -24,6 +24,7 @@ from nothing (the README's fresh venv, the CLI's own start-up) do not come here.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import select
@@ -42,6 +43,7 @@ TORCH = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.check
 LIGHTNING = (*TORCH, "lightning.pytorch")
 HF = (*TORCH, "transformers", "accelerate")
 _FLAGS = {"-u", "-P", "-B"}
+_POPEN_KW = {"cwd", "env", "stdin", "stdout", "stderr", "start_new_session", "text"}
 _UNSUPPORTED_ENV = ("PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDEVMODE", "PYTHONTRACEMALLOC", "PYTHONHOME",
                     "PYTHONOPTIMIZE", "PYTHONNOUSERSITE", "PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONUTF8")
 
@@ -335,17 +337,21 @@ class WarmPopen:
 
     def __init__(self, args: Sequence[str], *, cwd: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, stdin=None, stdout=None, stderr=None,
-                 start_new_session: bool = False, preload: Sequence[str] = TORCH) -> None:
+                 start_new_session: bool = False, text: bool = False, preload: Sequence[str] = TORCH) -> None:
         split = _split(args)
         if split is None:
             raise ValueError(f"not a command a warm interpreter runs: {list(args)[:3]}")
         flags, mode, target, rest = split
         self.args = list(args)
         self.returncode: int | None = None
-        in_fd, close_in = _fd(stdin if stdin is not None else subprocess.DEVNULL, 0)
-        out_fd, close_out = _fd(stdout, 1)
+        self.stdin = self.stdout = self.stderr = None
+        in_fd, close_in = self._pipe("stdin", text) if stdin == subprocess.PIPE else _fd(
+            stdin if stdin is not None else subprocess.DEVNULL, 0)
+        out_fd, close_out = self._pipe("stdout", text) if stdout == subprocess.PIPE else _fd(stdout, 1)
         if stderr == subprocess.STDOUT:
             err_fd, close_err = out_fd, False
+        elif stderr == subprocess.PIPE:
+            err_fd, close_err = self._pipe("stderr", text)
         else:
             err_fd, close_err = _fd(stderr, 2)
         cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
@@ -367,6 +373,47 @@ class WarmPopen:
         if line is None or not line.startswith(b"pid "):
             raise RuntimeError(f"the warm interpreter did not start {target!r}: {line!r}")
         self.pid = int(line.split()[1])
+
+    def _pipe(self, name: str, text: bool) -> tuple[int, bool]:
+        """A pipe for ``name`` (``subprocess.PIPE``): this end kept as ``self.<name>``, the child's returned."""
+        r, w = os.pipe()
+        if name == "stdin":
+            raw = open(w, "wb")  # noqa: SIM115 - closed by communicate() or __exit__
+            setattr(self, name, io.TextIOWrapper(raw, encoding="utf-8", write_through=True) if text else raw)
+            return r, True
+        setattr(self, name, open(r, encoding="utf-8", errors="replace") if text else open(r, "rb"))  # noqa: SIM115
+        return w, True
+
+    def communicate(self, input=None, timeout: float | None = None):
+        """As :meth:`subprocess.Popen.communicate`: ``input`` to stdin, then (stdout, stderr) read to the end."""
+        out: dict[str, object] = {}
+
+        def drain(name: str) -> None:
+            f = getattr(self, name)
+            out[name] = f.read()
+            f.close()
+
+        readers = [threading.Thread(target=drain, args=(n,), daemon=True) for n in ("stdout", "stderr")
+                   if getattr(self, n) is not None]
+        for t in readers:
+            t.start()
+        if self.stdin is not None:
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        self.wait(timeout)
+        for t in readers:
+            t.join()
+        return out.get("stdout"), out.get("stderr")
+
+    def __enter__(self) -> WarmPopen:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in (self.stdin, self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self.wait()
 
     def _line(self, timeout: float | None) -> bytes | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -425,7 +472,7 @@ def supported(args: Sequence[str], env: dict[str, str] | None) -> bool:
 
 def popen(args: Sequence[str], *, preload: Sequence[str] = TORCH, **kw):
     """A :class:`WarmPopen` where the command allows it, else a :class:`subprocess.Popen` of the same."""
-    if supported(args, kw.get("env")):
+    if supported(args, kw.get("env")) and set(kw) <= _POPEN_KW:
         return WarmPopen(args, preload=preload, **kw)
     return subprocess.Popen(list(args), **kw)
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from backends.localfs import TEMP_MARK, LocalFSBackend
+from tests import _warm
 from tests.conformance import BackendConformance
 from tierstore.errors import AccessDeniedError, InvalidKeyError, TierFullError
 
@@ -112,7 +113,7 @@ def test_if_absent_across_processes(tmp_path):
         "print(won)\n"
     )
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"p{j}"], stdout=subprocess.PIPE, cwd=os.getcwd())
+        _warm.popen([sys.executable, "-c", code, str(tmp_path), f"p{j}"], stdout=subprocess.PIPE, cwd=os.getcwd())
         for j in range(2)
     ]
     wins = [int(p.communicate(timeout=120)[0]) for p in procs]

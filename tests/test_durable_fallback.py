@@ -22,6 +22,8 @@ import torch
 from tierstore.testing.gpt import GPTConfig, char_dataset, get_batch, make_model, train_step
 from tierstore.train.checkpointer import Checkpointer
 
+from tests import _warm
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GPTConfig(d_model=32, n_layer=2, n_head=2, block=32)
 M = "ret"
@@ -77,7 +79,7 @@ def _newest_durable(store) -> int | None:
 def test_node_loss_under_migration_lag_restores_the_newest_durable_step(tmp_path, redis_url, shm_root):
     durable, host_root = tmp_path / "durable", shm_root / "node0"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "tests.test_durable_fallback", redis_url, str(durable),
+    p = _warm.popen([sys.executable, "-m", "tests.test_durable_fallback", redis_url, str(durable),
                           str(host_root), "40"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     observer = _open(redis_url, str(durable), str(tmp_path / "observer-host"))

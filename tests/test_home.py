@@ -17,6 +17,8 @@ from tierstore.errors import UnknownError
 from tierstore.home import HostUsers, describe, host_dir, host_lock_path, purge, users
 from tierstore.keys import ShardKey
 
+from tests import _warm
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,7 +57,7 @@ def test_open_frees_a_pool_that_a_killed_process_left(tmp_path, redis_url, shm_r
             "s = tierstore.open(sys.argv[1], redis=sys.argv[2], durable='none', host_root=sys.argv[3])\n"
             "k = tierstore.ShardKey('m', 'l', 1, 0)\ns.put(k, {'w': torch.ones(4096)})\ns.delete(k)\n"
             "print('ready', flush=True)\nsys.stdin.read()\n")
-    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "home"), redis_url, str(root)],
+    p = _warm.popen([sys.executable, "-c", code, str(tmp_path / "home"), redis_url, str(root)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:

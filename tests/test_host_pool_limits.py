@@ -21,6 +21,8 @@ import pytest
 
 from backends.host import HostBackend
 
+from tests import _warm
+
 REPO = Path(__file__).resolve().parents[1]
 
 _DIFFERENTIAL_RUN = textwrap.dedent(
@@ -171,7 +173,7 @@ def test_reader_in_another_process_pins_the_segment(shm_root):
         print("same" if bytes(v) == b"A" * 8192 else "changed", flush=True)
         """
     )
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    p = _warm.popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert p.stdout.readline().strip() == "mapped"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tierstore
+from tests import _warm
 from tests._tiers import copies, live_name, live_path
 from tierstore import ShardKey
 from tierstore.errors import (
@@ -149,7 +150,7 @@ import time; time.sleep(60)
 
 
 def test_object_survives_writer_sigkill(tmp_path, redis_url, shm_root):
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), str(tmp_path / "h"), redis_url,
+    proc = _warm.popen([sys.executable, "-c", textwrap.dedent(WRITER), str(tmp_path / "h"), redis_url,
                              str(shm_root / "node0")], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     try:

@@ -92,3 +92,14 @@ def test_what_cannot_be_emulated_runs_in_a_fresh_interpreter():
     assert not _warm.supported(["/bin/true"], None)
     p = _warm.popen([sys.executable, "-c", "pass"], env={**os.environ, "PYTHONHASHSEED": "1"})
     assert isinstance(p, subprocess.Popen) and p.wait(60) == 0
+
+
+def test_pipes_carry_a_conversation_and_communicate_reads_to_the_end():
+    body = "import sys\nprint('ready', flush=True)\nline = sys.stdin.readline()\nprint('got', line.strip())\n" \
+           "print('to stderr', file=sys.stderr)"
+    p = _warm.popen([sys.executable, "-c", body], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+    assert isinstance(p, _warm.WarmPopen)
+    assert p.stdout.readline() == "ready\n"
+    out, err = p.communicate("hello\n", timeout=60)
+    assert (out, err, p.returncode) == ("got hello\n", "to stderr\n", 0)

@@ -8,13 +8,13 @@ is written; wrapper prefixes; epochs of writers and readers (a reader in a secon
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import _warm
 from tests import _trainer as T
 from tierstore.errors import (
     ConfigError,
@@ -206,8 +206,7 @@ def test_epochs_writer_without_restore_is_fenced_reader_never_fences(store, redi
         "print(got.step, s.index.epoch('ep'))\n"
         "s.close()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         capture_output=True, text=True, timeout=120)
+    out = _warm.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", str(e1)]
     T.train_step(st["model"], st["optim"], st["sched"], st["data"])

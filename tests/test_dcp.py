@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -437,8 +436,7 @@ def test_named_step_load_refuses_a_step_whose_coordinator_died_before_its_vote(s
         w = TierStoreWriter(store, "crash", 2, epoch=store.open_epoch("crash"), lease=0)  # no lease: held till timeout
         dcp.save({{"w": torch.full((3,), 2.0)}}, storage_writer=w, no_dist=True)
     """)
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                       capture_output=True, text=True, timeout=120)
+    p = _warm.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert p.returncode == 7, p.stderr[-2000:]
     assert store.steps.state("crash", 2) == "preparing" and store.list("crash", "dcp-metadata", 2)
     with pytest.raises(CommitError, match="not committed"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import torch
 from tierstore.testing.gpt import GPTConfig, char_dataset, get_batch, make_model, train_step
 from tierstore.train.checkpointer import Checkpointer
 from tierstore.train.policies import exact
+
+from tests import _warm
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GPTConfig(d_model=32, n_layer=2, n_head=2, block=32)
@@ -64,8 +65,7 @@ def test_a_process_killed_during_its_lazy_copy_restores_the_previous_step(tmp_pa
 
     home, ref = tmp_path / "home", tmp_path / "ref.pt"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "tests.test_lazy_kill", str(home), str(ref)], cwd=ROOT, env=env,
-                       timeout=300, capture_output=True, text=True)
+    p = _warm.run([sys.executable, "-m", "tests.test_lazy_kill", str(home), str(ref)], cwd=ROOT, env=env, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     store = tierstore.open(home)
     try:

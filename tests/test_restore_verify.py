@@ -314,7 +314,6 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
 def test_two_gloo_ranks_one_bad_copy_every_rank_refuses_the_update(tmp_path):
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 

@@ -16,7 +16,6 @@ import dataclasses
 import enum
 import json
 import pathlib
-import subprocess
 import sys
 import textwrap
 from pathlib import Path

@@ -2,12 +2,15 @@
 
     tierstore export MODEL [STEP] --format safetensors|torch --out DIR [--model-only] [--dtype bf16]
                      [--max-shard-size 5GB] [--max-staleness S] [--overwrite]
+    tierstore export --pretrained CHECKPOINT_DIR --out DIR [--config DIR] [--max-shard-size 5GB]
     tierstore import SOURCE --model NAME [--module pkg.mod:factory] [--world-size N] [--dtype bf16]
 
 Progress goes to stderr (a bar on a terminal, a line per tenth otherwise); the
 summary to stdout (``--json``: one JSON object). The work is done by
-:func:`tierstore.interop.export.export_model` and
-:func:`tierstore.interop.importing.import_model`.
+:func:`tierstore.interop.export.export_model`,
+:func:`tierstore.interop.hf_pretrained.export_pretrained` (``--pretrained``: a
+``TierStoreTrainer`` checkpoint directory as one ``from_pretrained`` reads; needs
+the ``hf`` extra) and :func:`tierstore.interop.importing.import_model`.
 """
 
 from __future__ import annotations
@@ -76,9 +79,18 @@ def _print(report: Any, as_json: bool, lines: list[str]) -> None:
 def export_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tierstore export", parents=[_connection_parser()],
                                 description="Write a committed step of MODEL as Hugging Face safetensors "
-                                            "(sharded, with an index) or one torch.save file.")
-    p.add_argument("model")
+                                            "(sharded, with an index) or one torch.save file; or, with "
+                                            "--pretrained, a TierStoreTrainer checkpoint-N directory as a "
+                                            "directory from_pretrained reads.")
+    p.add_argument("model", nargs="?", help="the model (not with --pretrained)")
     p.add_argument("step", type=int, nargs="?", help="a committed step (default: the newest that can be rebuilt)")
+    p.add_argument("--pretrained", metavar="CHECKPOINT_DIR", default=None,
+                   help="a checkpoint-N directory of TierStoreTrainer: write --out (a new or empty directory) as "
+                        "model.safetensors, config.json and the tokenizer's files; the store is the one its "
+                        "pointer names unless a connection option says otherwise (needs tierstore[hf])")
+    p.add_argument("--config", metavar="DIR", default=None,
+                   help="with --pretrained: the directory holding config.json (default: the checkpoint "
+                        "directory, else its run directory, where trainer.save_model() writes it)")
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--model-only", action="store_true", help="leave out optimizer state")
@@ -88,6 +100,12 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an export already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     a = p.parse_args(argv)
+    if a.pretrained is not None:
+        return _export_pretrained(p, a)
+    if a.model is None:
+        p.error("give MODEL, or --pretrained CHECKPOINT_DIR")
+    if a.config is not None:
+        p.error("--config goes with --pretrained")
     store = _open(a)
     try:
         bar = None if a.quiet else _Bar(f"export {a.model}")
@@ -103,6 +121,34 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         f"  peak tensor memory {r.peak_bytes / 1e6:.1f} MB (largest layer {r.largest_layer_bytes / 1e6:.1f} MB)",
         *([f"  left out (not weights, or --model-only): {', '.join(r.skipped)}"] if r.skipped else []),
     ])
+    return 0
+
+
+def _export_pretrained(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """``tierstore export --pretrained CHECKPOINT_DIR --out DIR``: :func:`~tierstore.interop.hf_pretrained.export_pretrained`."""
+    given = [f for f, v in (("MODEL", a.model), ("--format torch", a.format != "safetensors"),
+                            ("--model-only", a.model_only), ("--dtype", a.dtype), ("--overwrite", a.overwrite),
+                            ("--max-staleness", a.max_staleness)) if v]
+    if given:
+        p.error(f"--pretrained exports the checkpoint's own step, model only, as safetensors, into a new directory: "
+                f"not with {', '.join(given)}")
+    from tierstore.interop.hf_pretrained import export_pretrained  # lazy: needs transformers (tierstore[hf])
+
+    named = any(getattr(a, k, None) for k in ("home", "redis", "durable", "s3_endpoint", "host_root", "node"))
+    store = _open(a) if named else None  # else the store the pointer names
+    t0 = time.perf_counter()
+    try:
+        out = export_pretrained(a.pretrained, a.out, store=store, config=a.config, max_shard_size=a.max_shard_size,
+                                progress=None if a.quiet else _Bar(f"export {a.pretrained}"))
+    finally:
+        if store is not None:
+            store.close()
+    files = sorted(os.listdir(out))
+    if getattr(a, "json", False):
+        print(json.dumps({"checkpoint": os.path.abspath(a.pretrained), "out": out, "files": files,
+                          "seconds": time.perf_counter() - t0}))
+    else:
+        print(f"exported {a.pretrained} to {out} in {time.perf_counter() - t0:.2f} s: {', '.join(files)}")
     return 0
 
 

@@ -61,6 +61,9 @@ So, per checkpoint directory:
   that cannot be seen drops nothing). Host memory holds the newest step and
   the pinned ones not yet durable, whatever ``save_total_limit`` is.
 
+A checkpoint directory as one ``from_pretrained`` reads (``model.safetensors``, ``config.json``):
+:func:`tierstore.interop.hf_pretrained.export_pretrained`.
+
 Not supported: ``load_best_model_at_end`` (refused at construction),
 DeepSpeed, FSDP and SageMaker model parallelism (they save through their
 own engines; refused at the first save), Accelerate's ``save_state``.
@@ -79,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from tierstore.errors import (
+    CheckpointGoneError,
     CheckpointNotFoundError,
     CommitError,
     ConfigError,
@@ -168,6 +172,23 @@ def last_checkpoint(run_dir: str | os.PathLike[str], store: Any | None = None, *
                         "that does: %s", "; ".join(skipped), full)
         return full
     return None
+
+
+def _in_store(store: Any, checkpoint: str, ptr: Pointer) -> None:
+    """Raise :class:`~tierstore.errors.CheckpointNotFoundError` where the step ``ptr`` (read in ``checkpoint``)
+    names is not a committed step of ``store``: deleted, or another store."""
+    if ptr.step not in {s for s, st in store.steps.steps(ptr.model) if st in ("committed", "durable")}:
+        raise CheckpointNotFoundError(f"{checkpoint}: its step {ptr.step} of {ptr.model} is not in this store "
+                                      "(deleted, or another store)", what="checkpoint", path=checkpoint)
+
+
+def _gone(store: Any, checkpoint: str, ptr: Pointer, e: BaseException, hint: str) -> CheckpointGoneError:
+    """The typed error for ``checkpoint`` whose step the read path could not rebuild (``e``: a node loss took
+    it), naming the newest checkpoint of its run that restores (``hint``: what to do with that one)."""
+    newest = last_checkpoint(os.path.dirname(os.path.abspath(checkpoint)), store, say=False)
+    np = _pointer(newest) if newest is not None else None
+    found = None if newest is None or np is None else Found(newest, np.model, np.step, np.info.get("global_step"))
+    return gone(os.path.abspath(checkpoint), ptr, f"{type(e).__name__}: {e}", found, hint)
 
 
 class TierStoreTrainerMixin:
@@ -294,18 +315,12 @@ class TierStoreTrainerMixin:
         ptr = _pointer(checkpoint)
         if ptr is None:
             return False
-        if ptr.step not in {s for s, st in self.store.steps.steps(ptr.model) if st in ("committed", "durable")}:
-            raise CheckpointNotFoundError(f"{checkpoint}: its step {ptr.step} of {ptr.model} is not in this store "
-                                          "(deleted, or another store)", what="checkpoint", path=checkpoint)
+        _in_store(self.store, checkpoint, ptr)
         try:  # the read path resolves (and verifies) the step itself
             load(self.store, ptr.model, state, ptr.step, only=only, rank=self.args.process_index, world_size=1)
         except NoValidCopyError as e:  # a node loss took it: name the newest checkpoint of the run that restores
-            newest = last_checkpoint(os.path.dirname(os.path.abspath(checkpoint)), self.store, say=False)
-            np = _pointer(newest) if newest is not None else None
-            found = None if newest is None or np is None else Found(newest, np.model, np.step,
-                                                                    np.info.get("global_step"))
-            raise gone(os.path.abspath(checkpoint), ptr, f"{type(e).__name__}: {e}", found,
-                       "pass it as resume_from_checkpoint, or resume_from_checkpoint=True") from e
+            raise _gone(self.store, checkpoint, ptr, e,
+                        "pass it as resume_from_checkpoint, or resume_from_checkpoint=True") from e
         return True
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

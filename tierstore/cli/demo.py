@@ -48,7 +48,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -61,24 +60,28 @@ from rich.table import Table
 
 import tierstore
 from consistency.gc import Retention
-from tierstore.cli import metrics
 from tierstore.cli import views as V
 from tierstore.cli.admin import human_bytes
 from tierstore.cli.common import HelpFormatter
-from tierstore.cli.demo_plot import draw, figures
 from tierstore.errors import ConfigError
 from tierstore.ports import free_port
-from tierstore.testing import gpt
-from tierstore.train import policies as P
-from tierstore.train.checkpointer import Checkpointer
 
 __all__ = ["build_parser", "draw", "main", "make_policy", "torch_save_baseline"]
+
+
+def draw(summary: dict[str, Any], path: Path) -> Any:
+    """The demo's plot (:func:`tierstore.cli.demo_plot.draw`), imported when drawn: ``tierstore demo --help``
+    and the launcher import no plotting (and no torch; the ranks do)."""
+    from tierstore.cli.demo_plot import draw as _draw  # lazy: matplotlib, only when a plot is drawn
+
+    return _draw(summary, path)
 
 _PHASE_TIMEOUT_S = 600.0
 
 
 def make_policy(spec: str) -> Any:
     """A policy from ``exact``, ``layerwise``, ``differential``, ``dedup`` or a ``+``-joined mix."""
+    from tierstore.train import policies as P  # lazy: imports torch, which the launcher and --help need not
 
     table = {"exact": P.exact, "layerwise": lambda: P.layerwise(tau=0.01, max_staleness=5),
              "differential": lambda: P.differential(base_every=5), "dedup": P.dedup}
@@ -148,6 +151,13 @@ def _restore_tiers(store: Any, model: str, rank: int, staleness: int) -> dict[st
 
 
 def _worker(cfg: dict[str, Any]) -> int:
+    # lazy: the rank's imports (torch, prometheus); the launcher and --help import none of them
+    import torch.distributed as dist
+
+    from tierstore.cli import metrics  # lazy: see above
+    from tierstore.testing import gpt  # lazy: see above
+    from tierstore.train.checkpointer import Checkpointer  # lazy: see above
+
     rank, world, phase = cfg["rank"], cfg["world"], cfg["phase"]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     events = open(cfg["events"], "a", buffering=1)
@@ -489,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return 1
                 progress.update(task, completed=total)
         summary = _collect(store, base["model"], events, a.ranks, a.policy, kill_at, out)
+        from tierstore.cli.demo_plot import figures  # lazy: as draw()
+
         summary["figures"] = figures(summary)  # the one source of the numbers the summary prints and the plot draws
         summary["plot"] = draw(summary, out / "demo.png")
         if not a.keep_all:

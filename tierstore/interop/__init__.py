@@ -7,7 +7,8 @@ the data path; :mod:`tierstore.train` never imports this package.
 - :mod:`tierstore.interop.export` / :mod:`tierstore.interop.importing`: safetensors and
   ``torch.save`` files out of and into a model's steps;
 - :mod:`tierstore.interop.lightning`: PyTorch Lightning's ``CheckpointIO``, a ``ModelCheckpoint`` whose saves
-  go through the Checkpointer's policies, and an FSDP2 strategy that loads through them;
+  go through the Checkpointer's policies, and an FSDP2 strategy that loads through them and saves each rank's
+  shards (:mod:`tierstore.interop.lightning_fsdp`);
 - :mod:`tierstore.interop.huggingface`: the ``transformers`` Trainer's own save/resume flow;
 - :mod:`tierstore.interop.pointer`: the small JSON files both leave where the framework expects its checkpoint.
 

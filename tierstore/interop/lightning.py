@@ -35,12 +35,9 @@ Three pieces, each at the extension point Lightning offers:
   through the Checkpointer's layer path, so the ``policy`` applies
   (``differential``, ``layerwise``: they build on the run's previous step,
   whichever path it was saved at). Elsewhere (FSDP's gathered state dict) the dict is stored as is.
-* :class:`TierStoreModelParallelStrategy`: Lightning's FSDP2 strategy
-  (``ModelParallelStrategy``, ``fully_shard``), whose ``load_checkpoint``
-  bypasses ``CheckpointIO``: this one reads pointers through the IO. Saves
-  need ``save_distributed_checkpoint=False`` (the full state dict, gathered
-  to rank 0). Lightning's FSDP1 ``FSDPStrategy`` saves through the IO too, but
-  loads without it (and needs a GPU): not supported.
+* :class:`TierStoreModelParallelStrategy`: Lightning's FSDP2 strategy (``fully_shard``), each rank's shards
+  saved as one step or the gathered state on rank 0, restored on any world size (:mod:`.lightning_fsdp`).
+  Lightning's FSDP1 ``FSDPStrategy`` loads without the IO (and needs a GPU): not supported.
 
 Everything non-tensor in the dict (hyper-parameters, loop and callback
 state) is stored as tagged JSON (:mod:`tierstore.train.values`); a value that
@@ -71,6 +68,7 @@ from tierstore.errors import (
     TierStoreError,
     UnknownError,
 )
+from tierstore.interop.lightning_fsdp import ShardedSaves, live_optimizer_state
 from tierstore.interop.pointer import (
     Found,
     Pointer,
@@ -99,11 +97,9 @@ from tierstore.train.state import normalise_fqn
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-    from lightning.fabric.strategies.model_parallel import _load_raw_module_state, _rekey_optimizer_state_if_needed
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.core.saving import _load_state
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - the lightning extra is in the test extra
     raise MissingDependencyError("tierstore.interop.lightning needs PyTorch Lightning 2.x: pip install "
                                  "'tierstore[lightning]'") from e
@@ -542,39 +538,43 @@ class TierStoreCheckpoint(ModelCheckpoint):
 
 
 class TierStoreModelParallelStrategy(ModelParallelStrategy):
-    """Lightning's FSDP2 strategy whose ``load_checkpoint`` reads tierstore pointers through the CheckpointIO.
-
-    Use with ``save_distributed_checkpoint=False`` (the default here): the full state dict is gathered to rank 0
-    and saved there through the IO. Every rank reads the checkpoint and the full state is loaded into the
-    sharded module and optimizers as Lightning loads its own full checkpoint files (``broadcast_from_rank0``).
-    """
+    """Lightning's FSDP2 strategy on tierstore. ``save_distributed_checkpoint=True``: each rank saves its own shards,
+    one step of every rank (no gather); ``False`` (the default here): the full state dict gathered to rank 0, saved
+    there through the IO. ``load_checkpoint`` restores either (the pointer says which), a sharded one on any world
+    size; ``teardown`` runs the IO's (Lightning's skips it). See :mod:`tierstore.interop.lightning_fsdp`."""
 
     def __init__(self, *, save_distributed_checkpoint: bool = False, **kwargs: Any) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self._shards = ShardedSaves()
+
+    def _sharded(self) -> bool:
+        return self._save_distributed_checkpoint and isinstance(self.checkpoint_io, TierStoreCheckpointIO)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:  # sharded: the live shards, no copy
+        if self._sharded() and self.model is not None:
+            return self.model.state_dict()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return live_optimizer_state(optimizer) if self._sharded() else super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self._shards.save(self, self.checkpoint_io, checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         io = self.checkpoint_io
         path = Path(self.broadcast(checkpoint_path))
-        if not isinstance(io, TierStoreCheckpointIO) or not path.is_file() or read_pointer(path) is None:
+        ptr = read_pointer(path) if isinstance(io, TierStoreCheckpointIO) and path.is_file() else None
+        if ptr is None:
             return super().load_checkpoint(path, weights_only=weights_only)
-        checkpoint = io.load_checkpoint(path)
-        assert self.lightning_module is not None and self.model is not None
-        strict = self.lightning_module.strict_loading
-        # as lightning.fabric.strategies.model_parallel._load_checkpoint loads a full checkpoint file
-        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=strict)
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING or "optimizer_states" not in checkpoint:
-            return checkpoint
-        from torch.distributed.checkpoint.state_dict import (  # lazy: only a resume loads optimizers
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        return self._shards.load(self, io, path, ptr)
 
-        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if state.get("state"):
-                state = _rekey_optimizer_state_if_needed(state, self.model)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
-        return checkpoint
+    def teardown(self) -> None:
+        super().teardown()
+        if isinstance(self.checkpoint_io, TierStoreCheckpointIO):
+            self._shards.teardown(self.checkpoint_io, self.global_rank)
 
 
 # ---- outside a Trainer: the pointer read as Lightning's checkpoint ------------------------------------------------

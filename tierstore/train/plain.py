@@ -20,8 +20,10 @@ parts from a step's layers and JSON document (:mod:`tierstore.train.view`):
   dataclasses their classes, see :func:`tierstore.train.values.decode`).
 
 One rank's view is read (``rank``): data-parallel replicas hold everything; a
-sharded module holds that rank's shards (the placement is in each layer's
-metadata).
+layer saved sharded (DTensor placements in its metadata: FSDP2) is reassembled
+from every rank's shards into full tensors
+(:func:`~tierstore.train.gather.assemble_layer`), as a gathered state dict
+holds them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from tierstore.errors import RestoreMismatchError
-from tierstore.train.gather import read_shards
+from tierstore.train.gather import assemble_layer, read_object, read_shards
 from tierstore.train.layers import BUFFER, OPTIM, PARAM
 from tierstore.train.values import decode
 from tierstore.train.view import STATE_LAYER
@@ -76,6 +78,9 @@ def read_plain(store: Any, model: str, step: int | None = None, *, rank: int = 0
             want.update(entries.get(e.get("module"), {}).get("layers") or [])
         want.update(e.get("layers") or [])
     shards = read_shards(store, model, res, src, [ln for ln in res.layers if ln in want])
+    for ln, (ts, meta) in list(shards.items()):
+        if meta.get("dist"):  # sharded: every rank's shards, reassembled
+            shards[ln] = (_assembled(store, model, res, ln, src, (ts, meta)), meta)
     loose = {n: t.clone() for n, t in (shards.get(STATE_LAYER) or ({}, {}))[0].items()}
     templates = templates or {}
     out: dict[str, Any] = {}
@@ -89,6 +94,15 @@ def read_plain(store: Any, model: str, step: int | None = None, *, rank: int = 0
         else:
             out[k] = decode(e.get("value"), loose, k, **({"like": templates[k]} if k in templates else {}))
     return PlainStep(res.step, out, decode(doc.get("user"), loose, "extra"))
+
+
+def _assembled(store: Any, model: str, res: Any, layer: str, src: int,
+               have: tuple[dict[str, torch.Tensor], dict]) -> dict[str, torch.Tensor]:
+    """The full tensors of a sharded ``layer`` (``have``: rank ``src``'s object, already read)."""
+    def read(r: int) -> tuple[dict[str, torch.Tensor], dict]:
+        return (dict(have[0]), have[1]) if r == src else read_object(store, model, layer, res.objects[(layer, r)].key)
+
+    return assemble_layer(read, sorted(r for ln, r in res.objects if ln == layer), lambda _n: True)
 
 
 def _layers(key: str, entry: Mapping[str, Any], shards: Mapping[str, Any]) -> list[str]:

@@ -1,0 +1,101 @@
+"""Lightning's FSDP2 strategy with sharded tierstore saves (``TierStoreModelParallelStrategy(
+save_distributed_checkpoint=True)``), with real processes: 2 gloo ranks on CPU, then 1.
+
+The ranks (``tests/_lightning_fsdp2_job.py``): an uninterrupted 2-rank run A saves every 4 steps; B resumes its
+step-4 checkpoint on 2 ranks, C resumes ``ckpt_path="last"``, D resumes the step-4 checkpoint on one rank. Checked
+here: each rank's stored objects of a step are exactly that rank's shards (nothing gathered, nothing held twice),
+the pointer Lightning sees is written once the step is committed, B ends bitwise where A ended (parameters, AdamW
+state, losses), C restores A's last step, D (resharded, 2 -> 1) restores the full state of step 4 bitwise and saves
+on its own, a one-process reader of a sharded pointer gets full tensors, and a state dict a hook rewrote is
+refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning.pytorch", reason="needs PyTorch Lightning (the lightning extra)")
+
+import tierstore
+from tests import _reshard as R
+from tests import _warm
+from tests._ranks import run_ranks
+from tierstore.interop.lightning import read_checkpoint
+from tierstore.interop.pointer import model_name, read_pointer
+from tierstore.train.view import STATE_LAYER
+
+
+def _load(path: str) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def _nbytes(ts: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts.values())
+
+
+def test_sharded_saves_resume_bitwise_and_restore_on_one_rank(tmp_path):
+    home, ck, out = tmp_path / "home", tmp_path / "ck", str(tmp_path / "out")
+    job = run_ranks("tests._lightning_fsdp2_job", ["two", str(home), str(ck), out], preload=_warm.LIGHTNING)
+    assert job.codes == [0, 0], job.tail()
+    mid, last = read_pointer(ck / "epoch=0-step=4.ckpt"), read_pointer(ck / "last.ckpt")
+    assert mid.info["layout"] == last.info["layout"] == "sharded" and mid.info["world_size"] == 2
+    assert (mid.info["global_step"], last.info["global_step"]) == (4, 8) and mid.model == last.model
+
+    full4 = _load(f"{out}.a4.full.pt")
+    store = tierstore.open(str(home))
+    try:
+        assert store.steps.state(mid.model, mid.step) in ("committed", "durable")
+        assert store.steps.pins(mid.model)[str(ck / "epoch=0-step=4.ckpt")] == mid.step
+        keys = store.list(mid.model, step=mid.step)
+        assert {k.rank for k in keys} == {0, 1}
+        held: dict[str, int] = {}
+        for rank in (0, 1):  # each rank's objects hold its own shards, bit for bit, and nothing else
+            stored: dict[str, torch.Tensor] = {}
+            for k in keys:
+                if k.rank == rank and k.layer != STATE_LAYER:
+                    assert store.info(k).kind == "full"
+                    stored.update(dict(store.get(k).items()))
+            local = _load(f"{out}.a4.local.{rank}.pt")
+            assert R.differences(stored, local) == [], rank
+            assert _nbytes(stored) < _nbytes(full4), rank
+            for n, t in stored.items():
+                held[n] = held.get(n, 0) + t.numel()
+        # the two ranks' shards add up to each tensor once (an AdamW step count is a scalar on each rank)
+        assert all(held[n] == (2 if t.dim() == 0 else t.numel()) for n, t in full4.items()), held
+        assert any(_load(f"{out}.a4.local.0.pt")[n].shape[0] < t.shape[0] for n, t in full4.items() if t.dim() == 2)
+        # a one-process reader of the sharded pointer gets the full tensors, as a gathered checkpoint holds them
+        sd = read_checkpoint(ck / "epoch=0-step=4.ckpt", store)["state_dict"]
+        assert R.differences({f"param/{n}": t for n, t in sd.items()},
+                             {n: t for n, t in full4.items() if n.startswith("param/")}) == []
+    finally:
+        store.close()
+
+    for rank in (0, 1):
+        losses = json.loads(Path(f"{out}.two.{rank}.json").read_text())
+        a, b, c = losses["a"], losses["b"], losses["c"]
+        assert sorted(map(int, b)) == [4, 5, 6, 7] and all(b[s] == a[s] for s in b), rank  # resumed mid-epoch
+        assert R.differences(_load(f"{out}.b.local.{rank}.pt"), _load(f"{out}.a.local.{rank}.pt")) == [], rank
+        assert sorted(map(int, c)) == [8, 9], rank  # ckpt_path="last": A's step 8, restored bitwise
+        assert R.differences(_load(f"{out}.c.local.{rank}.pt"), _load(f"{out}.a.local.{rank}.pt")) == [], rank
+
+    # resharded: the 2-rank step-4 checkpoint on one FSDP2 rank
+    job = run_ranks("tests._lightning_fsdp2_job", ["one", str(home), str(ck), out], world=1,
+                    preload=_warm.LIGHTNING)
+    assert job.codes == [0], job.tail()
+    assert R.differences(_load(f"{out}.d.full.pt"), full4) == []
+    d = json.loads(Path(f"{out}.one.0.json").read_text())["d"]
+    assert sorted(map(int, d)) == [4, 5] and all(v == v for v in d.values())
+    saved = read_pointer(Path(f"{ck}-one") / "epoch=1-step=6.ckpt")
+    assert saved.info["layout"] == "sharded" and saved.info["world_size"] == 1
+    refused = json.loads(Path(f"{out}.one.0.json").read_text())["refused"]  # a hook rewrote the state dict
+    assert refused is not None and "save_distributed_checkpoint=False" in refused, refused
+    assert not list(Path(f"{ck}-bad").glob("*.ckpt"))
+    store = tierstore.open(str(home))
+    try:
+        assert store.steps.steps(model_name("lightning", f"{ck}-bad")) == []  # nothing begun, nothing written
+    finally:
+        store.close()

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 ENABLED = os.environ.get("TIERSTORE_TEST_WARM", "1") != "0"
 TORCH = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint")
@@ -337,7 +338,8 @@ class WarmPopen:
 
     def __init__(self, args: Sequence[str], *, cwd: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, stdin=None, stdout=None, stderr=None,
-                 start_new_session: bool = False, text: bool = False, preload: Sequence[str] = TORCH) -> None:
+                 start_new_session: bool = False, text: bool = False, preload: Sequence[str] = TORCH,
+                 socket_path: str | None = None) -> None:
         split = _split(args)
         if split is None:
             raise ValueError(f"not a command a warm interpreter runs: {list(args)[:3]}")
@@ -358,10 +360,10 @@ class WarmPopen:
         req = {"flags": flags, "mode": mode, "target": target, "args": rest, "cwd": cwd,
                "env": dict(os.environ if env is None else env), "new_session": start_new_session}
         body = json.dumps(req).encode()
-        srv = server(preload)
+        path = socket_path if socket_path is not None else server(preload).path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._sock.connect(srv.path)
+            self._sock.connect(path)
             socket.send_fds(self._sock, [struct.pack("!Q", len(body))], [in_fd, out_fd, err_fd])
             self._sock.sendall(body)
         finally:
@@ -507,4 +509,22 @@ def run(args: Sequence[str], *, cwd=None, env: dict[str, str] | None = None, tim
     return result
 
 
-__all__ = ["HF", "LIGHTNING", "TORCH", "Server", "WarmPopen", "popen", "run", "server", "shutdown", "supported"]
+CLIENT = Path(__file__).with_name("_warm_client.py")
+
+
+def shim(python_args: Sequence[str] = (), preload: Sequence[str] = TORCH) -> str:
+    """A shell command line that runs ``python PYTHON_ARGS "$@"`` in a child of this process's warm interpreter
+    (``tests/_warm_client.py``: a stdlib-only client that passes its streams, directory and environment and exits
+    as the child did), for a script a shell runs (a docs block's ``tierstore``); plain ``python`` when warm
+    interpreters are off."""
+    import shlex
+
+    exe = shlex.quote(sys.executable)
+    args = " ".join(shlex.quote(a) for a in python_args)
+    if not ENABLED:
+        return f'exec {exe} {args} "$@"'
+    return f'exec {exe} -S {shlex.quote(str(CLIENT))} {shlex.quote(server(preload).path)} {args} "$@"'
+
+
+__all__ = ["CLIENT", "HF", "LIGHTNING", "TORCH", "Server", "WarmPopen", "popen", "run", "server", "shim", "shutdown",
+           "supported"]

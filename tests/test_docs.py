@@ -298,12 +298,12 @@ def _console_script(bindir: Path) -> None:
     """A ``tierstore`` on PATH as pip's console script is: no current directory on sys.path (``python -P``); and
     ``python``, the suite's interpreter."""
     bindir.mkdir()
-    shim = bindir / "tierstore"
-    shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -P -c "
-                    "'import sys; from tierstore.cli import main; sys.exit(main())' \"$@\"\n")
+    shim = bindir / "tierstore"  # both forked from the warm interpreter (tests/_warm.py: torch imported once)
+    shim.write_text("#!/bin/sh\n" + _warm.shim(["-P", "-c", "import sys; from tierstore.cli import main; sys.exit(main())"])
+                    + "\n")
     shim.chmod(0o755)
     py = bindir / "python"  # a block's `python` is the interpreter the suite runs on, as in an activated venv
-    py.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    py.write_text("#!/bin/sh\n" + _warm.shim() + "\n")
     py.chmod(0o755)
 
 

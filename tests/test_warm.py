@@ -103,3 +103,21 @@ def test_pipes_carry_a_conversation_and_communicate_reads_to_the_end():
     assert p.stdout.readline() == "ready\n"
     out, err = p.communicate("hello\n", timeout=60)
     assert (out, err, p.returncode) == ("got hello\n", "to stderr\n", 0)
+
+
+def test_a_shell_command_through_the_client_exits_and_prints_as_python_does(tmp_path):
+    """``_warm.shim``: what a docs block's ``tierstore`` and ``python`` are; the shell sees the child's output,
+    exit code and death by a signal, as from the interpreter itself."""
+    py = tmp_path / "python"
+    py.write_text("#!/bin/sh\n" + _warm.shim() + "\n")
+    py.chmod(0o755)
+    body = "import os, sys; print(os.getcwd(), sys.argv[1:]); sys.stdout.flush(); sys.exit(int(sys.argv[1]))"
+    for code in (0, 5):
+        p = subprocess.run([str(py), "-c", body, str(code)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert (p.returncode, p.stdout) == (code, f"{tmp_path} ['{code}']\n"), p.stderr
+    killed = subprocess.run([str(py), "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
+                            capture_output=True, timeout=60)
+    assert killed.returncode == -signal.SIGTERM
+    piped = subprocess.run(f"echo hello | {py} -c 'import sys; print(sys.stdin.read().upper())'", shell=True,
+                           capture_output=True, text=True, timeout=60)
+    assert piped.stdout == "HELLO\n\n"

@@ -28,6 +28,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -250,12 +251,16 @@ class Server:
         self._dir = tempfile.mkdtemp(prefix="warm-")
         self.path = os.path.join(self._dir, "s")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+        # its own stderr to a file (import warnings): a pipe nobody reads could fill and block it
+        self._err = open(os.path.join(self._dir, "stderr"), "w+b")  # noqa: SIM115 - closed in close()
         self._proc = subprocess.Popen([sys.executable, "-c", SERVER, self.path, *self.preload], cwd="/", env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()
         if line.strip() != b"ready":
-            err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+            self._err.seek(0)
+            err = self._err.read().decode(errors="replace")
+            self.close()
             raise RuntimeError(f"the warm interpreter ({', '.join(self.preload)}) did not start: {err[-2000:]}")
 
     def close(self) -> None:
@@ -267,14 +272,10 @@ class Server:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        for p in (self._proc.stdout, self._proc.stderr):
-            if p is not None:
-                p.close()
-        try:
-            os.unlink(self.path)
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._err.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def alive(self) -> bool:
         return self._proc.poll() is None

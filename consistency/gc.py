@@ -19,7 +19,9 @@ Each tier survives another failure, so each keeps its own window
 - a **pinned** committed step (:meth:`consistency.steprecords.StepRecords.pin`: a
   checkpoint path that Lightning's top-k or the Trainer's ``save_total_limit``
   still holds names it) is kept whatever the windows: by the memory tiers
-  until it is durable, then by the durable tier (its memory copies go);
+  until it is durable, then by the durable tier (its memory copies go); pins are
+  recorded in the durable tier too, so an index rebuild restores them (every step
+  a label's records name, where a crash left more than one);
 - a committed step in neither window is **retired**: its step records go
   first (it is no longer reported, nor restorable, anywhere), then its
   durable manifest (an index rebuild can never resurrect it), then its
@@ -236,7 +238,7 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
         memory = {s for s in committed if s >= oldest}
     # pinned steps (a framework's checkpoint names them: StepRecords.pin) stay: in memory until durable, then
     # in the durable tier only (so host memory follows the window, not the number of checkpoints kept)
-    pinned = set(steps.pins(model).values()) & set(committed)
+    pinned = steps.pinned_steps(model) & set(committed)
     memory |= pinned - set(durable)
     memory = required_steps(steps, model, sorted(memory), cache=cache) & set(committed)
     kept_durable = set(durable[-retention.keep_durable:]) | (pinned & set(durable))

@@ -27,7 +27,8 @@ several of them stay atomic there. The schema (``m`` is the model name)::
                                           durable step (see :mod:`consistency.retired`)
     ts:{m}:retention               HASH   what the retention passes retired (StepRecords.note_retention)
     ts:{m}:pins                    HASH   label (a checkpoint path) -> a step every retention pass keeps
-                                          (StepRecords.pin)
+                                          (StepRecords.pin), or "B,A,...": the steps an index rebuild found
+                                          durable pin records of for the label, its own first
     ts:node:<id>                   HASH   a node agent's registration (TTL), see :mod:`consistency.nodes`
     ts:nodes                       SET    registered node ids
 

@@ -30,6 +30,12 @@ step cannot be restored). Manifests written before these fields hold only
 ``name`` is the physical name of the object's copy in the tiers
 (:func:`tierstore.keys.object_name`); absent in older manifests (the key).
 
+The durable tier's other records of a model are named here too (one owner of
+the durable layout): its epoch records (``model/_epoch/``), superseded
+manifests (``model/_superseded/``) and pin records (``model/_pins/<digest of
+the label>.<step>.pin``, JSON ``{version, model, label, step}``, validated by
+:func:`parse_durable_pin`).
+
 A manifest of another version, another model, with missing ranks, objects
 of another model or step, or malformed fields is refused with
 :class:`ManifestError`. Never parsed with anything but ``json``.
@@ -37,6 +43,7 @@ of another model or step, or malformed fields is refused with
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -50,9 +57,14 @@ __all__ = [
     "durable_epoch_name",
     "durable_epoch_prefix",
     "durable_manifest_name",
+    "durable_pin_label_prefix",
+    "durable_pin_name",
+    "durable_pin_prefix",
+    "durable_pin_record",
     "layer_entries",
     "manifest_objects",
     "parse_durable_epoch_name",
+    "parse_durable_pin",
     "parse_manifest",
     "superseded_manifest_name",
 ]
@@ -89,6 +101,57 @@ def parse_durable_epoch_name(model: str, name: str) -> int | None:
         return None
     stem = name[len(prefix):-len(".epoch")]
     return int(stem) if stem.isdigit() and len(stem) == 20 else None
+
+
+PIN_RECORD_VERSION = 1
+MAX_PIN_RECORD_BYTES = 64 << 10
+
+
+def durable_pin_prefix(model: str) -> str:
+    """The durable tier's prefix of a model's pin records (see :func:`durable_pin_name`)."""
+    return f"{model}/_pins/"
+
+
+def durable_pin_label_prefix(model: str, label: str) -> str:
+    """The durable tier's prefix of the pin records of one ``label`` of ``model`` (every step it pins)."""
+    digest = hashlib.blake2s(label.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"{durable_pin_prefix(model)}{digest}."
+
+
+def durable_pin_name(model: str, label: str, step: int) -> str:
+    """The durable tier's record of the pin ``label`` -> ``step`` of ``model`` (one small JSON record per
+    ``(label, step)``, written create-once; the label, a checkpoint path, is in the record: the name holds
+    its digest)."""
+    return f"{durable_pin_label_prefix(model, label)}{step:012d}.pin"
+
+
+def durable_pin_record(model: str, label: str, step: int) -> bytes:
+    """The body of :func:`durable_pin_name`'s record (JSON)."""
+    return json.dumps({"version": PIN_RECORD_VERSION, "model": model, "label": label, "step": step},
+                      sort_keys=True).encode()
+
+
+def parse_durable_pin(model: str, name: str, raw: bytes | str) -> tuple[str, int]:
+    """The ``(label, step)`` of the pin record ``raw`` read at ``name``, validated (never anything but ``json``).
+
+    Raises:
+        ManifestError: not a pin record of ``model``, or one whose name is not that of its label and step.
+    """
+    if len(raw) > MAX_PIN_RECORD_BYTES:
+        raise ManifestError(f"pin record {name}: {len(raw)} bytes is larger than {MAX_PIN_RECORD_BYTES}")
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"pin record {name} is not valid JSON: {e}") from e
+    if not isinstance(d, dict) or d.get("version") != PIN_RECORD_VERSION:
+        raise ManifestError(f"pin record {name}: unknown version {d.get('version') if isinstance(d, dict) else None!r}")
+    label, step = d.get("label"), d.get("step")
+    if d.get("model") != model or not isinstance(label, str) or not label or not isinstance(step, int) \
+            or isinstance(step, bool) or step < 0:
+        raise ManifestError(f"pin record {name}: not a pin of {model} (a label and a step)")
+    if durable_pin_name(model, label, step) != name:
+        raise ManifestError(f"pin record {name} names label {label[:80]!r} and step {step}: not its own name")
+    return label, step
 
 
 def _is_int(v: object) -> bool:

@@ -19,6 +19,14 @@ is lost (a server restarted without persistence, a FLUSHALL), call
    :meth:`~consistency.twophase.StepProtocol.open_epoch`): a restore then
    bumps it past every writer of those steps, so no zombie is unfenced.
 
+6. restore the pins the durable tier records (``<model>/_pins/``, see
+   :meth:`~consistency.steprecords.StepRecords.pin`) of the steps it restored:
+   a checkpoint a framework still holds stays pinned, so a retention pass run
+   before the framework's next save cannot collect it. A record of a step that
+   is not durable (its manifest is gone or was skipped) or that does not parse
+   is ignored and reported (``pins_ignored``); where a crash left a label with
+   records of two steps, both are kept (the label's next pin, or unpin, settles it).
+
 Steps that were only committed in memory are gone from the index: the report
 lists the steps whose objects the host tier still holds but no durable
 manifest covers (``lost_steps``). A step whose manifest is skipped (it does not
@@ -35,7 +43,7 @@ from dataclasses import dataclass, field
 
 from backends.base import Backend
 from consistency.index import ObjectRecord
-from consistency.manifest import complete_entries, parse_manifest
+from consistency.manifest import complete_entries, durable_pin_prefix, parse_durable_pin, parse_manifest
 from consistency.twophase import StepProtocol
 from tierstore.errors import ConfigError, ManifestError, TierStoreError
 from tierstore.keys import ShardKey, split_object_name
@@ -55,15 +63,50 @@ class RebuildReport:
     objects: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     lost_steps: dict[str, list[int]] = field(default_factory=dict)
+    pins: dict[str, int] = field(default_factory=dict)  # model -> (label, step) pins restored
+    pins_ignored: dict[str, str] = field(default_factory=dict)  # pin record -> why it was not restored
 
     def to_json(self) -> dict:
         return {"restored": self.restored, "objects": self.objects, "skipped": self.skipped,
-                "lost_steps": self.lost_steps}
+                "lost_steps": self.lost_steps, "pins": self.pins, "pins_ignored": self.pins_ignored}
 
 
-def _manifest_names(durable: Backend, model: str | None) -> list[tuple[str, str, int]]:
+def _pin_names(names: list[str], model: str | None) -> list[tuple[str, str]]:
+    """``(name, model)`` of the pin records among ``names``."""
     out = []
-    for name in durable.list(f"{model}/_manifest/" if model else ""):
+    for name in names:
+        m = name.split("/", 1)[0]
+        if (model is None or m == model) and name.startswith(durable_pin_prefix(m)) and name.endswith(".pin"):
+            out.append((name, m))
+    return sorted(out)
+
+
+def _restore_pins(steps: StepProtocol, durable: Backend, names: list[tuple[str, str]],
+                  report: RebuildReport) -> None:
+    """Restore the pins whose records ``names`` are, of the steps ``report`` restored."""
+    found: dict[str, dict[str, list[int]]] = {}
+    for name, m_name in names:
+        raw = durable.get(name)
+        if raw is None:
+            continue
+        try:
+            label, step = parse_durable_pin(m_name, name, bytes(raw))
+        except ManifestError as e:
+            report.pins_ignored[name] = str(e)
+            log.warning("rebuild: ignoring pin record %s: %s", name, e)
+            continue
+        if step not in report.restored.get(m_name, []):
+            report.pins_ignored[name] = f"pin {label!r} names step {step} of {m_name}, which is not durable"
+            continue
+        found.setdefault(m_name, {}).setdefault(label, []).append(step)
+    for m_name, pins in sorted(found.items()):
+        report.pins[m_name] = steps.restore_pins(m_name, pins)
+
+
+def _manifest_names(durable: Backend, model: str | None,
+                    everything: list[str] | None = None) -> list[tuple[str, str, int]]:
+    out = []
+    for name in (everything if everything is not None else durable.list(f"{model}/_manifest/" if model else "")):
         if _MANIFEST_DIR not in name or not name.endswith(".json"):
             continue
         m, rest = name.split(_MANIFEST_DIR, 1)
@@ -105,7 +148,10 @@ def rebuild_index(steps: StepProtocol, model: str | None = None, *, host: Backen
         raise ConfigError("rebuild_index needs a durable tier: the index is rebuilt from its manifests")
     report = RebuildReport()
     max_epoch: dict[str, int] = {}
-    for name, m_name, step in _manifest_names(durable, model):
+    everything = list(durable.list("")) if model is None else None  # one listing serves both
+    pin_names = _pin_names(list(durable.list(durable_pin_prefix(model))) if model is not None else everything or [],
+                           model)
+    for name, m_name, step in _manifest_names(durable, model, everything):
         raw = durable.get(name)
         if raw is None:
             continue
@@ -130,6 +176,7 @@ def rebuild_index(steps: StepProtocol, model: str | None = None, *, host: Backen
         steps.restore_durable(m_name, m)
         report.restored.setdefault(m_name, []).append(step)
         max_epoch[m_name] = max(max_epoch.get(m_name, 0), int(m.get("epoch", 0) or 0))
+    _restore_pins(steps, durable, pin_names, report)
     models = set(max_epoch) | ({model} if model is not None else set())
     for m_name in models:
         ep = max(max_epoch.get(m_name, 0), steps.durable_epoch(m_name))

@@ -71,6 +71,10 @@ class StepBase:
         self.clock = clock
         self.on_lost = on_lost
         self.epochs = EpochLog(index, durable)
+        # pins whose durable record could not be written or removed (StepRecords.pin / unpin): the index pin
+        # stands, the record only matters to an index rebuild; counted, the last one kept, each one logged
+        self.durable_pin_failures = 0
+        self.last_durable_pin_failure: str | None = None
         self._known_models: set[str] = set()
         self._listeners: dict[str, Any] = {}  # model -> DecisionListener (consistency.decisions)
         self._listeners_lock = threading.Lock()

@@ -11,7 +11,8 @@ metrics read :meth:`StepRecords.records`; garbage collection calls
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,15 +20,26 @@ from consistency.index import translate_redis_errors
 from consistency.manifest import (
     complete_entries,
     durable_manifest_name,
+    durable_pin_label_prefix,
+    durable_pin_name,
+    durable_pin_record,
     manifest_objects,
     superseded_manifest_name,
 )
 from consistency.retired import RetiredCopy
 from consistency.stepbase import StepBase, _f, _s
-from tierstore.errors import InvalidKeyError, KeyExistsError
+from tierstore.errors import InvalidKeyError, KeyExistsError, TierStoreError
 from tierstore.keys import ShardKey, validate_name
 
 __all__ = ["DurableLag", "EventSubscription", "StepRecord", "StepRecords", "durable_lag"]
+
+log = logging.getLogger(__name__)
+
+
+def _pin_steps(value: object) -> list[int]:
+    """The steps of one field of the index's ``pins`` hash: ``"B"``, or ``"B,A,..."`` where an index rebuild
+    found several durable records of the label (the first is the label's step, the others kept besides)."""
+    return [int(x) for x in _s(value).split(",") if x.strip()]
 
 
 @dataclass(frozen=True)
@@ -240,8 +252,16 @@ class StepRecords(StepBase):
         until it is durable, then in the durable tier). Acknowledged by the index's replicas before it returns
         (a failover cannot lose the pin while the step it keeps is collected).
 
-        One hash per model (``pins``: label -> step), removed with the model; an index rebuild starts with none
-        (the integrations pin their checkpoints' steps again at their next save).
+        One hash per model in the index (``pins``: label -> step), removed with the model. With a durable
+        tier, the pin is recorded there too, so an index rebuild restores it
+        (:func:`consistency.rebuild.rebuild_index`): one small create-once record per ``(label, step)``
+        (:func:`consistency.manifest.durable_pin_name`), the new one written before the label's superseded
+        ones are deleted (a crash in between leaves both: a rebuild keeps both, which is safe). The index pin
+        is set first and stands whatever the durable tier answers: a record that cannot be written (after the
+        retries) is logged as a warning and counted (:attr:`durable_pin_failures`,
+        :attr:`last_durable_pin_failure`), not raised: the pin already keeps the step while the index lives,
+        and raising would fail a save whose step is committed and kept (the integrations pin from their
+        save path), for a record only an index rebuild reads. One writer per label (rank 0).
 
         Raises:
             InvalidKeyError: an empty ``label``; CommitError: a malformed ``step``.
@@ -252,22 +272,100 @@ class StepRecords(StepBase):
             raise InvalidKeyError(f"a pin's label must be a non-empty string, got {label!r}", field="label")
         with translate_redis_errors(f"pin step {step} of {model}", self.index.url):
             self.index._r.hset(self.index._k(model, "pins"), label, step)
+        self._record_pin(model, label, step)
         self.index.sync(model, f"pin step {step} of {model}")
 
+    def _record_pin(self, model: str, label: str, step: int) -> None:
+        """Write the durable record of the pin ``label`` -> ``step``, then delete the label's other records."""
+        durable = self.durable
+        if durable is None:
+            return
+        name = durable_pin_name(model, label, step)
+        body = durable_pin_record(model, label, step)
+
+        def put() -> None:
+            try:
+                durable.put(name, body, if_absent=True)
+            except KeyExistsError:
+                pass  # already recorded: the name is the label and the step, the body follows from them
+
+        try:
+            self.retry.call(put)
+        except TierStoreError as e:  # the superseded records stay: they keep more, never less
+            self._pin_record_failed(f"the durable record of pin {label!r} -> step {step} of {model} was not "
+                                    f"written (an index rebuild now would not restore it)", e)
+            return
+        self._drop_pin_records(model, label, keep=name)
+
+    def _drop_pin_records(self, model: str, label: str, *, keep: str | None = None) -> None:
+        """Delete the durable records of ``label`` of ``model`` but ``keep``."""
+        durable = self.durable
+        if durable is None:
+            return
+        def delete(name: str) -> Callable[[], bool]:
+            return lambda: durable.delete(name)
+
+        try:
+            names = self.retry.call(lambda: list(durable.list(durable_pin_label_prefix(model, label))))
+            for n in names:
+                if n != keep:
+                    self.retry.call(delete(n))
+        except TierStoreError as e:  # a record left behind keeps its step after a rebuild: safe
+            self._pin_record_failed(f"superseded durable pin records of {label!r} of {model} were not deleted "
+                                    f"(an index rebuild now would keep their steps pinned too)", e)
+
+    def _pin_record_failed(self, what: str, e: Exception) -> None:
+        self.durable_pin_failures += 1
+        self.last_durable_pin_failure = f"{what}: {e}"
+        log.warning("%s: %s", what, e)
+
     def unpin(self, model: str, labels: Iterable[str]) -> None:
-        """Remove the pins ``labels`` of ``model`` (:meth:`pin`); the steps they kept go at the next retention
-        pass that no longer keeps them otherwise. A label that pins nothing is ignored."""
+        """Remove the pins ``labels`` of ``model`` (:meth:`pin`), in the index, then their durable records;
+        the steps they kept go at the next retention pass that no longer keeps them otherwise. A label that
+        pins nothing is ignored. A durable record that cannot be deleted is warned about and counted
+        (:attr:`durable_pin_failures`): only an index rebuild would bring its pin back."""
         labels = sorted(set(labels))
         if not labels:
             return
         with translate_redis_errors(f"unpin steps of {model}", self.index.url):
             self.index._r.hdel(self.index._k(model, "pins"), *labels)
+        for label in labels:
+            self._drop_pin_records(model, label)
 
     def pins(self, model: str) -> dict[str, int]:
-        """``model``'s pins: label -> the step it keeps (:meth:`pin`)."""
+        """``model``'s pins: label -> the step it keeps (:meth:`pin`; see :meth:`pinned` for every step)."""
+        return {label: steps[0] for label, steps in self.pinned(model).items() if steps}
+
+    def pinned(self, model: str) -> dict[str, list[int]]:
+        """``model``'s pins: label -> every step it keeps, its own first (an index rebuild that found several
+        durable records of a label, a crash while the pin moved, keeps them all until the label is pinned
+        again or unpinned)."""
         with translate_redis_errors(f"read the pins of {model}", self.index.url):
             h = self.index._r.hgetall(self.index._k(model, "pins"))
-        return {_s(a): int(_s(b)) for a, b in h.items()}
+        return {_s(a): _pin_steps(b) for a, b in h.items()}
+
+    def pinned_steps(self, model: str) -> set[int]:
+        """Every step a pin of ``model`` keeps (what retention keeps for the pins)."""
+        return {s for steps in self.pinned(model).values() for s in steps}
+
+    def restore_pins(self, model: str, found: dict[str, list[int]]) -> int:
+        """Record the pins an index rebuild found in the durable tier (``found``: label -> the durable steps
+        of its records), beside the pin the index may still hold of each label (its step stays first; the
+        newest found step is first otherwise). Returns how many ``(label, step)`` pins were restored."""
+        current = self.pinned(model)
+        mapping: dict[str, str] = {}
+        n = 0
+        for label, steps in sorted(found.items()):
+            want = sorted(set(steps), reverse=True)
+            n += len(want)
+            merged = list(dict.fromkeys([*current.get(label, []), *want]))
+            mapping[label] = ",".join(map(str, merged))
+        if not mapping:
+            return 0
+        with translate_redis_errors(f"restore the pins of {model}", self.index.url):
+            self.index._r.hset(self.index._k(model, "pins"), mapping=mapping)
+        self.index.sync(model, f"restore the pins of {model}")
+        return n
 
     def supersede(self, model: str, step: int, *, epoch: int, reason: str) -> str:
         """Record committed ``step`` aborted, with ``reason``, so incarnation ``epoch`` can save it again.

@@ -55,8 +55,9 @@ what migrates), not the number of checkpoints ``save_top_k`` or
 its pin (:func:`unpin`), then collects (:func:`retire_older`); a pin whose
 pointer is gone from a visible run directory, or names another step, is
 dropped at the next save (:func:`unpin_gone`: the framework's rotation, or a
-crash between the two, is the evidence). An index rebuilt from the durable
-tier starts without pins; the integrations pin again at their next save.
+crash between the two, is the evidence). Pins are recorded in the durable
+tier too, so an index rebuilt from it keeps them; where a crash left a label
+pinning two steps, the next save keeps the one its pointer names.
 
 Pointers written before runs were one model (each path its own model, named
 from the path) stay readable; removing one deletes its model, as then.
@@ -294,12 +295,13 @@ def unpin_gone(store: Any, model: str, run_dir: str, pointer_file: Any = None) -
     """Drop ``model``'s pins of checkpoints in ``run_dir`` whose pointer is gone or names another step; returns
     their paths. Only on positive evidence: ``run_dir`` is a directory here, and the pointer file
     (``pointer_file(path)``; default: the path itself) does not exist, is not a pointer (the framework wrote its
-    own file there) or names another model or step. A pointer that cannot be read keeps its pin."""
+    own file there) or names another model or step. A pointer that cannot be read keeps its pin. A label that
+    pins several steps (an index rebuild after a crash while its pin moved) keeps the one its pointer names."""
     run = os.path.abspath(run_dir)
     if not os.path.isdir(run):
         return []
     drop = []
-    for path, step in sorted(store.steps.pins(model).items()):
+    for path, steps in sorted(store.steps.pinned(model).items()):
         if os.path.dirname(path) != run:
             continue
         p = pointer_file(path) if pointer_file is not None else path
@@ -309,8 +311,10 @@ def unpin_gone(store: Any, model: str, run_dir: str, pointer_file: Any = None) -
             ptr = None
         except (OSError, CorruptObjectError):
             continue  # not evidence that it is gone
-        if ptr is None or ptr.model != model or ptr.step != step:
+        if ptr is None or ptr.model != model or ptr.step not in steps:
             drop.append(path)
+        elif steps != [ptr.step]:  # an index rebuild kept both steps of a pin a crash left half-moved
+            store.steps.pin(model, path, ptr.step)  # the pointer names this one: the others go
     if drop:
         store.steps.unpin(model, drop)
     return drop

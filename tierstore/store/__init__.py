@@ -100,7 +100,7 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
                      retries=config.migration_retries, backoff_s=config.migration_backoff_s,
                      backoff_max_s=config.migration_backoff_max_s, nice=config.background_nice,
                      decided=lambda model, step: self.steps.state(model, step), reach=self._reach,
-                     stall_s=config.durable_stall_s, kept=lambda model: set(self.steps.pins(model).values()))
+                     stall_s=config.durable_stall_s, kept=lambda model: self.steps.pinned_steps(model))
             if durable is not None and config.migrate
             else None
         )

@@ -1,11 +1,12 @@
 """What a framework run's checkpoints must look like in the store (tierstore.interop.pointer): one model for the
 run, each checkpoint a step of it pinned by its path, nothing retention would still collect, and host memory
-holding only the newest step and pinned steps not yet durable."""
+holding only what the newest step and the pinned steps not yet durable read."""
 
 from __future__ import annotations
 
 import os
 
+from consistency.closure import reachable
 from consistency.gc import Retention
 
 
@@ -22,7 +23,11 @@ def check_run(store, pointers: dict) -> str:
     assert report.dropped_steps == [], f"left uncollected: {report.dropped_steps} of {states}"
     host = store.host.tier
     keys = store.list(model)
-    in_host = {k.step for k, r in zip(keys, store.index.get_objects(keys)) if r is not None and host in r.tiers}
+    in_host = {k for k, r in zip(keys, store.index.get_objects(keys)) if r is not None and host in r.tiers}
     newest = max(states)
-    assert in_host <= {newest} | {p.step for p in pointers.values() if states[p.step] != "durable"}, (in_host, states)
+    # what memory may hold: the objects a restore of the newest step or of a pinned step not yet durable reads
+    # (a differential step's delta chain reaches objects saved at retired steps: they stay until it is durable)
+    live = sorted({newest} | {p.step for p in pointers.values() if states[p.step] != "durable"})
+    allowed = reachable(store.steps, model, live)
+    assert in_host <= allowed, (sorted({k.step for k in in_host - allowed}), live, states)
     return model

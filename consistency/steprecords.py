@@ -272,8 +272,8 @@ class StepRecords(StepBase):
             raise InvalidKeyError(f"a pin's label must be a non-empty string, got {label!r}", field="label")
         with translate_redis_errors(f"pin step {step} of {model}", self.index.url):
             self.index._r.hset(self.index._k(model, "pins"), label, step)
+        self.index.sync(model, f"pin step {step} of {model}")  # the index pin first: it is what keeps the step
         self._record_pin(model, label, step)
-        self.index.sync(model, f"pin step {step} of {model}")
 
     def _record_pin(self, model: str, label: str, step: int) -> None:
         """Write the durable record of the pin ``label`` -> ``step``, then delete the label's other records."""

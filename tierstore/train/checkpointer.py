@@ -179,37 +179,42 @@ class Checkpointer(RestoreSide):
         self.policy = policy or exact()
         self.timeout = timeout
         self.ranks = Ranks(store, self.model, rank, world_size, group, timeout=timeout, grace=missing_rank_grace)
-        self.rank, self.world_size, self.group = self.ranks.rank, self.ranks.world_size, self.ranks.group
-        self.epoch: int | None = None
-        self._passed: set[int] = set()  # committed steps newer than the one this incarnation restored, unjudged
-        self._standing: dict[int, str] = {}  # of those, judged and kept (not proven lost): why
-        self._unproven: dict[int, str] = {}  # of those, why one could not be judged (a tier did not answer)
-        self._lost: dict[int, str] = {}  # of those, agreed lost by every rank and not yet superseded: why
-        self._manifests: dict[int, dict] = {}  # retention's parsed manifests, for this epoch
-        self.stats = SaveStats()
-        self.report = RestoreReport()
-        # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
-        # whose copies verify after they returned hold the next update back
-        self.lazy = lazy
-        self._gate = UpdateGate(self.stats, getattr(store, "config", None))  # StoreConfig.lazy_check
-        self._gate.watch(self._optimizers())
-        self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()
-        self._restoring: PendingRestore | None = None  # a restore whose copies are still being verified
-        self._undecided: list[int] = []  # steps this rank voted for that were still preparing
-        # what each save writes, reads and remembers: the policy's parts (tierstore.train.saveplan)
-        self.plan = SavePlan(self.policy, self, self.group)
-        first = self.view.collect()  # validates the state up front and sizes the layers
-        self.plan.arrange(first, self.rank, self.world_size)  # LayerCheck's smoothed I/O: forced saves spread
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstore-ckpt-{self.rank}")
-        self._future: Future | None = None
-        self._last_step: int | None = None
-        self._last_t = 0.0
-        self._skipped = False  # the last save was skipped (restore_side._begin): nothing of it was written
-        self._pending_step: int | None = None  # the last save's step while its vote said "preparing"
-        self.keep_last = keep_last
-        self._retained: Any = None  # the windows the last retention pass acted on
-        if preallocate and self.plan.direct_only and hasattr(store, "host"):
-            self._preallocate(first)
+        try:  # a constructor that fails (an invalid state, a policy's refusal) releases the group it made
+            self.rank, self.world_size, self.group = self.ranks.rank, self.ranks.world_size, self.ranks.group
+            self.epoch: int | None = None
+            self._passed: set[int] = set()  # committed steps newer than the one this incarnation restored, unjudged
+            self._standing: dict[int, str] = {}  # of those, judged and kept (not proven lost): why
+            self._unproven: dict[int, str] = {}  # of those, why one could not be judged (a tier did not answer)
+            self._lost: dict[int, str] = {}  # of those, agreed lost by every rank and not yet superseded: why
+            self._manifests: dict[int, dict] = {}  # retention's parsed manifests, for this epoch
+            self.stats = SaveStats()
+            self.report = RestoreReport()
+            # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
+            # whose copies verify after they returned hold the next update back
+            self.lazy = lazy
+            self._gate = UpdateGate(self.stats, getattr(store, "config", None))  # StoreConfig.lazy_check
+            self._gate.watch(self._optimizers())
+            self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()
+            self._restoring: PendingRestore | None = None  # a restore whose copies are still being verified
+            self._undecided: list[int] = []  # steps this rank voted for that were still preparing
+            # what each save writes, reads and remembers: the policy's parts (tierstore.train.saveplan)
+            self.plan = SavePlan(self.policy, self, self.group)
+            first = self.view.collect()  # validates the state up front and sizes the layers
+            self.plan.arrange(first, self.rank, self.world_size)  # LayerCheck's smoothed I/O: forced saves spread
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstore-ckpt-{self.rank}")
+            self._future: Future | None = None
+            self._behind: Future | None = None  # a save close() left behind (it may still use the group)
+            self._last_step: int | None = None
+            self._last_t = 0.0
+            self._skipped = False  # the last save was skipped (restore_side._begin): nothing of it was written
+            self._pending_step: int | None = None  # the last save's step while its vote said "preparing"
+            self.keep_last = keep_last
+            self._retained: Any = None  # the windows the last retention pass acted on
+            if preallocate and self.plan.direct_only and hasattr(store, "host"):
+                self._preallocate(first)
+        except BaseException:
+            self.ranks.close()
+            raise
 
     @property
     def saving(self) -> bool:
@@ -503,6 +508,11 @@ class Checkpointer(RestoreSide):
         ``timeout``: how long the last save's background part is waited for (default the store's
         ``StoreConfig.close_timeout_s``, else 30 s; ``None``: unbounded). Past it (the index or a tier
         does not answer) the save is left behind, with a warning: it may still finish, or fail, unreported.
+
+        Then the gloo group the Checkpointer made (none given, several ranks) is destroyed
+        (:meth:`~tierstore.train.ranks.Ranks.close`: local, bounded), unless a save left behind may still run
+        its collectives: then it is kept, with a warning. A ``group=`` the caller gave is never destroyed.
+        Idempotent.
         """
         if timeout is not None and timeout < 0:
             timeout = getattr(getattr(self.store, "config", None), "close_timeout_s", 30.0)
@@ -512,6 +522,7 @@ class Checkpointer(RestoreSide):
             if fut is not None and not futures_wait([fut], timeout=timeout).done:
                 left_behind = True
                 self._future = None
+                self._behind = fut
                 log.warning("close: the background part of the save of step %s of %s did not finish within "
                             "%s s (the index or a tier is not answering); left behind", self._last_step,
                             self.model, timeout)
@@ -522,6 +533,11 @@ class Checkpointer(RestoreSide):
             self._gate.close()
             self.plan.close()
             self._pool.shutdown(wait=not left_behind, cancel_futures=left_behind)
+            behind = self._behind is not None and not self._behind.done()
+            if not behind:
+                self.ranks.close()  # the group it made, if any (a given one stays): local, bounded
+            elif self.ranks.owns_group:  # its collectives (dedup, lazy's select) may still run
+                log.warning("close: the gloo group of %s is kept for the save left behind", self.model)
 
 
 def load(store: Any, model_name: str, state: MutableMapping[str, Any], step: int | None = None, *,

@@ -10,7 +10,11 @@ One :class:`Ranks` per Checkpointer holds:
   made by ``dist.new_group`` in the constructor (itself a collective: every
   rank constructs its Checkpointer). ``world_size=1`` is **rank-local**: no
   group, no collective, whatever ``torch.distributed`` says, so one rank can
-  save alone (Lightning's rank-0-only ``save_checkpoint``, ``is_global_zero``);
+  save alone (Lightning's rank-0-only ``save_checkpoint``, ``is_global_zero``).
+  A group the constructor made is this object's: :meth:`close` (the
+  Checkpointer's ``close``) destroys it, so a Checkpointer rebuilt between
+  saves (Lightning's, when the state's objects change) does not leak one
+  group (its sockets) per rebuild. A group the caller gave is never destroyed;
 * **the incarnation**: a token and the model's epoch as seen at construction
   (``base``), agreed by a broadcast from rank 0 at construction. Writers
   :meth:`join` the incarnation's epoch (``StepProtocol.join_epoch``): the
@@ -63,7 +67,8 @@ class Ranks:
         store: the open store (its ``steps`` protocol is used).
         model: the model name.
         rank, world_size: override the discovery.
-        group: the gloo group for collectives (default: a new one).
+        group: the gloo group for collectives (default: a new one, destroyed by :meth:`close`; one given
+            here is never destroyed).
         timeout: seconds a collective of the new group may take.
         grace: seconds to wait for ranks that have not begun a step.
     """
@@ -79,16 +84,24 @@ class Ranks:
         self.rank = rank if rank is not None else (dist.get_rank() if dist_on else env_rank)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else env_world)
         self.group = None
+        self._owned: Any = None  # the group the constructor made (close destroys it); never the caller's
         if dist_on and dist.get_world_size() > 1 and self.world_size > 1:  # world_size 1: rank-local, no collective
-            self.group = group if group is not None else dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=max(timeout, 30.0)))
+            if group is None:
+                self.group = self._owned = dist.new_group(backend="gloo",
+                                                          timeout=timedelta(seconds=max(timeout, 30.0)))
+            else:
+                self.group = group
         self.token: str | None
         self.base: int
         if self.group is not None:
             t = torch.zeros(2, dtype=torch.int64)
-            if dist.get_rank(self.group) == 0:
-                t[0], t[1] = secrets.randbits(62), store.index.epoch(model)
-            dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+            try:
+                if dist.get_rank(self.group) == 0:
+                    t[0], t[1] = secrets.randbits(62), store.index.epoch(model)
+                dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+            except BaseException:
+                self.close()
+                raise
             self.token, self.base = f"{int(t[0]):x}", int(t[1])
         elif self.world_size == 1:
             self.token, self.base = f"{secrets.randbits(62):x}", store.index.epoch(model)
@@ -100,6 +113,31 @@ class Ranks:
             if self.token is None:
                 log.warning("%s: %d ranks without torch.distributed or torchrun: no epoch, zombies are not fenced",
                             model, self.world_size)
+
+    def close(self) -> None:
+        """Destroy the group the constructor made (``torch.distributed.destroy_process_group``); idempotent.
+
+        Local and bounded: destroying a gloo group other than the default one sends nothing to the other
+        ranks and waits for none of its work (a collective still in flight fails by its own timeout), and no
+        hook is ever registered on this group, so nothing is waited for. A group the caller gave is left
+        alone; so is one ``torch.distributed`` no longer knows (the default group, and with it every group,
+        was destroyed first). Never raises: a failure is logged. Collectives after it fail.
+        """
+        pg, self._owned = self._owned, None
+        if pg is None or not dist.is_initialized():
+            return
+        try:
+            dist.destroy_process_group(pg)
+        except ValueError:  # not a live group any more (destroyed with the default group, or by its holder)
+            log.debug("%s: the Checkpointer's gloo group was already destroyed", self.model)
+        except Exception as e:  # noqa: BLE001 - a release that failed must not fail the close
+            log.warning("%s: destroying the Checkpointer's gloo group failed: %s: %s", self.model,
+                        type(e).__name__, e)
+
+    @property
+    def owns_group(self) -> bool:
+        """The group is one the constructor made and :meth:`close` has not destroyed yet."""
+        return self._owned is not None
 
     # ---- epochs -------------------------------------------------------------------------------
     def join(self) -> int | None:

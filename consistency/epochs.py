@@ -24,7 +24,13 @@ from collections.abc import Callable
 
 from backends.base import Backend
 from consistency.index import Index
-from consistency.manifest import durable_epoch_name, durable_epoch_prefix, parse_durable_epoch_name
+from consistency.manifest import (
+    durable_epoch_name,
+    durable_epoch_prefix,
+    durable_manifest_prefix,
+    parse_durable_epoch_name,
+    parse_durable_manifest_name,
+)
 from tierstore.errors import CommitError, IndexLostError, KeyExistsError, TierStoreError
 
 __all__ = ["EpochLog"]
@@ -111,12 +117,11 @@ class EpochLog:
         """Steps of ``model`` with a durable manifest in the durable tier."""
         if self.durable is None:
             return []
-        prefix = f"{model}/_manifest/"
         out = []
-        for name in self.durable.list(prefix):
-            stem = name[len(prefix):]
-            if stem.endswith(".json") and stem[:-5].isdigit():
-                out.append(int(stem[:-5]))
+        for name in self.durable.list(durable_manifest_prefix(model)):
+            got = parse_durable_manifest_name(name)
+            if got is not None and got[0] == model:
+                out.append(got[1])
         return sorted(out)
 
     def check_index(self, model: str, on_lost: Callable[[str], object] | None = None) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from backends.base import Backend
-from consistency.manifest import durable_epoch_prefix, durable_pin_prefix
+from consistency.manifest import durable_epoch_prefix, durable_manifest_prefix, durable_pin_prefix
 from consistency.twophase import StepProtocol
 from tierstore.errors import ModelInUseError, TierStoreError, UnknownError
 from tierstore.keys import validate_name
@@ -124,7 +124,7 @@ def delete_model(steps: StepProtocol, model: str, tiers: Sequence[Backend], *, d
     report.index_keys = len(index.model_keys(model)) if known else 0
     report.durable_manifests = steps.durable_steps(model) if durable is not None else []
     # the durable tier's records (epochs, manifests, pins), counted apart from the copies; the pins go in 3.
-    meta = (epochs, f"{model}/_manifest/", durable_pin_prefix(model))
+    meta = (epochs, durable_manifest_prefix(model), durable_pin_prefix(model))
     for i, tier in enumerate(tiers):
         mine = [n for n in names.get(i, []) if not n.startswith(meta)]
         report.copies[tier.tier] = report.copies.get(tier.tier, 0) + len(mine)

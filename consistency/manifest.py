@@ -30,6 +30,8 @@ step cannot be restored). Manifests written before these fields hold only
 ``name`` is the physical name of the object's copy in the tiers
 (:func:`tierstore.keys.object_name`); absent in older manifests (the key).
 
+A step's durable copy of its manifest is ``model/_manifest/<step>.json``
+(:func:`durable_manifest_name`, recognised by :func:`parse_durable_manifest_name`).
 The durable tier's other records of a model are named here too (one owner of
 the durable layout): its epoch records (``model/_epoch/``), superseded
 manifests (``model/_superseded/``) and pin records (``model/_pins/<digest of
@@ -57,13 +59,16 @@ __all__ = [
     "durable_epoch_name",
     "durable_epoch_prefix",
     "durable_manifest_name",
+    "durable_manifest_prefix",
     "durable_pin_label_prefix",
+    "durable_pin_model",
     "durable_pin_name",
     "durable_pin_prefix",
     "durable_pin_record",
     "layer_entries",
     "manifest_objects",
     "parse_durable_epoch_name",
+    "parse_durable_manifest_name",
     "parse_durable_pin",
     "parse_manifest",
     "superseded_manifest_name",
@@ -74,9 +79,28 @@ MAX_MANIFEST_BYTES = 256 << 20
 _KINDS = ("full", "delta", "ref")
 
 
+_MANIFEST_DIR = "/_manifest/"
+
+
+def durable_manifest_prefix(model: str) -> str:
+    """The durable tier's prefix of a model's durable manifests (see :func:`durable_manifest_name`)."""
+    return f"{model}{_MANIFEST_DIR}"
+
+
 def durable_manifest_name(model: str, step: int) -> str:
     """The durable tier's object name of a step's manifest (written last, create-once)."""
-    return f"{model}/_manifest/{step:012d}.json"
+    return f"{durable_manifest_prefix(model)}{step:012d}.json"
+
+
+def parse_durable_manifest_name(name: str) -> tuple[str, int] | None:
+    """The ``(model, step)`` a durable manifest's name (:func:`durable_manifest_name`, of any model) holds, or
+    ``None`` if ``name`` is not one (another record of the model, an object, a manifest's name with a folder
+    below ``_manifest/``). The step may be written with any number of ASCII digits."""
+    model, sep, rest = name.partition(_MANIFEST_DIR)
+    if not sep or "/" in model or not rest.endswith(".json"):
+        return None
+    stem = rest[:-len(".json")]
+    return (model, int(stem)) if stem.isascii() and stem.isdigit() else None
 
 
 def superseded_manifest_name(model: str, step: int, attempt: int) -> str:
@@ -110,6 +134,13 @@ MAX_PIN_RECORD_BYTES = 64 << 10
 def durable_pin_prefix(model: str) -> str:
     """The durable tier's prefix of a model's pin records (see :func:`durable_pin_name`)."""
     return f"{model}/_pins/"
+
+
+def durable_pin_model(name: str) -> str | None:
+    """The model whose pin record ``name`` looks like (under its :func:`durable_pin_prefix`, ending ``.pin``),
+    or ``None``; :func:`parse_durable_pin` validates the record itself."""
+    model = name.split("/", 1)[0]
+    return model if name.startswith(durable_pin_prefix(model)) and name.endswith(".pin") else None
 
 
 def durable_pin_label_prefix(model: str, label: str) -> str:

@@ -43,7 +43,15 @@ from dataclasses import dataclass, field
 
 from backends.base import Backend
 from consistency.index import ObjectRecord
-from consistency.manifest import complete_entries, durable_pin_prefix, parse_durable_pin, parse_manifest
+from consistency.manifest import (
+    complete_entries,
+    durable_manifest_prefix,
+    durable_pin_model,
+    durable_pin_prefix,
+    parse_durable_manifest_name,
+    parse_durable_pin,
+    parse_manifest,
+)
 from consistency.twophase import StepProtocol
 from tierstore.errors import ConfigError, ManifestError, TierStoreError
 from tierstore.keys import ShardKey, split_object_name
@@ -51,8 +59,6 @@ from tierstore.keys import ShardKey, split_object_name
 __all__ = ["RebuildReport", "rebuild_index"]
 
 log = logging.getLogger(__name__)
-
-_MANIFEST_DIR = "/_manifest/"
 
 
 @dataclass
@@ -75,8 +81,8 @@ def _pin_names(names: list[str], model: str | None) -> list[tuple[str, str]]:
     """``(name, model)`` of the pin records among ``names``."""
     out = []
     for name in names:
-        m = name.split("/", 1)[0]
-        if (model is None or m == model) and name.startswith(durable_pin_prefix(m)) and name.endswith(".pin"):
+        m = durable_pin_model(name)
+        if m is not None and (model is None or m == model):
             out.append((name, m))
     return sorted(out)
 
@@ -106,15 +112,11 @@ def _restore_pins(steps: StepProtocol, durable: Backend, names: list[tuple[str, 
 def _manifest_names(durable: Backend, model: str | None,
                     everything: list[str] | None = None) -> list[tuple[str, str, int]]:
     out = []
-    for name in (everything if everything is not None else durable.list(f"{model}/_manifest/" if model else "")):
-        if _MANIFEST_DIR not in name or not name.endswith(".json"):
-            continue
-        m, rest = name.split(_MANIFEST_DIR, 1)
-        if "/" in m or (model is not None and m != model):
-            continue
-        stem = rest[: -len(".json")]
-        if stem.isdigit():
-            out.append((name, m, int(stem)))
+    for name in (everything if everything is not None else durable.list(durable_manifest_prefix(model) if model
+                                                                         else "")):
+        got = parse_durable_manifest_name(name)
+        if got is not None and (model is None or got[0] == model):
+            out.append((name, *got))
     return sorted(out, key=lambda t: (t[1], t[2]))
 
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 import tierstore
-from consistency.manifest import durable_manifest_name
+from consistency.manifest import (
+    durable_manifest_name,
+    durable_manifest_prefix,
+    durable_pin_model,
+    durable_pin_name,
+    parse_durable_manifest_name,
+)
 from tests.s3_server import s3_bucket, s3_env, s3_server  # noqa: F401 - fixtures
 from tests.test_gc import put_delta
 from tests._tiers import live_name
@@ -129,3 +135,17 @@ def test_rebuild_needs_a_durable_tier(tmp_path, redis_url, shm_root):
             s.rebuild_index()
     finally:
         s.close()
+
+
+def test_the_durable_record_names_are_recognised_by_their_owner():
+    """Pure naming logic (consistency.manifest owns the layout): what rebuild and the epoch log recognise."""
+    name = durable_manifest_name("gpt", 7)
+    assert name.startswith(durable_manifest_prefix("gpt")) and parse_durable_manifest_name(name) == ("gpt", 7)
+    assert parse_durable_manifest_name(durable_manifest_name("gpt", 10**13)) == ("gpt", 10**13)
+    assert parse_durable_manifest_name("gpt/_manifest/7.json") == ("gpt", 7)  # any number of digits
+    for other in ("gpt/_manifest/x.json", "gpt/_manifest/7.pin", "gpt/_manifest/a/7.json", "a/gpt/_manifest/7.json",
+                  "gpt/_epoch/00000000000000000001.epoch", "gpt/layer/7", "gpt/_manifest/\u00b2.json",
+                  "gpt/_superseded/000000000007.1.json", durable_pin_name("gpt", "/ckpt/a", 7)):
+        assert parse_durable_manifest_name(other) is None, other
+    assert durable_pin_model(durable_pin_name("gpt", "/ckpt/a", 7)) == "gpt"
+    assert durable_pin_model(name) is None and durable_pin_model("gpt/_pins/x.json") is None

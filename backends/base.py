@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
-from typing import ClassVar, Self
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar, Self
 
 from tierstore.errors import InvalidKeyError, InvalidValueError
 
@@ -44,6 +44,8 @@ Buffer = bytes | bytearray | memoryview
 
 MAX_OBJECT_NAME_LEN = 1024
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")  # segments of _SEGMENT_RE, "/"-separated
+_DOT_SEGMENT_RE = re.compile(r"(?:^|/)\.(?:/|$)")  # a segment that is just "."
 
 
 def validate_object_name(name: object) -> str:
@@ -59,10 +61,12 @@ def validate_object_name(name: object) -> str:
         raise InvalidKeyError(
             f"an object name must be 1..{MAX_OBJECT_NAME_LEN} characters, got {len(name)}", field="name"
         )
+    if _NAME_RE.fullmatch(name) and ".." not in name and not _DOT_SEGMENT_RE.search(name):
+        return name  # every segment checked at once (this runs for every object a save writes)
     for seg in name.split("/"):
         if not _SEGMENT_RE.fullmatch(seg) or seg == "." or ".." in seg:
             raise InvalidKeyError(f"object name {name[:80]!r} has an invalid segment {seg[:40]!r}", field="name")
-    return name
+    raise AssertionError(f"object name {name!r}: no invalid segment found")  # the two checks disagree
 
 
 def as_buffers(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
@@ -115,6 +119,12 @@ class Reservation(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Drop the reservation; idempotent."""
+
+    def views(self, key: Hashable, make: Callable[[memoryview], Any]) -> Any:
+        """``make(buffer)``: views over :attr:`buffer` that depend only on ``key`` (where a writer's tensors
+        go). A tier whose reservations reuse the same memory (the host tier's pooled segments) may return the
+        ones it kept from the last reservation of that memory with the same ``key`` instead."""
+        return make(self.buffer)
 
     def __enter__(self) -> Self:
         return self

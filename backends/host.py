@@ -36,12 +36,13 @@ dropped first when room is needed.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import mmap
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +78,11 @@ def default_pin_bytes() -> int:
 class _ReadPin:
     """A reader's open file (holding its shared lock), closed when the last view of it goes."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("fd", "ident")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, ident: tuple[int, int]) -> None:
         self.fd = fd
+        self.ident = ident  # the file's (st_dev, st_ino)
 
     def __del__(self) -> None:
         os.close(self.fd)
@@ -134,6 +136,14 @@ class _HostReservation(Reservation):
         self._backend._pool.discard(*self._ident)
         self._backend._release_reservation(self.nbytes)
 
+
+    def views(self, key: Any, make: Any) -> Any:
+        """Those kept with this segment's mapping for ``key`` (the last reservation of the same segment in this
+        process that asked), else ``make(buffer)``, kept with it (:meth:`SegmentPool.views`)."""
+        mapping = getattr(self.buffer.obj, "_tierstore_mapping", None)
+        if mapping is None or self._done:
+            return make(self.buffer)
+        return self._backend._pool.views(self._ident, mapping, key, lambda: make(self.buffer))
 
     def _release_buffer(self) -> None:
         """Let go of the mapping (so the pool may unmap it under its budget), unless the caller still uses it."""
@@ -194,6 +204,7 @@ class HostBackend(Backend):
         except OSError as e:
             raise TierUnavailableError(f"cannot create host tier directory {self.root}: {e}") from e
         self._tmpdir = str(self.root / _TMPDIR)
+        self._tmp_pid, self._tmp_token, self._tmp_count = 0, "", itertools.count()
         self._pool = SegmentPool(self.root / _POOL, max_bytes=pool_bytes, max_segments=pool_segments,
                                  max_maps=pool_segments, grace_s=recycle_grace_s, populate=populate)
         self._lock = threading.Lock()
@@ -206,7 +217,12 @@ class HostBackend(Backend):
         return self.root / name
 
     def _tmp_path(self) -> str:
-        return f"{self._tmpdir}/{_TMP}{uuid.uuid4().hex}"  # a str: pathlib costs more than the syscalls here
+        # unique among every process sharing the tier: this backend's random token (a fork keeps it, so the pid
+        # too) and a counter; a str: pathlib costs more than the syscalls here
+        pid = os.getpid()
+        if pid != self._tmp_pid:
+            self._tmp_pid, self._tmp_token = pid, f"{pid}.{uuid.uuid4().hex[:16]}."
+        return f"{self._tmpdir}/{_TMP}{self._tmp_token}{next(self._tmp_count)}"
 
     # -- capacity ----------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -352,7 +368,7 @@ class HostBackend(Backend):
                 kept = self._pool.kept(st.st_dev, st.st_ino, size)
                 if kept is not None:  # no page faults: the pages are mapped in this process already
                     pinned = True
-                    return kept.view(size, keep=_ReadPin(fd)).toreadonly()
+                    return kept.view(size, keep=_ReadPin(fd, (st.st_dev, st.st_ino))).toreadonly()
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)  # holds a dup of fd: the lock lives on
                 return memoryview(mm)
@@ -362,6 +378,19 @@ class HostBackend(Backend):
                 if not pinned:
                     os.close(fd)
         raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
+
+    def views_of(self, blob: Any, key: Any, make: Callable[[memoryview], Any]) -> Any:
+        """Views over the memory of ``blob`` (what :meth:`get` returned) that depend only on ``key``: those kept
+        with its segment's mapping (a writer's of the same segment and ``key``: :meth:`_HostReservation.views`),
+        else ``make(writable view of that memory)``'s, kept; ``None`` where ``blob`` is not a view of a kept
+        mapping. They are read only while ``blob`` is alive (its shared lock keeps the segment from reuse)."""
+        arr = getattr(blob, "obj", None)
+        mapping = getattr(arr, "_tierstore_mapping", None)
+        pin = getattr(arr, "_tierstore_keep", None)
+        if mapping is None or not isinstance(pin, _ReadPin):
+            return None
+        size = len(blob)
+        return self._pool.views(pin.ident, mapping, key, lambda: make(mapping.view(size)))
 
     def get_range(self, name: str, offset: int, length: int) -> memoryview | bytes | None:
         """A read-only view of the bytes ``[offset, offset + length)`` of the object, holding a shared lock on it

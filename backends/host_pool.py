@@ -54,6 +54,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from backends.shm_mapping import Mapping
 
@@ -135,6 +136,9 @@ class SegmentPool:
         # (dev, ino) -> (mapping, the path it was last seen at); least recently used first
         self._maps: OrderedDict[tuple[int, int], tuple[Mapping, str]] = OrderedDict()
         self._new_maps = 0
+        # (dev, ino) -> (the kept mapping, a writer's key, its views over that mapping): one per kept mapping,
+        # forgotten with it (the views hold the mapping: unmapped once both are gone)
+        self._views: dict[tuple[int, int], tuple[Mapping, Any, Any]] = {}
         # pool entries this process put there (their mapping is likely kept): size -> names
         self._own: dict[int, list[str]] = {}
 
@@ -177,14 +181,34 @@ class SegmentPool:
                 return kept[0].view(nbytes)
         m = _map_class(fd, nbytes, self.populate)
         with self._lock:
-            self._maps.pop(key, None)
+            self._forget(key)
             self._maps[key] = (m, path)
             self._new_maps += 1
             if self._new_maps % _SWEEP_EVERY == 0:
                 self._drop_stale()
             while len(self._maps) > self.max_maps:
-                self._maps.popitem(last=False)  # unmapped when its last view goes
+                old, _ = self._maps.popitem(last=False)  # unmapped when its last view goes
+                self._views.pop(old, None)
         return m.view(nbytes)
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        """Forget the kept mapping of file ``key`` and the views kept with it (called with the lock)."""
+        self._maps.pop(key, None)
+        self._views.pop(key, None)
+
+    def views(self, ident: tuple[int, int], mapping: Mapping, key: Any, make: Callable[[], Any]) -> Any:
+        """The views kept for ``key`` with the kept mapping ``mapping`` of file ``ident``, else ``make()``'s,
+        kept with it while that mapping is kept (one key per mapping: the last asked)."""
+        with self._lock:
+            got = self._views.get(ident)
+            if got is not None and got[0] is mapping and got[1] == key:
+                return got[2]
+        made = make()
+        with self._lock:
+            kept = self._maps.get(ident)
+            if kept is not None and kept[0] is mapping:
+                self._views[ident] = (mapping, key, made)
+        return made
 
     def kept(self, dev: int, ino: int, nbytes: int) -> Mapping | None:
         """The kept mapping of file (dev, ino) if it covers ``nbytes``, else ``None``."""
@@ -205,7 +229,7 @@ class SegmentPool:
     def discard(self, dev: int, ino: int) -> None:
         """Forget the kept mapping of a file that was freed (unmapped when its last view goes)."""
         with self._lock:
-            self._maps.pop((dev, ino), None)
+            self._forget((dev, ino))
 
     def _drop_stale(self) -> None:
         """Forget mappings whose file is not where this process last saw it (called with the lock)."""
@@ -216,7 +240,7 @@ class SegmentPool:
             except OSError:
                 live = False
             if not live:
-                del self._maps[key]
+                self._forget(key)
 
     # -- taking and giving -------------------------------------------------------------
     def _claim(self, name: str, tmp: str) -> int | None:
@@ -395,4 +419,5 @@ class SegmentPool:
         """Forget every kept mapping (each is unmapped when its last view goes)."""
         with self._lock:
             self._maps.clear()
+            self._views.clear()
             self._own.clear()

@@ -65,6 +65,7 @@ from tierstore.codec.format import (
     Shard,
     TensorInfo,
     compute_checksum,
+    geometry_views,
 )
 from tierstore.codec.ranged import RangedObject, box_runs
 from tierstore.codec.read import (
@@ -102,6 +103,7 @@ __all__ = [
     "compute_checksum",
     "decode",
     "encode",
+    "geometry_views",
     "inspect",
     "open_object",
     "plan",

@@ -37,6 +37,8 @@ __all__ = [
     "Shard",
     "TensorInfo",
     "compute_checksum",
+    "geometry_views",
+    "typed_view",
 ]
 
 # Version 1: magic, version, flags, table_len, data_len, raw_len, reserved (zero) to 64 bytes. Its first 28
@@ -192,6 +194,13 @@ def compute_checksum(buffers: Iterable[Any]) -> str:
     return h.hexdigest()
 
 
+
+
+def geometry_views(buf: Any, geometry: Any) -> list[torch.Tensor | None]:
+    """Typed tensors over ``buf`` for a geometry (``(start, nbytes, dtype name, shape)`` per tensor, in table
+    order: where an object's tensors lie in it), ``None`` for an empty tensor; no copy."""
+    return [typed_view(buf, DTYPES[dtype], nbytes, start).view(shape) if nbytes else None
+            for start, nbytes, dtype, shape in geometry]
 
 
 def typed_view(buf: Any, dtype: torch.dtype, nbytes: int, offset: int) -> torch.Tensor:

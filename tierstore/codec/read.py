@@ -176,6 +176,13 @@ class EncodedObject:
         self.chunks = parse_chunks(self.head, self._mv[self.head.chunks_at : self.head.data_start])
 
     @property
+    def geometry(self) -> tuple[tuple[int, int, str, tuple[int, ...]], ...]:
+        """Where the tensors lie in the blob, ``(start, nbytes, dtype, shape)`` each, in table order (the
+        writer's :attr:`tierstore.codec.EncodePlan.geometry` of the same layout); for an uncompressed object."""
+        start = self.head.data_start
+        return tuple((start + e.offset, e.nbytes, e.dtype, e.shape) for e in self.tensors)
+
+    @property
     def stored_checksum(self) -> str:
         """The trailer, as 32 hex chars (not verified)."""
         return bytes(self._mv[len(self._mv) - TRAILER_SIZE :]).hex()
@@ -191,8 +198,13 @@ class EncodedObject:
         copy: bool = True,
         strict: bool = True,
         verify: bool = True,
+        sources: list[torch.Tensor | None] | None = None,
     ) -> Shard:
-        """Verify and decode the object; see :func:`decode`."""
+        """Verify and decode the object; see :func:`decode`.
+
+        ``sources``: typed views over the blob's memory at :attr:`geometry` (a tier's kept ones), read instead
+        of views made here; for an uncompressed object only, the caller keeping the blob alive and unchanged.
+        """
         mv, flags, raw_len, h = self._mv, self.flags, self.raw_len, self.head
         infos, meta = self.tensors, self.metadata
         one_pass = verify and copy and not flags
@@ -236,13 +248,16 @@ class EncodedObject:
                                          field="raw_len")
             data = memoryview(_decompress(flags, data, raw_len) if self.chunks is None
                               else _unpack_chunks(self.chunks, data))
-        tdata = _torch_buffer(data) if (targets or not copy) else None
+        if sources is not None and (flags or len(sources) != len(infos)):
+            sources = None  # not this object's layout: views are made here
+        tdata = _torch_buffer(data) if ((targets and sources is None) or not copy) else None
         with torch.no_grad():
-            for e in infos:
+            for i, e in enumerate(infos):
                 target = targets.get(e.name)
                 if target is not None:
                     if e.nbytes:
-                        target.copy_(_alias(tdata, e))
+                        src = sources[i] if sources is not None else None
+                        target.copy_(src if src is not None else _alias(tdata, e))
                     tensors[e.name] = target
                 elif not copy:
                     tensors[e.name] = _alias(tdata, e)

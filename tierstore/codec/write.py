@@ -31,6 +31,7 @@ from tierstore.codec.format import (
     align,
     chunk_size_for,
     chunk_table_len,
+    geometry_views,
     n_chunks,
     typed_view,
 )
@@ -58,25 +59,32 @@ def _raw_chunk_table(raw_len: int, chunk_size: int) -> bytes:
     return bytes(table)
 
 
+def _keys_are_str(o: Any) -> bool:
+    """Whether every dict in ``o`` (nested in dicts, lists and tuples) has only str keys."""
+    stack = [o]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, dict):
+            for k, v in o.items():
+                if not isinstance(k, str):
+                    return False
+                if isinstance(v, (dict, list, tuple)):
+                    stack.append(v)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(v for v in o if isinstance(v, (dict, list, tuple)))
+    return True
+
+
 def _check_metadata(metadata: dict | None) -> bytes:
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict):
         raise InvalidValueError(f"metadata must be a dict, got {type(metadata).__name__}", entry="metadata")
-
-    def keys_are_str(o: Any) -> bool:
-        if isinstance(o, dict):
-            return all(isinstance(k, str) and keys_are_str(v) for k, v in o.items())
-        if isinstance(o, (list, tuple)):
-            return all(keys_are_str(v) for v in o)
-        return True
-
     try:
-        text = json.dumps(metadata, allow_nan=False)
-        ok = keys_are_str(metadata)
+        text = json.dumps(metadata, allow_nan=False)  # first: it raises on a circular or over-deep value
     except (TypeError, ValueError, RecursionError) as e:
         raise InvalidValueError(f"metadata is not JSON-serialisable: {e}", entry="metadata") from e
-    if not ok:
+    if not _keys_are_str(metadata):
         raise InvalidValueError("metadata dict keys must be str (JSON would rename them)", entry="metadata")
     if len(text) > MAX_METADATA_LEN:
         raise InvalidValueError(
@@ -85,16 +93,26 @@ def _check_metadata(metadata: dict | None) -> bytes:
     return text.encode("ascii")
 
 
+_TORCH: dict[str, Any] = {}  # torch's names this module checks against, resolved at the first check
+
+
+def _torch_names() -> dict[str, Any]:
+    if not _TORCH:
+        _TORCH.update(Tensor=torch.Tensor, strided=torch.strided, dtype_names=dict(DTYPE_NAMES.items()))
+    return _TORCH
+
+
 def _check_tensor(name: Any, t: Any) -> str:
+    names = _TORCH or _torch_names()
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
         raise InvalidValueError(
             f"tensor name {name!r} must be a non-empty str of at most {MAX_NAME_LEN} chars", entry=name
         )
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, names["Tensor"]):
         raise InvalidValueError(f"value of {name!r} is a {type(t).__name__}, not a torch.Tensor", entry=name)
-    if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
+    if t.layout != names["strided"] or t.is_nested or t.is_quantized or t.is_meta:
         raise InvalidValueError(f"tensor {name!r} must be a dense strided tensor with data", entry=name)
-    dtype = DTYPE_NAMES.get(t.dtype)
+    dtype = names["dtype_names"].get(t.dtype)
     if dtype is None:
         raise InvalidValueError(f"tensor {name!r} has unsupported dtype {t.dtype}", entry=name)
     return dtype
@@ -132,6 +150,9 @@ class _Layout:
             start = self.data_offset + e.offset
             pad_end = self.data_offset + (self.entries[i + 1].offset if i + 1 < len(self.entries) else self.raw_len)
             self.slots.append((start, e.nbytes, pad_end - start - e.nbytes))
+        # where the tensors' bytes go, as typed views would be made over a buffer: layouts that differ only in
+        # names or metadata (one layer's and the next's) often share it, and a reused segment keeps its views
+        self.geometry = tuple((start, e.nbytes, e.dtype, e.shape) for (start, _n, _p), e in zip(self.slots, self.entries))
 
 
 _LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
@@ -198,6 +219,7 @@ class EncodePlan:
         self._chunk_table = layout.chunk_table
         self.nbytes = layout.nbytes
         self._header = layout.header
+        self.geometry = layout.geometry
         # per tensor: where its bytes go and the zero padding after them (precomputed: write() is the stall)
         self._slots = [(t, *slot) for t, slot in zip(self._tensors, layout.slots)]
 
@@ -221,12 +243,23 @@ class EncodePlan:
 
     @staticmethod
     def _write_slot(mv: memoryview, t: torch.Tensor, start: int, nbytes: int, pad: int,
-                    non_blocking: bool = False) -> None:
+                    non_blocking: bool = False, dest: torch.Tensor | None = None) -> None:
         if nbytes:
-            typed_view(mv, t.dtype, nbytes, start).view(t.shape).copy_(t, non_blocking=non_blocking)
+            if dest is None:
+                dest = typed_view(mv, t.dtype, nbytes, start).view(t.shape)
+            dest.copy_(t, non_blocking=non_blocking)
         if pad:
             end = start + nbytes
             mv[end : end + pad] = _ZEROS[:pad]
+
+    def dest_views(self, buf: memoryview) -> list[torch.Tensor | None]:
+        """Typed tensors over ``buf`` where each tensor's bytes go (``None`` for an empty one), in table order.
+
+        They depend only on :attr:`geometry`: a caller that writes this geometry into the same memory again
+        (a reused segment) may keep them and pass them to :meth:`write` (making them is about a third of the
+        cost of a small tensor's copy).
+        """
+        return geometry_views(self._check_buf(buf), self.geometry)
 
     def write_tensor(self, buf: memoryview, name: str) -> None:
         """Copy the current contents of tensor ``name`` (and its zero padding) into ``buf``."""
@@ -234,19 +267,27 @@ class EncodePlan:
         with torch.no_grad():
             self._write_slot(mv, *self._slots[self._index[name]])
 
-    def write(self, buf: memoryview, *, non_blocking: bool = False) -> None:
+    def write(self, buf: memoryview, *, non_blocking: bool = False,
+              dests: list[torch.Tensor | None] | None = None) -> None:
         """Write header, table and every tensor's bytes into ``buf[:nbytes]``: the stall.
 
         One copy per tensor, straight from the (possibly non-contiguous or
         device) tensor into ``buf``; the trailer is left to :meth:`seal`.
         ``non_blocking``: device tensors are copied asynchronously on the
         current stream (the caller waits for it before sealing or reading ``buf``).
+        ``dests``: :meth:`dest_views` of ``buf`` (made here when not given).
         """
         mv = self._check_buf(buf)
         self._write_head(mv)
+        if dests is not None and len(dests) != len(self._slots):
+            raise InvalidValueError(f"{len(dests)} destination views for {len(self._slots)} tensors", entry="dests")
         with torch.no_grad():
-            for slot in self._slots:
-                self._write_slot(mv, *slot, non_blocking)
+            if dests is None:
+                for slot in self._slots:
+                    self._write_slot(mv, *slot, non_blocking)
+            else:
+                for slot, dest in zip(self._slots, dests):
+                    self._write_slot(mv, *slot, non_blocking, dest)
 
     def seal(self, buf: memoryview) -> str:
         """Write each chunk's digest, then the trailer (xxh3-128 of everything before the data); return it as hex.

@@ -221,11 +221,12 @@ class WritePath:
             res = self._reserve(key, name, plan.nbytes)
             try:
                 self._pin_for(res, tensors)
+                dests = res.views(plan.geometry, plan.dest_views)  # a reused segment's, where it kept them
                 if copies is not None:
                     with copies.stream_context():
-                        plan.write(res.buffer, non_blocking=True)
+                        plan.write(res.buffer, non_blocking=True, dests=dests)
                 else:
-                    plan.write(res.buffer)
+                    plan.write(res.buffer, dests=dests)
             except BaseException:
                 if copies is not None:
                     copies.synchronize()
@@ -264,7 +265,7 @@ class WritePath:
     def _pin_for(self, res: Any, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Page-lock ``res``'s segment if CUDA tensors are copied into it (within the budget; best effort)."""
         pin = getattr(self.host, "pin", None)
-        if pin is None or not any(t.device.type == "cuda" for t in tensors.values()):
+        if pin is None or not any(t.is_cuda for t in tensors.values()):
             return False
         return bool(pin(res.buffer))
 

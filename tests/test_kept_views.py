@@ -1,0 +1,166 @@
+"""The per-object costs cut for states of many small tensors (issue 30): what they must not break.
+
+A host-tier segment keeps, with its mapping, the typed tensor views a writer made over it (where each tensor's
+bytes go, a "geometry"); the next reservation of the same segment with the same geometry, and a restore that
+reads an object of that geometry from it, use them instead of making new ones. The attacks: a segment reused
+by objects of other layouts of the same size (a wrong view would write or read the wrong bytes), a byte
+flipped in a segment whose views are kept (the deferred restore must still catch it), an aborted reservation
+(its views must go with it). Also: the one-regex check of object names agrees with the per-segment rules, and
+reservation names stay unique across a fork.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.base import validate_object_name
+from backends.host import HostBackend
+from tests._tiers import live_path
+from tierstore.errors import InvalidKeyError
+from tierstore.keys import ShardKey
+
+
+def _ident(res) -> tuple[int, int]:
+    return res._ident
+
+
+def test_a_reused_segment_keeps_its_views_per_key_and_an_abort_forgets_them(shm_root):
+    b = HostBackend(shm_root / "node", recycle_grace_s=0.0)
+    made: list[int] = []
+
+    def make(buf):
+        made.append(len(buf))
+        return [torch.frombuffer(buf, dtype=torch.uint8, count=8)]
+
+    res = b.reserve("m/a/1/0", 4096)
+    first = res.views("g1", make)
+    assert made == [4096]
+    res.buffer[:4] = b"abcd"
+    res.commit()
+    ident = _ident(res)
+    assert b.delete("m/a/1/0")  # into the pool, mapping kept
+    again = b.reserve("m/b/2/0", 4096)
+    assert _ident(again) == ident, "the pooled segment was not reused (the test needs it)"
+    assert again.views("g1", make) is first and made == [4096]  # kept: not made again
+    other = again.views("g2", make)  # another geometry: made, and kept instead
+    assert other is not first and made == [4096, 4096]
+    again.abort()  # the segment is freed: its views are forgotten with its mapping
+    assert ident not in b._pool._views
+    b.close()
+
+
+def _layouts(i: int) -> dict[str, torch.Tensor]:
+    """Objects of the same encoded size whose tensors lie elsewhere in turn (other shapes and offsets), so that
+    one object's segment is reused by another layout."""
+    g = torch.Generator().manual_seed(i)
+    shapes = [
+        {"a": (torch.float32, (64, 16)), "b": (torch.int64, (128,)), "c": (torch.bfloat16, (512,))},
+        {"a": (torch.float32, (16, 32)), "b": (torch.int64, (384,)), "c": (torch.bfloat16, (512,))},
+        {"a": (torch.float32, (8, 64)), "b": (torch.int64, (256,)), "c": (torch.bfloat16, (1024,))},
+    ][i % 3]
+    out = {}
+    for name, (dtype, shape) in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        raw = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), generator=g,
+                            dtype=torch.uint8)
+        out[name] = raw.view(dtype).view(shape).clone()
+    return out
+
+
+def test_segments_reused_across_layouts_write_and_restore_every_byte(store):
+    """Rounds of objects whose layouts rotate over the same segments: every read (the verified ``get`` and the
+    deferred restore into live tensors, which uses kept views) returns exactly what was written."""
+    pool = store.host._pool
+    seen: dict[tuple[int, int], set] = {}
+    asked = pool.views
+
+    def views(ident, mapping, key, make):  # records which geometries each segment was asked for
+        seen.setdefault(ident, set()).add(key)
+        return asked(ident, mapping, key, make)
+
+    pool.views = views
+    for rnd in range(6):
+        keys = [ShardKey("kv", f"l{j}", rnd + 1, 0) for j in range(4)]
+        want = [_layouts(rnd + j) for j in range(4)]
+        for k, w in zip(keys, want):
+            store.put(k, w)
+        for k, w in zip(keys, want):
+            got = store.get(k)
+            assert all(torch.equal(got.tensors[n].view(torch.uint8), w[n].view(torch.uint8)) for n in w)
+        outs = [{n: torch.zeros_like(t) for n, t in w.items()} for w in want]
+        shards, v = store.get_many_deferred(keys, outs=outs)
+        assert all(s is not None for s in shards)
+        assert v.wait(timeout=60) == []
+        for o, w in zip(outs, want):
+            for n in w:
+                assert torch.equal(o[n].view(torch.uint8), w[n].view(torch.uint8)), (rnd, n)
+        for k in keys:
+            store.delete(k)
+    assert any(len(keys) >= 2 for keys in seen.values()), ("no segment was reused by another layout", {i: len(k) for i, k in seen.items()}, pool.entries())
+
+
+def test_a_flipped_byte_in_a_segment_with_kept_views_fails_the_deferred_restore(store):
+    key = ShardKey("kv", "w", 1, 0)
+    w = {"a": torch.randn(4096), "b": torch.randn(64, 64)}
+    store.put(key, w)
+    store.flush()  # durable first: the flip below is the host copy's alone
+    outs = [{n: torch.zeros_like(t) for n, t in w.items()}]
+    _, v = store.get_many_deferred([key], outs=outs)  # the views are kept from here on, if not from the put
+    assert v.wait(timeout=60) == []
+    path = live_path(store.host.root, store, key)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # in place: the same file, so the same kept mapping and views
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    _, v = store.get_many_deferred([key], outs=[{n: torch.zeros_like(t) for n, t in w.items()}])
+    failures = v.wait(timeout=60)
+    assert len(failures) == 1 and failures[0].reason.startswith(("checksum", "corrupt")), failures
+
+
+def _reference_name_ok(name: str) -> bool:
+    """The rules as documented: 1..1024 chars of "/"-separated segments of [A-Za-z0-9._-]+, none "." and
+    none holding ".."."""
+    if not name or len(name) > 1024:
+        return False
+    return all(re.fullmatch(r"[A-Za-z0-9._-]+", s) and s != "." and ".." not in s for s in name.split("/"))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="ab./-_ \n\x00é", max_size=14))
+def test_the_one_regex_name_check_agrees_with_the_segment_rules(name):
+    try:
+        validate_object_name(name)
+        ok = True
+    except InvalidKeyError:
+        ok = False
+    assert ok == _reference_name_ok(name), name
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_reservation_names_stay_unique_in_a_forked_child(shm_root):
+    b = HostBackend(shm_root / "node", recycle_grace_s=0.0)
+    mine = {b._tmp_path() for _ in range(3)}
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the same backend object, copied by the fork
+        try:
+            os.write(w, "\n".join(b._tmp_path() for _ in range(3)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        theirs = set(f.read().split("\n"))
+    os.waitpid(pid, 0)
+    assert len(mine) == 3 and len(theirs) == 3 and not mine & theirs
+    assert all(f"{pid}." in n for n in theirs) and all(f"{os.getpid()}." in n for n in mine)
+    b.close()

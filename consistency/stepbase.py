@@ -10,7 +10,10 @@ listing (:mod:`consistency.steprecords`), the durable level
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +37,9 @@ from consistency.scripts import (
 from tierstore.errors import CommitError, InvalidKeyError, TierUnavailableError
 from tierstore.keys import validate_name, validate_step
 
-__all__ = ["DECIDED", "STATES", "StepBase"]
+__all__ = ["DECIDED", "STATES", "SerialJob", "SerialJobs", "StepBase"]
+
+log = logging.getLogger(__name__)
 
 STATES = ("preparing", "committed", "aborted", "durable")
 DECIDED = ("committed", "aborted", "durable")
@@ -48,6 +53,70 @@ def _f(v: str | None) -> float | None:
     return float(v) if v else None
 
 
+class SerialJob:
+    """One job of :class:`SerialJobs`: ``done`` once it ran. :meth:`settle` tells whichever of the job's end and its
+    waiter's deadline comes first that it is first (``True``), so what the job met is reported once."""
+
+    def __init__(self, fn: Callable[[SerialJob], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._settled = False
+        self.started: float | None = None  # time.monotonic() when it began to run
+
+    def settle(self) -> bool:
+        with self._lock:
+            if self._settled:
+                return False
+            self._settled = True
+            return True
+
+
+class SerialJobs:
+    """Jobs run one at a time, in submission order, on a daemon thread that lives while there is work (none is
+    left behind idle, and a job that never returns does not hold up the interpreter's exit). A caller waits for
+    its own job as long as it likes; jobs submitted after one that hangs wait behind it, so their order holds."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._jobs: deque[SerialJob] = deque()
+        self._current: SerialJob | None = None
+
+    def submit(self, fn: Callable[[SerialJob], Any]) -> SerialJob:
+        """Queue ``fn(job)``; returns the job (wait on its ``done``)."""
+        job = SerialJob(fn)
+        with self._lock:
+            self._jobs.append(job)
+            start = self._current is None  # no worker: this job starts one (it marks the worker as running)
+            if start:
+                self._current = job
+        if start:
+            threading.Thread(target=self._run, name=self.name, daemon=True).start()
+        return job
+
+    def stalled(self, seconds: float) -> bool:
+        """The job running now has run ``seconds`` or longer (a job submitted now waits behind it)."""
+        with self._lock:
+            started = self._current.started if self._current is not None else None
+        return started is not None and time.monotonic() - started >= seconds
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._current = None
+                    return
+                job = self._current = self._jobs.popleft()
+                job.started = time.monotonic()
+            try:
+                job.fn(job)
+            except Exception:  # the jobs report their own failures; one that escapes must not stop the rest
+                log.exception("%s: a job failed", self.name)
+            finally:
+                job.done.set()
+
+
 class StepBase:
     """The state every part of the protocol shares (see :class:`consistency.twophase.StepProtocol`).
 
@@ -59,13 +128,18 @@ class StepBase:
         on_lost: called with a model the index lost (its durable manifests exist): it must restore
             the index (the store rebuilds it); ``None`` raises :class:`IndexLostError` instead.
         retry: how the durable tier is asked again when it does not answer.
+        pin_record_timeout_s: the most :meth:`~consistency.steprecords.StepRecords.pin` (and ``unpin``) waits
+            for the durable tier's pin record after the index pin (see there); the attribute of that name may
+            be changed later.
     """
 
     def __init__(self, index: Index, durable: Backend | None = None, *, step_timeout_s: float = 600.0,
                  clock: Callable[[], float] | None = None, on_lost: Callable[[str], object] | None = None,
-                 retry: RetryPolicy | None = None):
+                 retry: RetryPolicy | None = None, pin_record_timeout_s: float = 30.0):
         self.index = index
         self.retry = retry or RetryPolicy()
+        self.pin_record_timeout_s = pin_record_timeout_s
+        self._pin_records = SerialJobs("tierstore-pin-records")  # the durable pin records' writes, in order
         self.durable = durable
         self.step_timeout_s = step_timeout_s
         self.clock = clock
@@ -75,6 +149,7 @@ class StepBase:
         # stands, the record only matters to an index rebuild; counted, the last one kept, each one logged
         self.durable_pin_failures = 0
         self.last_durable_pin_failure: str | None = None
+        self._pin_failures_lock = threading.Lock()
         self._known_models: set[str] = set()
         self._listeners: dict[str, Any] = {}  # model -> DecisionListener (consistency.decisions)
         self._listeners_lock = threading.Lock()

@@ -27,7 +27,7 @@ from consistency.manifest import (
     superseded_manifest_name,
 )
 from consistency.retired import RetiredCopy
-from consistency.stepbase import StepBase, _f, _s
+from consistency.stepbase import SerialJob, StepBase, _f, _s
 from tierstore.errors import InvalidKeyError, KeyExistsError, TierStoreError
 from tierstore.keys import ShardKey, validate_name
 
@@ -263,6 +263,14 @@ class StepRecords(StepBase):
         and raising would fail a save whose step is committed and kept (the integrations pin from their
         save path), for a record only an index rebuild reads. One writer per label (rank 0).
 
+        **Bounded.** The record's write (and the deletes of the label's superseded records) runs on the pin
+        records' own thread, one job at a time in the order of the pins and unpins, and ``pin`` waits for it at
+        most ``pin_record_timeout_s`` seconds (the protocol's attribute, default 30 s): past it (a durable
+        tier that hangs) it returns, with the warning and the count. The record is still written when the tier
+        answers, before any later pin's or unpin's records change (a failure then is logged, not counted
+        again); a pin made while an earlier record still waits for the tier does not wait (it is queued behind
+        it, warned about and counted at once).
+
         Raises:
             InvalidKeyError: an empty ``label``; CommitError: a malformed ``step``.
             ReplicaAckError: too few replicas acknowledged the pin in time.
@@ -273,9 +281,41 @@ class StepRecords(StepBase):
         with translate_redis_errors(f"pin step {step} of {model}", self.index.url):
             self.index._r.hset(self.index._k(model, "pins"), label, step)
         self.index.sync(model, f"pin step {step} of {model}")  # the index pin first: it is what keeps the step
-        self._record_pin(model, label, step)
+        if self.durable is not None:
+            self._pin_record_job(f"the durable record of pin {label!r} -> step {step} of {model}",
+                                 lambda report: self._record_pin(model, label, step, report))
 
-    def _record_pin(self, model: str, label: str, step: int) -> None:
+    def _pin_record_job(self, what: str, work: Callable[[Callable[[str, Exception], None]], None], *,
+                        done: str = "written") -> None:
+        """Run ``work(report)`` on the pin records' thread, in order; wait for it at most ``pin_record_timeout_s``.
+
+        What ``work`` reports (or raises) is counted once it ends, if that came before the deadline; past the
+        deadline the wait itself is what is counted, and what the job meets later is only logged."""
+        met: list[tuple[str, Exception]] = []
+
+        def run(job: SerialJob) -> None:
+            try:
+                work(lambda msg, err: met.append((msg, err)))
+            except Exception as e:  # noqa: BLE001 - a pin never fails past the index pin for its record
+                met.append((f"{what}: the durable tier's record failed", e))
+            first = job.settle()
+            for msg, err in met:
+                if first:
+                    self._pin_record_failed(msg, err)
+                else:
+                    log.warning("%s (after the pin stopped waiting for it): %s", msg, err)
+
+        limit = max(0.0, float(self.pin_record_timeout_s))
+        behind = self._pin_records.stalled(limit)  # an earlier job outlived its deadline: this one waits behind it
+        job = self._pin_records.submit(run)
+        if job.done.wait(0.0 if behind else limit) or not job.settle():
+            job.done.wait()  # it ended first (done, or about to be): what it met is counted by then
+            return
+        why = (f"queued behind an earlier durable pin record the durable tier has not answered for {limit:g} s"
+               if behind else f"the durable tier did not answer within {limit:g} s")
+        self._pin_record_failed(f"{what} was not {done} ({why}; it is {done} when the tier answers)", None)
+
+    def _record_pin(self, model: str, label: str, step: int, report: Callable[[str, Exception], None]) -> None:
         """Write the durable record of the pin ``label`` -> ``step``, then delete the label's other records."""
         durable = self.durable
         if durable is None:
@@ -292,12 +332,13 @@ class StepRecords(StepBase):
         try:
             self.retry.call(put)
         except TierStoreError as e:  # the superseded records stay: they keep more, never less
-            self._pin_record_failed(f"the durable record of pin {label!r} -> step {step} of {model} was not "
-                                    f"written (an index rebuild now would not restore it)", e)
+            report(f"the durable record of pin {label!r} -> step {step} of {model} was not "
+                   f"written (an index rebuild now would not restore it)", e)
             return
-        self._drop_pin_records(model, label, keep=name)
+        self._drop_pin_records(model, label, keep=name, report=report)
 
-    def _drop_pin_records(self, model: str, label: str, *, keep: str | None = None) -> None:
+    def _drop_pin_records(self, model: str, label: str, *, keep: str | None = None,
+                          report: Callable[[str, Exception], None] | None = None) -> None:
         """Delete the durable records of ``label`` of ``model`` but ``keep``."""
         durable = self.durable
         if durable is None:
@@ -311,26 +352,38 @@ class StepRecords(StepBase):
                 if n != keep:
                     self.retry.call(delete(n))
         except TierStoreError as e:  # a record left behind keeps its step after a rebuild: safe
-            self._pin_record_failed(f"superseded durable pin records of {label!r} of {model} were not deleted "
-                                    f"(an index rebuild now would keep their steps pinned too)", e)
+            (report or self._pin_record_failed)(f"superseded durable pin records of {label!r} of {model} were not "
+                                                f"deleted (an index rebuild now would keep their steps pinned too)", e)
 
-    def _pin_record_failed(self, what: str, e: Exception) -> None:
-        self.durable_pin_failures += 1
-        self.last_durable_pin_failure = f"{what}: {e}"
-        log.warning("%s: %s", what, e)
+    def _pin_record_failed(self, what: str, e: Exception | None) -> None:
+        with self._pin_failures_lock:
+            self.durable_pin_failures += 1
+            self.last_durable_pin_failure = what if e is None else f"{what}: {e}"
+        if e is None:
+            log.warning("%s", what)
+        else:
+            log.warning("%s: %s", what, e)
 
     def unpin(self, model: str, labels: Iterable[str]) -> None:
         """Remove the pins ``labels`` of ``model`` (:meth:`pin`), in the index, then their durable records;
         the steps they kept go at the next retention pass that no longer keeps them otherwise. A label that
         pins nothing is ignored. A durable record that cannot be deleted is warned about and counted
-        (:attr:`durable_pin_failures`): only an index rebuild would bring its pin back."""
+        (:attr:`durable_pin_failures`): only an index rebuild would bring its pin back. The deletes run after
+        the records of earlier pins, bounded as :meth:`pin`'s record is (``pin_record_timeout_s``)."""
         labels = sorted(set(labels))
         if not labels:
             return
         with translate_redis_errors(f"unpin steps of {model}", self.index.url):
             self.index._r.hdel(self.index._k(model, "pins"), *labels)
-        for label in labels:
-            self._drop_pin_records(model, label)
+        if self.durable is None:
+            return
+
+        def drop(report: Callable[[str, Exception], None]) -> None:
+            for label in labels:
+                self._drop_pin_records(model, label, report=report)
+
+        self._pin_record_job(f"the durable pin records of {len(labels)} unpinned label(s) of {model}", drop,
+                             done="deleted")
 
     def pins(self, model: str) -> dict[str, int]:
         """``model``'s pins: label -> the step it keeps (:meth:`pin`; see :meth:`pinned` for every step)."""

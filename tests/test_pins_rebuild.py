@@ -5,6 +5,7 @@ cannot collect a step a checkpoint still names."""
 from __future__ import annotations
 
 import logging
+import time
 
 import tierstore
 from consistency.gc import Retention
@@ -13,6 +14,7 @@ from tests.test_gc import gone, saved, step_keys
 from tests.test_twophase import M, save_step, shard
 from tierstore.errors import AccessDeniedError
 from tierstore.interop.pointer import Pointer, unpin_gone, write_pointer
+from tierstore.testing.faults import FaultPlan, FaultRule, install
 
 
 def pin_records(store) -> list[str]:
@@ -158,3 +160,31 @@ def test_without_a_durable_tier_pins_are_index_only(tmp_path, redis_url, shm_roo
         assert s.steps.pins(M) == {}
     finally:
         s.close()
+
+
+def test_a_hung_durable_tier_holds_a_pin_no_longer_than_its_deadline_and_the_records_follow_in_order(store, caplog):
+    saved(store, range(1, 4))
+    plan = install(store, FaultPlan([FaultRule("backend.put@durable", "hang", delay_s=60.0)]))  # a stuck mount
+    store.steps.pin_record_timeout_s = 0.5
+    path = "/run/last.ckpt"
+    with caplog.at_level(logging.WARNING, logger="consistency.steprecords"):
+        t0 = time.monotonic()
+        store.steps.pin(M, path, 1)  # its record's put hangs (up to 60 s): the pin returns at its deadline
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        store.steps.pin(M, path, 3)  # the label moves while the first record still hangs: bounded too
+        second = time.monotonic() - t0
+    assert 0.5 <= first < 5 and second < 5, (first, second)
+    assert store.steps.pins(M) == {path: 3}  # the index pins stand
+    assert store.steps.durable_pin_failures == 2 and "not written" in store.steps.last_durable_pin_failure
+    assert any("did not answer within 0.5 s" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+    assert pin_records(store) == []
+    plan.arm()  # the mount recovers: the hung put goes on, then the next record, in the order of the pins
+    deadline = time.monotonic() + 20
+    while pin_records(store) != [durable_pin_name(M, path, 3)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pin_records(store) == [durable_pin_name(M, path, 3)]  # step 1's record written, then superseded
+    assert store.steps.durable_pin_failures == 2  # the late writes are not counted again
+    lose_index(store)
+    assert store.rebuild_index(M).pins == {M: 1} and store.steps.pins(M) == {path: 3}

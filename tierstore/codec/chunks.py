@@ -51,6 +51,25 @@ def check_geometry(chunk_size: int, count: int, raw_len: int) -> None:
                                  "chunks", field="n_chunks")
 
 
+_RAW_COLUMNS: dict[tuple[int, int, int], bytes] = {}  # (chunk_size, count, raw_len) -> the (stored, flag) columns
+
+
+def _is_raw(table: memoryview, chunk_size: int, count: int, raw_len: int) -> bool:
+    """Whether every row of ``table`` says: stored raw, at its full size (``chunk_size``, the last the rest)."""
+    key = (chunk_size, count, raw_len)
+    want = _RAW_COLUMNS.get(key)
+    if want is None:
+        cols = np.zeros((count, 2), dtype="<u4")
+        cols[:, 0] = chunk_size
+        cols[-1, 0] = raw_len - (count - 1) * chunk_size
+        want = cols.tobytes()
+        if len(_RAW_COLUMNS) >= 4096:
+            _RAW_COLUMNS.clear()
+        _RAW_COLUMNS[key] = want
+    got = np.frombuffer(table, dtype="<u4", count=count * 6).reshape(count, 6)[:, 4:]
+    return got.tobytes() == want
+
+
 class Chunks:
     """A parsed, bounded chunk table (it is trusted only once the object's trailer matched).
 
@@ -61,7 +80,7 @@ class Chunks:
         starts: ``count + 1`` offsets of the stored chunks inside the data section.
     """
 
-    __slots__ = ("_table", "count", "digests", "flags", "raw_len", "size", "starts")
+    __slots__ = ("_digests", "_flags", "_starts", "_table", "count", "raw_len", "size")
 
     def __init__(self, table: Any, chunk_size: int, count: int, raw_len: int, data_len: int, header_flags: int):
         mv = memoryview(table)
@@ -69,6 +88,13 @@ class Chunks:
             raise CorruptObjectError(f"chunk table of {len(mv)} bytes for {count} chunks", field="chunks")
         self._table = mv
         self.size, self.count, self.raw_len = chunk_size, count, raw_len
+        self._digests: list[bytes] | None = None
+        if not header_flags and raw_len == data_len and count and _is_raw(mv, chunk_size, count, raw_len):
+            # an uncompressed object (every save's): every chunk raw, of its full size; the offsets follow
+            # from the header alone, the digests are listed when a chunk is first checked
+            self._starts: list[int] = [*range(0, (count - 1) * chunk_size + 1, chunk_size), raw_len]
+            self._flags: list[int] = [0] * count
+            return
         rows = np.frombuffer(mv, dtype=ROW, count=count)
         stored, flags = rows["stored"].astype(np.int64), rows["flag"].astype(np.int64)
         raw = np.full(count, chunk_size, dtype=np.int64)
@@ -97,10 +123,26 @@ class Chunks:
         if total != data_len:
             raise CorruptObjectError(f"the chunks store {total} bytes, the data section holds {data_len}",
                                      field="chunks")
-        self.starts: list[int] = [0, *np.cumsum(stored).tolist()]
-        self.flags: list[int] = flags.tolist()
-        raw_digests = rows["digest"].tobytes()
-        self.digests: list[bytes] = [raw_digests[o : o + 16] for o in range(0, 16 * count, 16)]
+        self._starts = [0, *np.cumsum(stored).tolist()]
+        self._flags = flags.tolist()
+
+    @property
+    def starts(self) -> list[int]:
+        """``count + 1`` offsets of the stored chunks inside the data section."""
+        return self._starts
+
+    @property
+    def flags(self) -> list[int]:
+        """Each chunk's codec flag (0: stored raw)."""
+        return self._flags
+
+    @property
+    def digests(self) -> list[bytes]:
+        """Each chunk's xxh3-128 digest of its stored bytes."""
+        if self._digests is None:
+            raw = np.frombuffer(self._table, dtype=ROW, count=self.count)["digest"].tobytes()
+            self._digests = [raw[o : o + 16] for o in range(0, 16 * self.count, 16)]
+        return self._digests
 
     def raw_size(self, i: int) -> int:
         """Uncompressed bytes of chunk ``i``."""

@@ -17,7 +17,7 @@ from tests.redis_cluster import cluster_url, redis_cluster  # noqa: F401
 from tests.redis_server import redis_proc, redis_url  # noqa: F401
 from tests.s3_server import *  # noqa: F403
 
-# The long cases (147 tests, about a quarter of the run's time in one process): ``scripts/test --fast`` deselects them (``-m "not slow"``);
+# The long cases (205 tests, about a quarter of the run's time in one process): ``scripts/test --fast`` deselects them (``-m "not slow"``);
 # ``scripts/test`` with no arguments, which CI runs, runs everything. Listed here rather than marked in each
 # file, so the list of what a quick run skips is one list.
 SLOW = (
@@ -42,6 +42,21 @@ SLOW = (
     "tests/test_lightning_reboot.py::test_reboot_right_after_a_save_on_two_processes",
     "tests/test_huggingface_reboot.py::test_reboot_right_after_a_save_on_two_processes",
     "tests/test_bench_sweep.py::test_a_small_sweep_end_to_end",  # six bench sub-runs
+    # end-to-end runs of a minute or less each, kept out of --fast so that it stays under 10 minutes on 2 cores
+    # (each has faster cases of the same code in --fast; CI runs them all):
+    "tests/test_docs.py::test_python_block_runs_as_a_script_and_pasted_into_the_repl",  # every docs snippet, twice
+    "tests/test_docs.py::test_a_broken_page_fails_the_build",  # a whole site build
+    "tests/test_readme.py::test_the_install_line_gives_a_working_command_outside_the_checkout",  # pip into a venv
+    "tests/test_faults_matrix.py::test_fault_matrix_more_seeds",  # the matrix again, other seeds
+    "tests/test_testbed.py::test_testbed_netns_nodes_cross_real_interfaces",
+    "tests/test_netns.py::test_partition_during_a_vote",
+    "tests/test_netns.py::test_partition_during_migration",
+    "tests/test_consistency_kill.py::test_restore_after_a_rank_is_killed",
+    "tests/test_cluster_kill.py::test_restore_after_a_rank_is_killed_on_a_cluster",
+    "tests/test_bench_interrupt.py",  # real bench runs, interrupted
+    "tests/test_host_pool_limits.py::test_differential_run_under_256_fds",
+    "tests/test_reshard_dist.py::test_two_rank_fsdp2_checkpoint_restores_on_four_ranks_and_on_one",
+    "tests/test_trainer_ddp.py::test_ddp_trainer_resumes_bitwise_after_sigkill",
 )
 
 

@@ -368,7 +368,8 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
             self.index = index(self.index)
             self.chains.index = self.index
         self.steps = StepProtocol(self.index, self.durable, step_timeout_s=self.steps.step_timeout_s,
-                                  on_lost=self.steps.on_lost, retry=self.config.retry)
+                                  on_lost=self.steps.on_lost, retry=self.config.retry,
+                                  pin_record_timeout_s=self.steps.pin_record_timeout_s)
         for mover, target in ((self._migrator, self.durable), (self._replicator, self.peer)):
             if mover is not None and target is not None:
                 mover.source, mover.target, mover.index = self.host, target, self.index

@@ -6,7 +6,7 @@ reads an object of that geometry from it, use them instead of making new ones. T
 by objects of other layouts of the same size (a wrong view would write or read the wrong bytes), a byte
 flipped in a segment whose views are kept (the deferred restore must still catch it), an aborted reservation
 (its views must go with it). Also: the one-regex check of object names agrees with the per-segment rules, and
-reservation names stay unique across a fork.
+reservation names stay unique across a fork, and what the host tier preallocates fits the first save.
 """
 
 from __future__ import annotations
@@ -164,3 +164,38 @@ def test_reservation_names_stay_unique_in_a_forked_child(shm_root):
     assert len(mine) == 3 and len(theirs) == 3 and not mine & theirs
     assert all(f"{pid}." in n for n in theirs) and all(f"{os.getpid()}." in n for n in mine)
     b.close()
+
+
+def test_snapshot_nbytes_is_what_a_snapshot_takes(store):
+    g = {"w": torch.randn(33, 7), "b": torch.zeros(5, dtype=torch.int64)}
+    meta = {"layer": "fc1", "shape": [33, 7]}
+    want = store.snapshot_nbytes(g, meta)
+    rec = store.put(ShardKey("kv", "fc1", 1, 0), g, meta)
+    assert rec.size == want
+
+
+def test_the_checkpointer_preallocates_exactly_what_its_first_save_takes(store):
+    """Its pre-faulted segments are taken by the first save, none made fresh (they were sized without the
+    store's own metadata, so the first saves faulted new pages in while the preallocated ones sat unused)."""
+    from collections import Counter
+
+    from torch import nn
+
+    from tierstore.train.checkpointer import Checkpointer
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 8))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    ck = Checkpointer(store, "prealloc", m, opt, keep_last=2)
+    before = Counter(e.size for e in store.host._pool.entries())
+    assert before, "nothing was preallocated"
+    ck.save(1)
+    assert ck.wait() == "committed"
+    after = Counter(e.size for e in store.host._pool.entries())
+    taken = before - after
+    keys = store.index.list_objects("prealloc", step=1)
+    sizes = Counter(rec.size for rec in store.index.get_objects(keys) if rec is not None and rec.kind == "full")
+    assert sizes and taken == sizes, (taken, sizes)
+    ck.close()

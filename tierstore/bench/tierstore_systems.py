@@ -51,7 +51,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import codec
 from tierstore.bench.systems import SKIPPED, LazySystem, System, SystemUnavailable, barrier, register
 from tierstore.embedded import stop_server
 from tierstore.keys import ShardKey
@@ -101,7 +100,7 @@ if _open is not None:
             self.keys: list[Any] = []
             self._pending: list[Any] = []
 
-            sizes = [codec.plan(group, {"_ts": {}}).nbytes for group in self.staging.values()]
+            sizes = [self.store.snapshot_nbytes(group) for group in self.staging.values()]
             self.store.host.preallocate(sizes)  # pre-faulted segments, reused after each round's cleanup
             self._thread: threading.Thread | None = None
 

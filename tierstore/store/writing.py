@@ -67,6 +67,20 @@ __all__ = ["PendingObject", "WritePath"]
 log = logging.getLogger(__name__)
 
 
+def _with_internal(key: Any, metadata: Mapping[str, Any] | None, kind: str, base: ShardKey | None,
+                   target: ShardKey | None) -> dict[str, Any]:
+    """``metadata`` with the store's own entry (:data:`INTERNAL`: the kind and links), as an object holds it."""
+    meta = dict(metadata or {})
+    if INTERNAL in meta:
+        raise InvalidValueError(f"{key}: metadata key {INTERNAL!r} is reserved")
+    meta[INTERNAL] = {
+        "kind": kind,
+        "base": str(check_key(base)) if base else None,
+        "target": str(check_key(target)) if target else None,
+    }
+    return meta
+
+
 @dataclass
 class PendingObject:
     """A snapshot copied into the host tier (or the device tier) but not yet sealed and published.
@@ -195,14 +209,7 @@ class WritePath:
             raise InvalidValueError(f"{key}: a ref object needs its target")
         if not isinstance(tensors, Mapping):
             raise InvalidValueError(f"{key}: tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
-        meta = dict(metadata or {})
-        if INTERNAL in meta:
-            raise InvalidValueError(f"{key}: metadata key {INTERNAL!r} is reserved")
-        meta[INTERNAL] = {
-            "kind": kind,
-            "base": str(check_key(base)) if base else None,
-            "target": str(check_key(target)) if target else None,
-        }
+        meta = _with_internal(key, metadata, kind, base, target)
         link = check_key(base) if kind == "delta" else check_key(target) if kind == "ref" else None
         if link is not None and self.chains.depth(link) + 1 > self.config.max_delta_chain:
             # a reader follows at most max_delta_chain links: this object would be unreadable, so the chain
@@ -242,6 +249,15 @@ class WritePath:
             res.abort()
             raise
         return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch, name, attempt=attempt)
+
+    def snapshot_nbytes(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None) -> int:
+        """The host-tier bytes :meth:`snapshot` of a full object of ``tensors`` and ``metadata`` takes (what
+        ``host.preallocate`` needs to pre-fault segments that the first saves reuse exactly).
+
+        Raises:
+            InvalidValueError: as :meth:`snapshot`.
+        """
+        return codec.plan(tensors, _with_internal("snapshot_nbytes", metadata, "full", None, None)).nbytes
 
     def _rebased(self, key: ShardKey, base: ShardKey, deltas: Mapping[str, torch.Tensor],
                  meta: dict, *, ref: bool = False) -> tuple[dict[str, torch.Tensor], dict]:

@@ -82,7 +82,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierstore import codec
 from tierstore.errors import (
     CommitError,
     ConfigError,
@@ -227,7 +226,7 @@ class Checkpointer(RestoreSide):
         return sorted(self.view.collect().layers)
 
     def _preallocate(self, col: Collected) -> None:
-        sizes = [codec.plan(col.layers[ln], {**col.metas[ln], "_ts": {}}).nbytes for ln in sorted(col.layers)]
+        sizes = [self.store.snapshot_nbytes(col.layers[ln], col.metas[ln]) for ln in sorted(col.layers)]
         try:
             self.store.host.preallocate(sizes * 2)
         except TierStoreError as e:  # a small host budget: saves will fault pages in as they go

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tierstore.bench.report import growth_rows, render_growth
-from tierstore.bench.run import SWEEP_TENSORS, build_parser, sweep_points
+from tierstore.bench.run import SWEEP_TENSORS, build_parser, sweep_points, sweeps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,12 +33,16 @@ def test_sweep_points_cover_every_count_at_both_rank_counts_once() -> None:
     assert sweep_points(2, 64, [200]) == [(2, 64), (2, 200), (1, 200)]  # the main run's point is one of them
 
 
-def test_sweep_is_a_flag_with_its_defaults() -> None:
+def test_sweep_is_in_a_full_cpu_run_by_default_and_a_flag_otherwise() -> None:
+    def on(*argv: str) -> bool:
+        return sweeps(build_parser().parse_args(list(argv)))
+
     args = build_parser().parse_args([])
-    assert args.sweep is False
     assert args.sweep_tensors == "200,1000,4000"
     assert "tierstore_host" in args.sweep_systems.split(",") and "copy" in args.sweep_systems.split(",")
-    assert build_parser().parse_args(["--sweep"]).sweep is True
+    assert on() is True  # the full report shows the growth with the number of tensors
+    assert on("--quick") is False and on("--device", "cuda") is False and on("--no-sweep") is False
+    assert on("--quick", "--sweep") is True
 
 
 def _fig(kind: str, stall: float, restore: float | None, committed: float | None = None,

@@ -199,3 +199,21 @@ def test_the_checkpointer_preallocates_exactly_what_its_first_save_takes(store):
     sizes = Counter(rec.size for rec in store.index.get_objects(keys) if rec is not None and rec.kind == "full")
     assert sizes and taken == sizes, (taken, sizes)
     ck.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_verification_on_several_threads_names_exactly_the_bad_copies(threads, eager):
+    from tierstore import codec
+    from tierstore.store.deferred import Verification
+
+    blobs = [bytearray(codec.encode({"t": torch.full((4096,), float(i))})) for i in range(9)]
+    sums = [codec.checksum(bytes(b)) for b in blobs]
+    for bad in (2, 7):
+        blobs[bad][len(blobs[bad]) // 2] ^= 0x01  # the data: only the hash can tell
+    v = Verification(eager=eager, threads=threads)
+    for i, (b, c) in enumerate(zip(blobs, sums)):
+        v.add(ShardKey("kv", f"l{i}", 1, 0), "host", f"n{i}", c, bytes(b))
+    failures = v.wait(timeout=60)
+    assert sorted(f.name for f in failures) == ["n2", "n7"]
+    assert v.verified == 7 and v.bytes == sum(len(b) for b in blobs) and v.t_done is not None

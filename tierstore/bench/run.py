@@ -5,7 +5,8 @@ in each, and prints the markdown table rank 0 wrote to ``OUT/results.md``
 (raw figures in ``OUT/results.json``). :func:`main` is what ``tierstore bench``
 calls.
 
-``--sweep`` adds the growth with the number of tensors: after the main run, a
+``--sweep`` (the default for a full run on the CPU; ``--no-sweep`` leaves it out) adds the growth with the
+number of tensors: after the main run, a
 sub-run of ``--sweep-systems`` (:data:`SWEEP_SYSTEMS`, no slowdown pass) per point
 of :func:`sweep_points` (:data:`SWEEP_TENSORS` tensors per rank at ``--ranks``,
 and at one rank, where a core is free), each under ``OUT/sweep/r<R>-t<N>``; the
@@ -41,7 +42,8 @@ from tierstore.cli.common import HelpFormatter, Interrupted, interruptible, unin
 from tierstore.embedded import find_servers, stop_server
 from tierstore.ports import free_port
 
-__all__ = ["DEFAULT_SYSTEMS", "STOP_RANKS_S", "SWEEP_SYSTEMS", "SWEEP_TENSORS", "build_parser", "main", "sweep_points"]
+__all__ = ["DEFAULT_SYSTEMS", "STOP_RANKS_S", "SWEEP_SYSTEMS", "SWEEP_TENSORS", "build_parser", "main", "sweep_points",
+           "sweeps"]
 
 #: after an interrupt or a failure, how long the ranks get to exit on SIGTERM before SIGKILL
 STOP_RANKS_S = 10.0
@@ -73,10 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs // ranks)")
     p.add_argument("--disk-dir", default=None, help="where torch_save_disk writes (default: a temp dir)")
     p.add_argument("--matmul-n", type=int, default=512, help="size of the stand-in training step")
-    p.add_argument("--sweep", action="store_true",
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
                    help="also: the growth with the number of tensors and where a core is free: a sub-run of "
                         "--sweep-systems (no slowdown pass) per point of --sweep-tensors at --ranks and at one "
-                        "rank; a table of ratios to the copy bound, per point, appended to the report")
+                        "rank; a table of ratios to the copy bound, per point, appended to the report "
+                        "(default: on for a full run on the CPU, off with --quick or --device cuda)")
     p.add_argument("--sweep-tensors", default=",".join(map(str, SWEEP_TENSORS)),
                    help="--sweep: tensors per rank of its points (default: %(default)s)")
     p.add_argument("--sweep-systems", default=",".join(SWEEP_SYSTEMS),
@@ -187,7 +190,7 @@ def _main(argv: list[str] | None) -> int:
     if rc != 0:
         return rc
     md_path = os.path.join(out, "results.md")
-    if args.sweep:
+    if sweeps(args):
         rc = _sweep(args, base, out, systems)
         if rc != 0:
             return rc
@@ -195,6 +198,14 @@ def _main(argv: list[str] | None) -> int:
         print(f.read())
     print(f"results: {md_path} and {os.path.join(out, 'results.json')}")
     return 0
+
+
+def sweeps(args: argparse.Namespace) -> bool:
+    """Whether the run adds the sweep: ``--sweep`` / ``--no-sweep`` where given, else a full run on the CPU
+    does (the growth with the number of tensors is part of the report) and ``--quick`` or CUDA does not."""
+    if args.sweep is not None:
+        return bool(args.sweep)
+    return not args.quick and args.device == "cpu"
 
 
 def sweep_points(ranks: int, tensors: int, sweep: list[int]) -> list[tuple[int, int]]:

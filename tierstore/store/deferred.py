@@ -37,6 +37,7 @@ own segments, mapped, not copied; with ``copy=False`` nothing is allocated).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -54,9 +55,23 @@ from tierstore.store.common import INTERNAL, check_key
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeferredReads", "Failure", "Verification", "get_many_deferred"]
+__all__ = ["DeferredReads", "Failure", "Verification", "get_many_deferred", "hash_threads"]
 
 log = logging.getLogger(__name__)
+
+
+def hash_threads() -> int:
+    """The cores of this node per local rank (the CPUs this process may run on over ``LOCAL_WORLD_SIZE``,
+    1 where unset), 1 to 4: how many threads a :class:`Verification` hashes with once the copies are done."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        local = 1
+    return max(1, min(4, cpus // local))
 
 
 @dataclass(frozen=True)
@@ -83,11 +98,15 @@ class Verification:
         nice: the hashing thread runs this much nicer than the caller (``StoreConfig.background_nice``:
             on a node whose cores are all busy, the copies and the trainer come first; a caller waiting
             for the verdict leaves its core to it).
+        threads: at most this many threads hash at once once the copies are done (:meth:`close`), each a
+            whole copy at a time (xxh3 releases the GIL); one while copies may still follow (``eager``).
+            Default :func:`hash_threads`: the cores per local rank.
     """
 
-    def __init__(self, *, eager: bool = False, nice: int = 0) -> None:
+    def __init__(self, *, eager: bool = False, nice: int = 0, threads: int | None = None) -> None:
         self.eager = eager
         self.nice = nice
+        self.threads = max(1, int(threads if threads is not None else hash_threads()))
         self._todo: deque[tuple[ShardKey, str, str, str, Any]] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -95,7 +114,8 @@ class Verification:
         self.failures: list[Failure] = []
         self.verified = 0
         self.bytes = 0
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the first hashing thread
+        self._running = 0  # hashing threads not yet finished (under _cond)
         self.t_done: float | None = None  # perf_counter when the last copy was hashed
 
     def add(self, key: ShardKey, tier: str, name: str, checksum: str, blob: Any) -> None:
@@ -109,20 +129,24 @@ class Verification:
                 self._start()
 
     def _start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="tierstore-verify", daemon=True)
-        self._thread.start()
+        """Start one more hashing thread (called with ``_cond`` held)."""
+        t = threading.Thread(target=self._run, name="tierstore-verify", daemon=True)
+        self._running += 1
+        if self._thread is None:
+            self._thread = t
+        t.start()
 
     def close(self) -> None:
-        """No more copies: :meth:`wait` returns once those added are hashed."""
+        """No more copies: :meth:`wait` returns once those added are hashed (by up to ``threads`` threads)."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
-            if self._thread is None and not self._done.is_set():
-                if self._todo:
-                    self._start()
-                else:
-                    self.t_done = time.perf_counter()
-                    self._done.set()
+            self._cond.notify_all()
+            if self._running == 0 and self._thread is None and not self._done.is_set() and not self._todo:
+                self.t_done = time.perf_counter()
+                self._done.set()
+                return
+            while self._running < min(self.threads, self._running + len(self._todo)):
+                self._start()
 
     def _run(self) -> None:
         if self.nice:
@@ -134,20 +158,29 @@ class Verification:
                 if not self._todo:
                     break
                 key, tier, name, checksum, blob = self._todo.popleft()
+            failure: Failure | None = None
             try:
                 got = codec.verify(blob)
                 if got != checksum:
-                    self.failures.append(Failure(key, tier, name, f"checksum {got} is not the index's {checksum}"))
+                    failure = Failure(key, tier, name, f"checksum {got} is not the index's {checksum}")
             except CorruptObjectError as e:
-                self.failures.append(Failure(key, tier, name, f"corrupt: {e}"))
+                failure = Failure(key, tier, name, f"corrupt: {e}")
             except Exception as e:  # noqa: BLE001 - never "verified" on an error
-                self.failures.append(Failure(key, tier, name, f"could not be verified: {e!r}"))
-            else:
-                self.verified += 1
-            self.bytes += len(memoryview(blob))
+                failure = Failure(key, tier, name, f"could not be verified: {e!r}")
+            size = len(memoryview(blob))
             del blob
-        self.t_done = time.perf_counter()
-        self._done.set()
+            with self._cond:
+                if failure is not None:
+                    self.failures.append(failure)
+                else:
+                    self.verified += 1
+                self.bytes += size
+        with self._cond:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            self.t_done = time.perf_counter()
+            self._done.set()
 
     @property
     def done(self) -> bool:

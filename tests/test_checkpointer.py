@@ -216,3 +216,20 @@ def test_layerwise_retention_keeps_stale_layers(tmp_path, redis_url, shm_root):
         ck.close()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("verify", ["before_update", "in_pass"])
+def test_the_report_says_where_a_restore_spent_its_time(store, verify):
+    import time
+
+    _run(store, "phases", exact(), 3)
+    m2, o2 = make_model(CFG, seed=9)
+    ck = Checkpointer(store, "phases", m2, o2)
+    t = time.perf_counter()
+    assert ck.restore(verify=verify)[0] == 2
+    total = time.perf_counter() - t
+    phases = ck.report.phases
+    want = {"agree", "resolve", "read", "load"} if verify == "before_update" else {"agree", "resolve", "read+load"}
+    assert set(phases) == want, phases
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= total
+    ck.close()

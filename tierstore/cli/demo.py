@@ -177,7 +177,8 @@ def _worker(cfg: dict[str, Any]) -> int:
     step, _extra = ckpt.restore()
     restore_s = time.perf_counter() - t
     tiers = _restore_tiers(store, cfg["model"], rank, policy.max_staleness) if step is not None else {}
-    emit(event="restore", step=step, seconds=restore_s, tiers=tiers)
+    emit(event="restore", step=step, seconds=restore_s, tiers=tiers,
+         phases={k: round(v, 4) for k, v in ckpt.report.phases.items()})
     if step is not None:
         m.record_restore(cfg["model"], max(tiers, key=lambda t: tiers[t]) if tiers else "-", restore_s, step)
     data = gpt.char_dataset()

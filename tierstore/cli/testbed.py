@@ -310,7 +310,8 @@ def run(tb: Testbed, kill_at: int, say=print, timeout: float = 300.0) -> dict[st
         steps = [e["step"] for e in ev if e["event"] == "step"]
         done = next((e for e in ev if e["event"] == "done"), {})
         report["ranks"][r] = {"node": tb.nodes[r // tb.ranks_per_node], "restored_step": restore["step"],
-                              "seconds": restore["seconds"], "tiers": restore["tiers"],
+                              "seconds": restore["seconds"], "phases": restore.get("phases") or {},
+                              "tiers": restore["tiers"],
                               "last_step": steps[-1] if steps else None, "final_state": done.get("state")}
     if tb.fabric is not None:
         report["links"] = {n: tb.fabric.counters(n) for n in tb.nodes}
@@ -324,10 +325,11 @@ def run(tb: Testbed, kill_at: int, say=print, timeout: float = 300.0) -> dict[st
 def _print_report(rep: dict[str, Any]) -> None:
     t = Table(title=f"testbed: {rep['killed']} lost after step {rep['kill_at']}; restored step {rep['restored_step']}",
               title_justify="left")
-    for c in ("rank", "node", "restored step", "restore time", "tiers read", "trained to", "last save"):
+    for c in ("rank", "node", "restored step", "restore time", "of which", "tiers read", "trained to", "last save"):
         t.add_column(c)
     for r, v in sorted(rep["ranks"].items()):
-        t.add_row(str(r), v["node"], str(v["restored_step"]), f"{v['seconds'] * 1e3:.0f} ms",
+        parts = ", ".join(f"{k} {s * 1e3:.0f}" for k, s in (v.get("phases") or {}).items()) or "-"
+        t.add_row(str(r), v["node"], str(v["restored_step"]), f"{v['seconds'] * 1e3:.0f} ms", parts,
                   ", ".join(f"{k} {n}" for k, n in sorted(v["tiers"].items())) or "-", str(v["last_step"]),
                   str(v["final_state"]))
     Console(width=None if sys.stdout.isatty() else 140).print(t)

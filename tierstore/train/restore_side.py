@@ -153,6 +153,7 @@ class RestoreSide:
                 has no valid copy in any tier.
             ConfigError: an unknown ``verify``.
         """
+        t_agree = time.perf_counter()
         only = weights_of(self.state, only) if weights_only else only
         mode = verify_mode(verify, read_only, self.state, self.world_size)
         if verify is None and mode != "before_update":  # the default depends on this node's cores (and GPU): every
@@ -165,6 +166,7 @@ class RestoreSide:
             self.epoch = self.ranks.join()
         committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
         self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
+        self.report.phases["agree"] = time.perf_counter() - t_agree
         self._seeds: dict[str, Any] = {}
         self.report.verify = IN_PASS if self.plan.restores_itself else mode
         pending = None
@@ -209,10 +211,13 @@ class RestoreSide:
                  read_only: bool) -> tuple[Restored, PendingRestore | None]:
         """Resolve, read and load (:mod:`tierstore.train.restoring`); the copies' verification, unless in pass."""
         t0 = time.perf_counter()
+        phases = self.report.phases
         deferred = mode != IN_PASS
         res = self._agreed_resolution(step, verify="trailer" if deferred else None)
+        phases["resolve"] = phases.get("resolve", 0.0) + time.perf_counter() - t0
         if res is None:  # nothing committed yet: a fresh job
             return Restored(None, None), None
+        t_read = time.perf_counter()
         doc, only = adopt_import(self.state, self.doc(res), only)  # an imported base: its one module, nothing else
         layers = self.view.layers_for(res.layers, doc, only)
         if deferred and self.ranks.all_min(int(self._same_layout(res))) == 0:  # resharded (on any rank): verified as read
@@ -239,6 +244,9 @@ class RestoreSide:
                 return self._restore(step, only, IN_PASS, read_only)
         else:
             v = None
+        t_load = time.perf_counter()
+        if deferred:
+            phases["read"] = phases.get("read", 0.0) + t_load - t_read
         pending = PendingRestore(self, v, step, read_only, only, t0) if v is not None else None
         try:  # every rank read and validated its part before any loads (collective)
             shards, plan = prepare_agreed(self, res, (lambda: shards) if deferred else (lambda: self.read(
@@ -248,6 +256,10 @@ class RestoreSide:
             if pending is not None:
                 pending.abandon()
             raise
+        if not deferred:  # read inside prepare_agreed: read and load are one part here
+            phases["read+load"] = phases.get("read+load", 0.0) + time.perf_counter() - t_load
+        else:
+            phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t_load
         whole = {ln: v_ for ln, v_ in shards.items() if ln not in self.report.resharded}
         self._seeds = import_seeds(doc, res, whole, self.rank, self.world_size) if self.plan.imports_bases else {}
         self.report.base_s = time.perf_counter() - t0

@@ -73,6 +73,12 @@ class RestoreReport:
             :mod:`tierstore.train.restoring`).
         verified_s: seconds from the start of the restore until every copy had verified (``None``: not
             yet known, or verified as it was copied).
+        phases: seconds of each part of the restore on this rank, in order: ``"agree"`` (the verify mode,
+            the epoch and the committed steps), ``"resolve"`` (the step every rank restores: a collective),
+            ``"read"`` (this rank's copies read unverified, and the verdict every rank agrees on) and
+            ``"load"`` (checked on every rank, a collective, then loaded in place); a restore verified as
+            it reads (in pass, resharded) has ``"read+load"`` instead of the last two. A restore that reads
+            again verified adds the parts of the second read to these.
     """
 
     step: int | None = None
@@ -90,6 +96,7 @@ class RestoreReport:
     bad_copies: list[str] = field(default_factory=list)
     verify: str | None = None
     verified_s: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

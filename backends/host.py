@@ -136,7 +136,6 @@ class _HostReservation(Reservation):
         self._backend._pool.discard(*self._ident)
         self._backend._release_reservation(self.nbytes)
 
-
     def views(self, key: Any, make: Any) -> Any:
         """Those kept with this segment's mapping for ``key`` (the last reservation of the same segment in this
         process that asked), else ``make(buffer)``, kept with it (:meth:`SegmentPool.views`)."""

@@ -79,3 +79,42 @@ def test_staleness_bound_mixes_versions_per_layer(store):
 def test_no_committed_step(store):
     with pytest.raises(NoValidCopyError, match="no committed step"):
         store.resolve(M)
+
+
+def test_copies_on_a_remote_tier_are_checked_at_once_with_the_same_verdicts(store, monkeypatch):
+    """Where a step's copies are on a tier that is not this node's (the peer tier, S3), resolve checks them
+    concurrently (a round trip each, not one after the other) and reaches the verdicts one by one gives:
+    the newest step with a bad copy is skipped, the older one restores."""
+    import threading
+    import time
+
+    save_step(store, 1, 2)
+    save_step(store, 2, 2)
+    store.flush()
+    for name in list(store.host.list("gpt/")):
+        store.host.delete(name)  # every check goes to the durable tier
+    bad = live_name(store, ShardKey(M, "a", 2, 1))
+    path = store.durable.root / bad
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # its trailer: what a trailer check reads
+    path.write_bytes(bytes(raw))
+    monkeypatch.setattr(store.durable, "local_reads", False)  # as S3 is: not this node's disks
+    lock, live, most = threading.Lock(), [0], [0]
+    tail = store.durable.tail
+
+    def slow_tail(name, nbytes):
+        with lock:
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+        try:
+            time.sleep(0.05)  # a round trip
+            return tail(name, nbytes)
+        finally:
+            with lock:
+                live[0] -= 1
+
+    monkeypatch.setattr(store.durable, "tail", slow_tail)
+    res = store.resolve(M, verify="trailer")
+    assert res.step == 1 and 2 in res.skipped and "gpt/a/2/1" in res.skipped[2], res.skipped
+    assert most[0] > 1, "the copies were checked one at a time"
+    check(store, res)

@@ -46,8 +46,8 @@ only is the Checkpointer's to agree on).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 

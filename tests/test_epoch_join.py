@@ -18,8 +18,11 @@ def test_ranks_of_one_incarnation_share_one_new_epoch(store):
         t.start()
     for t in threads:
         t.join()
-    assert got == [base + 1] * 8  # the first rank raised it once; the others joined it
-    assert store.index.epoch("j") == base + 1
+    # one epoch for the whole incarnation, newer than the one it started from. Not always base + 1: ranks that
+    # probe at once may each reserve a candidate (base + 1, base + 2, ...) before the first raises the index, and
+    # whichever raises it first is the one every rank joins; a skipped number fences nothing more
+    assert len(got) == 8 and len(set(got)) == 1 and got[0] > base, got
+    assert store.index.epoch("j") == got[0]
 
 
 def test_older_incarnations_are_fenced_whatever_the_order(store):

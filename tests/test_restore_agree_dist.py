@@ -158,9 +158,9 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     case("good_step", "pa", n, torch.optim.AdamW(n.parameters(), lr=0.5), restore(step=0))
     # the read-only default follows the free cores, which differ here (rank 0: 8 CPUs, rank 1: 1): the ranks
     # still verify alike (the deferred and in-pass restores run different collectives)
-    from tierstore.train import restoring
+    from tierstore.store import deferred  # what restoring.core_free reads
 
-    restoring.os.sched_getaffinity = lambda pid: set(range(8 if rank == 0 else 1))  # type: ignore[attr-defined]
+    deferred.os.sched_getaffinity = lambda pid: set(range(8 if rank == 0 else 1))  # type: ignore[attr-defined]
     n = _net(10 + rank)
     ck = Checkpointer(store, "pa", n)
     try:

@@ -80,11 +80,12 @@ def _flip_data(store, name: str, step: int) -> str:
 
 
 def _cpus(monkeypatch, n: int) -> None:
-    """This process may run on ``n`` CPUs (what :func:`tierstore.train.restoring.core_free` reads), one rank."""
-    from tierstore.train import restoring
+    """This process may run on ``n`` CPUs (what :func:`tierstore.store.deferred.cores_per_local_rank` reads,
+    for :func:`tierstore.train.restoring.core_free`), one rank."""
+    from tierstore.store import deferred
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(restoring.os, "sched_getaffinity", lambda pid: set(range(n)))
+    monkeypatch.setattr(deferred.os, "sched_getaffinity", lambda pid: set(range(n)))
 
 
 @pytest.mark.parametrize("cpus", [1, 4], ids=["every-core-busy", "a-core-free"])

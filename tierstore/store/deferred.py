@@ -55,23 +55,30 @@ from tierstore.store.common import INTERNAL, check_key
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeferredReads", "Failure", "Verification", "get_many_deferred", "hash_threads"]
+__all__ = ["DeferredReads", "Failure", "Verification", "cores_per_local_rank", "get_many_deferred", "hash_threads"]
 
 log = logging.getLogger(__name__)
 
 
-def hash_threads() -> int:
-    """The cores of this node per local rank (the CPUs this process may run on over ``LOCAL_WORLD_SIZE``,
-    1 where unset), 1 to 4: how many threads a :class:`Verification` hashes with once the copies are done."""
+def cores_per_local_rank(world_size: int = 1) -> int:
+    """The CPUs this process may run on over the ranks of this node (``LOCAL_WORLD_SIZE``, else
+    ``world_size``), at least 1: the one count :func:`hash_threads` and the Checkpointer's "a core is free"
+    (:func:`tierstore.train.restoring.core_free`) read."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 1
     try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or world_size))
     except ValueError:
-        local = 1
-    return max(1, min(4, cpus // local))
+        local = max(1, world_size)
+    return max(1, cpus // local)
+
+
+def hash_threads() -> int:
+    """How many threads a :class:`Verification` hashes with once the copies are done: the cores per local
+    rank (:func:`cores_per_local_rank`), 1 to 4."""
+    return min(4, cores_per_local_rank())
 
 
 @dataclass(frozen=True)

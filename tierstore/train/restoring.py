@@ -63,7 +63,6 @@ A replay restore replays through the optimizer and verifies as it reads.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
@@ -81,7 +80,7 @@ from tierstore.errors import (
     TierStoreError,
 )
 from tierstore.keys import ShardKey
-from tierstore.store.deferred import DeferredReads, Failure, Verification
+from tierstore.store.deferred import DeferredReads, Failure, Verification, cores_per_local_rank
 from tierstore.train.gather import read_shards
 from tierstore.train.reshard import adapt_document
 from tierstore.train.view import STATE_LAYER
@@ -99,15 +98,7 @@ def core_free(world_size: int) -> bool:
     """Whether this node has a core per local rank beyond the ranks' own (CPUs this process may run on, at least
     twice ``LOCAL_WORLD_SIZE``, or ``world_size`` where that is not set): the checksums of a restore's copies are
     then hashed on it from the first copy on, beside the copies, instead of after them."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    except ValueError:
-        local = world_size
-    return cpus >= 2 * max(1, local)
+    return cores_per_local_rank(world_size) >= 2
 
 
 def hash_eagerly(mode: str, world_size: int) -> bool:

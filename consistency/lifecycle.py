@@ -16,7 +16,9 @@ an index rebuild could resurrect without its objects):
    (host, peer, durable objects), listed before step 1 and once more after
    step 2 (a migration in flight may have written a copy or a durable
    manifest meanwhile; one that finishes later finds no record and removes
-   what it wrote);
+   what it wrote); the durable tier's superseded manifests (``model/_superseded/``)
+   and pin records go here too, and the report counts the superseded
+   manifests apart from the copies;
 4. last, the durable epoch records (``model/_epoch/``): a new model of the
    same name starts at epoch 1.
 
@@ -37,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from backends.base import Backend
-from consistency.manifest import durable_epoch_prefix, durable_manifest_prefix, durable_pin_prefix
+from consistency.manifest import durable_epoch_prefix, durable_manifest_prefix, durable_pin_prefix, superseded_prefix
 from consistency.twophase import StepProtocol
 from tierstore.errors import ModelInUseError, TierStoreError, UnknownError
 from tierstore.keys import validate_name
@@ -60,6 +62,7 @@ class ModelDeleteReport:
     index_keys: int = 0
     durable_manifests: list[int] = field(default_factory=list)
     epoch_records: int = 0
+    superseded_manifests: int = 0
     copies: dict[str, int] = field(default_factory=dict)
     left: dict[str, str] = field(default_factory=dict)
     live: str | None = None
@@ -67,6 +70,7 @@ class ModelDeleteReport:
     def to_json(self) -> dict:
         return {"model": self.model, "dry_run": self.dry_run, "steps": self.steps, "index_keys": self.index_keys,
                 "durable_manifests": self.durable_manifests, "epoch_records": self.epoch_records,
+                "superseded_manifests": self.superseded_manifests,
                 "copies": self.copies, "left": self.left, "live": self.live}
 
 
@@ -123,12 +127,15 @@ def delete_model(steps: StepProtocol, model: str, tiers: Sequence[Backend], *, d
     report.steps = [s for s, _ in steps.steps(model)] if known else []
     report.index_keys = len(index.model_keys(model)) if known else 0
     report.durable_manifests = steps.durable_steps(model) if durable is not None else []
-    # the durable tier's records (epochs, manifests, pins), counted apart from the copies; the pins go in 3.
-    meta = (epochs, durable_manifest_prefix(model), durable_pin_prefix(model))
+    # the durable tier's records (epochs, manifests, superseded manifests, pins), counted apart from the copies;
+    # the superseded manifests and the pins go in 3.
+    superseded = superseded_prefix(model)
+    meta = (epochs, durable_manifest_prefix(model), superseded, durable_pin_prefix(model))
     for i, tier in enumerate(tiers):
         mine = [n for n in names.get(i, []) if not n.startswith(meta)]
         report.copies[tier.tier] = report.copies.get(tier.tier, 0) + len(mine)
         report.epoch_records += sum(1 for n in names.get(i, []) if n.startswith(epochs))
+        report.superseded_manifests += sum(1 for n in names.get(i, []) if n.startswith(superseded))
     report.live = writer_activity(steps, model, idle_s) if known else None
     if dry_run:
         return report

@@ -72,6 +72,7 @@ __all__ = [
     "parse_durable_pin",
     "parse_manifest",
     "superseded_manifest_name",
+    "superseded_prefix",
 ]
 
 MANIFEST_VERSION = 1
@@ -103,9 +104,14 @@ def parse_durable_manifest_name(name: str) -> tuple[str, int] | None:
     return (model, int(stem)) if stem.isascii() and stem.isdigit() else None
 
 
+def superseded_prefix(model: str) -> str:
+    """The durable tier's prefix of a model's superseded manifests (:func:`superseded_manifest_name`)."""
+    return f"{model}/_superseded/"
+
+
 def superseded_manifest_name(model: str, step: int, attempt: int) -> str:
     """Where a superseded step's durable manifest is kept (never read by a restore nor an index rebuild)."""
-    return f"{model}/_superseded/{step:012d}.{attempt}.json"
+    return f"{superseded_prefix(model)}{step:012d}.{attempt}.json"
 
 
 def durable_epoch_prefix(model: str) -> str:

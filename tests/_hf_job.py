@@ -63,22 +63,33 @@ def params(m: torch.nn.Module) -> dict[str, list]:
             for n, p in m.named_parameters()}
 
 
+def live_groups() -> int:
+    """How many process groups ``torch.distributed`` holds (0 without it): each run's own group must go."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map) if dist.is_initialized() else 0
+
+
 def run_all(store: Any, root: str) -> dict[str, Any]:
     from tierstore.interop.huggingface import TierStoreTrainer
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"groups": []}
     a = TierStoreTrainer(model=model(), args=args(f"{root}/A"), train_dataset=Windows(), store=store)
     a.train()
+    out["groups"].append(live_groups())
     out["A"] = {"log": steps_logged(a), "params": params(a.model),
                 "dirs": sorted(os.listdir(f"{root}/A")), "files": sorted(os.listdir(f"{root}/A/checkpoint-8"))}
     for tag, start in (("B", 4), ("C", 8)):
         t = TierStoreTrainer(model=model(), args=args(f"{root}/{tag}"), train_dataset=Windows(), store=store)
         t.train(resume_from_checkpoint=f"{root}/A/checkpoint-{start}")
+        out["groups"].append(live_groups())
         out[tag] = {"log": steps_logged(t), "params": params(t.model), "start": start,
                     "epoch_at_start": t.state.log_history[start - 1]["epoch"]}
     d = TierStoreTrainer(model=model(), args=args(f"{root}/A", max_steps=16, save_total_limit=2),
                          train_dataset=Windows(), store=store)
     d.train(resume_from_checkpoint=True)
+    out["groups"].append(live_groups())
     from tierstore.interop.pointer import model_name, read_pointer
 
     run = os.path.abspath(f"{root}/A")

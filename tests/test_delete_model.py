@@ -132,3 +132,24 @@ def test_admin_delete_dry_run_refusal_force(store, conn, capsys):
     _save(store, M, steps=(0,))
     assert admin.main([*conn, "delete", M]) == 0  # the table output
     assert "dry run: nothing was deleted" in capsys.readouterr().out
+
+
+def test_a_superseded_manifest_is_counted_as_a_record_not_a_copy_and_deleted_with_the_model(store):
+    """A step set aside by a newer incarnation leaves its durable manifest under ``_superseded/``: the delete
+    reports it apart from the copies (the operator reads "copies" as objects) and removes it with the rest."""
+    _save(store, M)
+    durable = store.steps.durable
+    objects = [n for n in durable.list(f"{M}/") if "/_" not in n]
+    out = store.steps.supersede(M, 1, epoch=store.index.epoch(M) + 1, reason="a newer incarnation")
+    assert out in ("committed", "durable")
+    aside = [n for n in durable.list(f"{M}/") if "/_superseded/" in n]
+    assert len(aside) == 1
+
+    dry = store.delete_model(M, dry_run=True, idle_s=0)
+    assert dry.superseded_manifests == 1 and dry.copies["durable"] == len(objects)
+    assert dry.to_json()["superseded_manifests"] == 1
+    assert list(durable.list(f"{M}/_superseded/")) == aside  # a dry run deletes nothing
+
+    report = store.delete_model(M, idle_s=0)
+    assert report.superseded_manifests == 1
+    assert list(durable.list(f"{M}/")) == []

@@ -79,7 +79,10 @@ def test_trainer_resumes_bitwise_on_two_processes(tmp_path):
     job = run_ranks("tests._hf_job", [str(out), str(tmp_path / "home")], preload=_warm.HF, timeout_s=400)
     assert job.codes == [0, 0], job.tail()
     for rank in range(2):  # each rank's own RNG (dropout) and the replicas stored once (dedup)
-        _check(json.loads(Path(f"{out}.{rank}.json").read_text()))
+        got = json.loads(Path(f"{out}.{rank}.json").read_text())
+        _check(got)
+        # each train() makes the run's gloo group and its end destroys it: four runs, no group more than after one
+        assert len(got["groups"]) == 4 and len(set(got["groups"])) == 1, got["groups"]
 
 
 def test_a_save_returns_before_its_commit_and_the_pointer_follows_it(store, tmp_path, monkeypatch):

@@ -516,7 +516,7 @@ def _cmd_delete(store, a) -> int:
         copies = ", ".join(f"{t} {n}" for t, n in d["copies"].items()) or "none"
         c.print(f"delete {a.model}: {verb} {len(d['steps'])} step(s) {d['steps'] or ''}, {d['index_keys']} index "
                 f"key(s), copies: {copies}, {len(d['durable_manifests'])} durable manifest(s), "
-                f"{d['epoch_records']} epoch record(s)")
+                f"{d['epoch_records']} epoch record(s), {d['superseded_manifests']} superseded manifest(s)")
         for t, why in d["left"].items():
             c.print(f"  [red]{t}[/]: {escape(why)}")
         if d["live"]:

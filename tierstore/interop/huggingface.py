@@ -298,7 +298,10 @@ class TierStoreTrainerMixin:
         ck.close()
         if self._ts_group is not None:  # bounded by the group's timeout (store_timeout + 120 s)
             flag = torch.tensor([0 if failed is None else 1], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ts_group)
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ts_group)
+            finally:
+                self._ts_release_group(ck)
             if failed is None and int(flag):
                 failed = CommitError(f"a checkpoint save of {ck.model} failed on another rank (its error is raised "
                                      "there); the last checkpoint's pointer may be missing", model=ck.model)
@@ -310,6 +313,21 @@ class TierStoreTrainerMixin:
             except Exception as e:  # noqa: BLE001 - best effort: the next run's saves collect them
                 log.warning("collecting the older steps of %s at the end of the run failed (%s: %s)", ck.model,
                             type(e).__name__, e)
+
+    def _ts_release_group(self, ck: Any) -> None:
+        """Destroy the run's gloo group (made by :meth:`_ts_world`, one per run: a Trainer trained again makes a new
+        one), unless a save ``ck.close()`` gave up on may still run its collectives on it (then it is kept, with
+        a warning). Local and bounded, as :meth:`tierstore.train.ranks.Ranks.close`; never raises."""
+        group, self._ts_group = self._ts_group, None
+        if group is None or not dist.is_initialized():
+            return
+        if ck.left_behind:
+            log.warning("the gloo group of %s is kept for the save left behind", ck.model)
+            return
+        try:
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - a release that failed must not fail the end of training
+            log.warning("destroying the gloo group of %s failed: %s: %s", ck.model, type(e).__name__, e)
 
     def _ts_load(self, checkpoint: str, state: dict[str, Any], only: list[str]) -> bool:
         ptr = _pointer(checkpoint)

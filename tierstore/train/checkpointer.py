@@ -501,6 +501,11 @@ class Checkpointer(RestoreSide):
             self.store.wait_durable(self.model, step, timeout=max(0.0, deadline - time.monotonic()))
         return "committed" if state in ("committed", "durable") else state
 
+    @property
+    def left_behind(self) -> bool:
+        """A save :meth:`close` gave up waiting for is still running (it may still use the gloo group)."""
+        return self._behind is not None and not self._behind.done()
+
     def close(self, timeout: float | None = -1.0) -> None:
         """Wait for the background work, then stop its thread (the store stays open).
 
@@ -532,7 +537,7 @@ class Checkpointer(RestoreSide):
             self._gate.close()
             self.plan.close()
             self._pool.shutdown(wait=not left_behind, cancel_futures=left_behind)
-            behind = self._behind is not None and not self._behind.done()
+            behind = self.left_behind
             if not behind:
                 self.ranks.close()  # the group it made, if any (a given one stays): local, bounded
             elif self.ranks.owns_group:  # its collectives (dedup, lazy's select) may still run

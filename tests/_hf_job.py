@@ -71,8 +71,12 @@ def live_groups() -> int:
     return len(c10d._world.pg_map) if dist.is_initialized() else 0
 
 
-def run_all(store: Any, root: str) -> dict[str, Any]:
-    from tierstore.interop.huggingface import TierStoreTrainer
+def run_all(store: Any, root: str, **kw: Any) -> dict[str, Any]:
+    """A, B, C and D (see the module docstring); ``kw`` goes to every ``TierStoreTrainer`` (``store_lazy=True``)."""
+    from tierstore.interop import huggingface
+
+    def TierStoreTrainer(**more: Any) -> Any:  # the class, with kw
+        return huggingface.TierStoreTrainer(**more, **kw)
 
     out: dict[str, Any] = {"groups": []}
     a = TierStoreTrainer(model=model(), args=args(f"{root}/A"), train_dataset=Windows(), store=store)

@@ -85,6 +85,68 @@ def test_trainer_resumes_bitwise_on_two_processes(tmp_path):
         assert len(got["groups"]) == 4 and len(set(got["groups"])) == 1, got["groups"]
 
 
+def test_lazy_saves_resume_bitwise_in_the_first_and_a_later_epoch(store, tmp_path, monkeypatch):
+    """``store_lazy=True``: the parameters and the optimizer state are copied while the next step computes, its
+    optimizer step waiting for the copy; every resume is still bitwise the uninterrupted run (a copy that read
+    the state after the next update would not be). Each copy is held until the next optimizer step is about to
+    run (a step pre-hook installed before the store's), so the copy and the update meet every time."""
+    import threading
+
+    from transformers import TrainerCallback
+
+    from tierstore.interop import huggingface
+    from tierstore.train.checkpointer import Checkpointer
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    made, real_init, real_lazy, real_trainer_init = [], Checkpointer.__init__, Checkpointer._lazy, \
+        huggingface.TierStoreTrainer.__init__
+    permits, pending = threading.Semaphore(0), []
+
+    def init(self, *a, **kw):
+        if "trainer_state" in (kw.get("state") or {}):  # a save's Checkpointer (a resume's load makes its own)
+            made.append(kw.get("lazy", False))
+        real_init(self, *a, **kw)
+
+    def held(self, job, *a, **kw):
+        assert permits.acquire(timeout=60)
+        return real_lazy(self, job, *a, **kw)
+
+    def release_pending(trainer) -> bool:
+        ck = getattr(trainer, "_ts_ck", None)
+        job = ck[0]._gate._current if ck else None
+        if job is not None and not job.released:
+            permits.release()
+            return True
+        return False
+
+    class Release(TrainerCallback):
+        trainer = None
+        hooked = False
+
+        def on_step_begin(self, args, state, control, **kw):
+            if not self.hooked:  # before the store's own hook (its Checkpointer is made at the first save)
+                self.trainer.optimizer.optimizer.register_step_pre_hook(lambda *a: (release_pending(self.trainer), None)[1])
+                self.hooked = True
+            ck = getattr(self.trainer, "_ts_ck", None)
+            job = ck[0]._gate._current if ck else None
+            pending.append(job is not None and not job.released)
+
+        def on_train_end(self, args, state, control, **kw):
+            release_pending(self.trainer)  # the last save's copy: no step follows it
+
+    def trainer_init(self, *a, **kw):
+        real_trainer_init(self, *a, **kw)
+        self.add_callback(type("R", (Release,), {"trainer": self}))
+
+    monkeypatch.setattr(Checkpointer, "__init__", init)
+    monkeypatch.setattr(Checkpointer, "_lazy", held)
+    monkeypatch.setattr(huggingface.TierStoreTrainer, "__init__", trainer_init)
+    _check(json.loads(json.dumps(H.run_all(store, str(tmp_path), store_lazy=True))))
+    assert made and all(made), made  # every run's Checkpointer saved lazily
+    assert any(pending), pending  # a step began while the previous save's copy was still pending
+
+
 def test_a_save_returns_before_its_commit_and_the_pointer_follows_it(store, tmp_path, monkeypatch):
     """``store_async`` (the default): ``_save_checkpoint`` returns while the step's commit is still held up (the
     training goes on); the pointer appears only once the step is committed; the next save waits for the previous

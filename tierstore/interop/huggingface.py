@@ -207,10 +207,20 @@ class TierStoreTrainerMixin:
             ``store_timeout`` + 60 s) and raise its error. The pointer is still written only once its step is
             committed: until then the directory holds ``trainer_state.json`` alone, which a resume skips.
             ``False``: a save returns after its commit.
+        store_lazy: with ``store_async``, a save returns before the copy of the model's parameters and the
+            optimizer's state: they are copied on the background thread while the next step's forward and
+            backward run, and the optimizer's next ``step()`` waits for the copy (a lazy snapshot,
+            :mod:`tierstore.train.lazy`). The scheduler, the scaler, the RNG, the Trainer's state and the
+            model's buffers are copied before the save returns. A parameter changed in place by anything but the
+            optimizer before the copy read it fails that save with :class:`~tierstore.errors.SnapshotChangedError`
+            (raised by the next save or the end of ``train()``; no pointer is written): never a checkpoint with
+            values the model did not have. Default ``False``; without the optimizer in the checkpoint
+            (``save_only_model``) the save copies before it returns.
     """
 
     def __init__(self, *args: Any, store: Any = None, store_name: str = "hf", store_policy: Policy | None = None,
-                 store_timeout: float = 120.0, store_async: bool = True, **kwargs: Any) -> None:
+                 store_timeout: float = 120.0, store_async: bool = True, store_lazy: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         if self.args.load_best_model_at_end:
             raise ConfigError("TierStoreTrainer does not support load_best_model_at_end yet (the best checkpoint's "
@@ -224,6 +234,7 @@ class TierStoreTrainerMixin:
         self._ts_group: Any = None
         self._ts_ck: tuple[Any, dict[str, Any]] | None = None  # the run's Checkpointer, kept across saves
         self._ts_async = bool(store_async)
+        self._ts_lazy = bool(store_lazy)
         self._ts_saves = SaveQueue("tierstore-hf-save")  # the background parts of saves (store_async)
 
     args: Any
@@ -446,8 +457,9 @@ class TierStoreTrainerMixin:
             self._ts_ck = None
             ck.close()
         policy = self._ts_policy or (dedup() if world > 1 else exact())
+        lazy = self._ts_lazy and self._ts_async and "optim" in state  # the optimizer's step() is the gate
         ck = Checkpointer(self.store, model, state=state, policy=policy, rank=rank, world_size=world, group=group,
-                          keep_last=1, preallocate=False, timeout=self._ts_timeout)
+                          keep_last=1, preallocate=False, timeout=self._ts_timeout, lazy=lazy)
         self._ts_ck = (ck, state)
         return ck
 

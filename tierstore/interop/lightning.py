@@ -169,16 +169,29 @@ class TierStoreCheckpointIO(CheckpointIO):
             ``remove_checkpoint``, a ``load_checkpoint`` and ``teardown`` wait for it first (at most
             ``timeout``) and raise its error. The pointer is still written only once its step is committed.
             ``False``: every save returns after its commit.
+        lazy_save: with ``async_save``, where the checkpoint holds the module's own tensors and its one optimizer
+            (the bound trainer's; see :class:`TierStoreCheckpoint`), a save returns before the copy: the module's
+            parameters and the optimizer's state are copied on the background thread while the next batch's
+            forward and backward run, and that optimizer's next ``step()`` waits for the copy (a lazy snapshot,
+            :mod:`tierstore.train.lazy`). Everything else of the checkpoint (buffers, loops, callbacks,
+            schedulers, hyper-parameters) is copied before the save returns. A parameter changed in place by
+            anything but that optimizer before the copy read it (weight averaging swapped in for a validation,
+            ``p.data`` writes, a second optimizer) fails that save with
+            :class:`~tierstore.errors.SnapshotChangedError` (raised by the next save or the end of ``fit``; the
+            checkpoint's pointer is not written): never a checkpoint with values the model did not have.
+            Default ``False``: the save copies before it returns.
     """
 
     def __init__(self, store: Any = None, *, name: str = "lightning", policy: Policy | None = None,
-                 timeout: float = 120.0, settle: bool = True, async_save: bool = True) -> None:
+                 timeout: float = 120.0, settle: bool = True, async_save: bool = True,
+                 lazy_save: bool = False) -> None:
         self._ref = StoreRef(store)
         self.name = validate_name(name, "model name prefix")
         self.policy = policy
         self.timeout = timeout
         self.settle = settle
         self.async_save = async_save
+        self.lazy_save = bool(lazy_save)
         self._saves = SaveQueue("tierstore-lightning-save")  # the background parts of saves (async_save)
         self._saved: set[str] = set()  # the models this run saved a step of (teardown settles them)
         self._trainer: Any = None
@@ -198,11 +211,12 @@ class TierStoreCheckpointIO(CheckpointIO):
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the plugin: configuration only
         return {"_ref": self._ref, "name": self.name, "policy": self.policy, "timeout": self.timeout,
-                "settle": self.settle, "async_save": self.async_save}
+                "settle": self.settle, "async_save": self.async_save, "lazy_save": self.lazy_save}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.async_save = state.get("async_save", True)
+        self.lazy_save = state.get("lazy_save", False)
         self._trainer, self._cks, self.latest, self.like, self._saved = None, {}, set(), {}, set()
         self._saves = SaveQueue("tierstore-lightning-save")
 
@@ -232,8 +246,10 @@ class TierStoreCheckpointIO(CheckpointIO):
                 held["lightning"] = state["lightning"]  # the Checkpointer re-reads its state at every save
                 return ck
             ck.close()
+        # lazy only where the one optimizer that updates the module is in the state: its step() is the gate
+        lazy = self.lazy_save and self.async_save and "optim" in state
         ck = Checkpointer(self.store, model, state=state, policy=self.policy, rank=0, world_size=1, keep_last=1,
-                          preallocate=False, timeout=self.timeout)
+                          preallocate=False, timeout=self.timeout, lazy=lazy)
         self._cks[model] = (ck, state)
         return ck
 
@@ -494,15 +510,17 @@ class TierStoreCheckpoint(ModelCheckpoint):
         timeout: see :class:`TierStoreCheckpointIO`.
         settle: see :class:`TierStoreCheckpointIO`.
         async_save: see :class:`TierStoreCheckpointIO`.
+        lazy_save: see :class:`TierStoreCheckpointIO`.
         **kwargs: ``ModelCheckpoint``'s (``dirpath``, ``filename``, ``monitor``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ...).
     """
 
     def __init__(self, *args: Any, store: Any = None, name: str = "lightning", policy: Policy | None = None,
-                 timeout: float = 120.0, settle: bool = True, async_save: bool = True, **kwargs: Any) -> None:
+                 timeout: float = 120.0, settle: bool = True, async_save: bool = True, lazy_save: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # ModelCheckpoint's own arguments, positional ones included
         self.io = TierStoreCheckpointIO(store, name=name, policy=policy, timeout=timeout, settle=settle,
-                                        async_save=async_save)
+                                        async_save=async_save, lazy_save=lazy_save)
 
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """Lightning's ``ckpt_path="last"`` lists these; the IO resumes one of them from the freshest restorable

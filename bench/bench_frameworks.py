@@ -13,7 +13,15 @@ Reported: the median (min-max) seconds until ``save`` returns (tierstore: commit
 framework: the files written, page cache) and, for tierstore, until the step is also durable in the store's
 local durable directory (``store.flush()``), with ratios to the framework's default.
 
+Then the **training-thread stall**, what a run pays per save: rounds of one training step, a save, and one more
+training step, against rounds of two training steps without a save; the stall is the difference (median). It
+counts everything the training thread waits for: the save's own return, and for a lazy save
+(``lazy_save=True`` / ``store_lazy=True``) the next optimizer step's wait for the copy, and the background
+commit's share of the cores. The systems: the framework's default save, tierstore's asynchronous save (the
+copy before it returns) and the lazy one (the copy during the next step's forward and backward).
+
     python -m bench.bench_frameworks [--repeats 5] [--blocks 16] [--width 1024] [--hf-layers 8] [--hf-width 512]
+                                     [--stall-batch 64]
 """
 
 from __future__ import annotations
@@ -52,7 +60,29 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def lightning(store: Any, work: str, repeats: int, blocks: int, width: int) -> None:
+def _stall_table(title: str, step: Any, saves: dict[str, Any], repeats: int) -> None:
+    """The training-thread stall of each save in ``saves`` (see the module docstring), alternating systems."""
+    plain: list[float] = []
+    raw: dict[str, list[float]] = {n: [] for n in saves}
+    for r in range(repeats + 1):
+        for name, (save, done) in saves.items():
+            step()
+            plain.append(_timed(step))  # a step without a save
+            t = _timed(lambda s=save, i=r: (s(i), step()))  # a save and the step after it
+            done()  # untimed: the save's background part, before the next system's round
+            if r:  # the first round warms each system's buffers
+                raw[name].append(t)
+    one = statistics.median(plain)
+    stall = {n: [t - one for t in xs] for n, xs in raw.items()}
+    ref = max(statistics.median(stall[next(iter(saves))]), 1e-9)
+    print(f"\n## {title}: training-thread stall per save (one step ~{statistics.median(plain) * 1e3:.1f} ms)\n")
+    print("| system | stall per save (median, min-max) | ratio to the framework's default |")
+    print("| --- | --- | --- |")
+    for name, xs in stall.items():
+        print(f"| {name} | {_fmt(xs)} | {statistics.median(xs) / ref:.2f}x |")
+
+
+def lightning(store: Any, work: str, repeats: int, blocks: int, width: int, stall_batch: int = 64) -> None:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import TorchCheckpointIO
     from lightning.pytorch.trainer.states import TrainerStatus
@@ -125,6 +155,40 @@ def lightning(store: Any, work: str, repeats: int, blocks: int, width: int) -> N
     for io in systems.values():
         io.teardown()
 
+    lazy = TierStoreCheckpointIO(store, name="bench-lit-lazy", lazy_save=True)
+    lazy.bind(trainer)
+    staller = {"Lightning TorchCheckpointIO (torch.save, local disk)": TorchCheckpointIO(),
+               "tierstore, during fit (async_save)": TierStoreCheckpointIO(store, name="bench-lit-async"),
+               "tierstore, during fit (async_save + lazy_save)": lazy}
+    staller["tierstore, during fit (async_save)"].bind(trainer)
+
+    def step() -> None:
+        x = next(batches, None)
+        loss = net.training_step(((x[0] if x is not None else torch.randn(stall_batch, width)),), 0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def saver(io: Any) -> tuple[Any, Any]:
+        def save(r: int) -> None:
+            trainer.strategy.checkpoint_io = io
+            trainer.state.status = TrainerStatus.RUNNING  # fit's own saves
+            trainer.save_checkpoint(os.path.join(work, "lit-stall", f"{id(io)}-{r}.ckpt"))
+
+        def done() -> None:
+            trainer.state.status = TrainerStatus.FINISHED
+            if hasattr(io, "wait"):
+                io.wait()
+            shutil.rmtree(os.path.join(work, "lit-stall"), ignore_errors=True)
+
+        return save, done
+
+    batches = iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(stall_batch * 8 * (repeats + 2), width)), batch_size=stall_batch))
+    _stall_table("Lightning", step, {n: saver(io) for n, io in staller.items()}, repeats)
+    for io in staller.values():
+        io.teardown()
+
 
 def huggingface(store: Any, work: str, repeats: int, layers: int, width: int) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -164,6 +228,42 @@ def huggingface(store: Any, work: str, repeats: int, layers: int, width: int) ->
     ref = statistics.median(next(iter(times.values())))
     print(f"\nuntil durable (save + store.flush()): {_fmt(durable)}, {statistics.median(durable) / ref:.2f}x")
 
+    lazy = TierStoreTrainer(model=model, args=args, train_dataset=ds, store=store, store_name="bench-hf-lazy",
+                            store_lazy=True)
+    lazy.optimizer, lazy.lr_scheduler = t.optimizer, t.lr_scheduler  # the same state as the other systems'
+    lazy.state = t.state
+
+    def step() -> None:
+        out = t.model(**batch)
+        out.loss.backward()
+        t.optimizer.step()
+        t.lr_scheduler.step()
+        t.optimizer.zero_grad()
+
+    def saver(kind: str, trainer: Any) -> tuple[Any, Any]:
+        d = os.path.join(work, "hf", f"stall-{kind}")
+
+        def save(r: int) -> None:
+            trainer.args.output_dir = d
+            trainer.state.global_step = 100 + r
+            if kind == "own":
+                Trainer._save_checkpoint(trainer, trainer.model, None)
+            else:
+                trainer._save_checkpoint(trainer.model, None)
+
+        def done() -> None:
+            if kind != "own":
+                trainer._ts_wait()
+            shutil.rmtree(os.path.join(d, "checkpoint-" + str(trainer.state.global_step)), ignore_errors=True)
+
+        return save, done
+
+    _stall_table("Hugging Face", step, {"HF Trainer's own _save_checkpoint": saver("own", t),
+                                        "TierStoreTrainer (store_async)": saver("async", t),
+                                        "TierStoreTrainer (store_async + store_lazy)": saver("lazy", lazy)},
+                 repeats)
+    lazy._ts_close()
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -173,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-layers", type=int, default=8)
     p.add_argument("--hf-width", type=int, default=512)
     p.add_argument("--which", default="lightning,hf")
+    p.add_argument("--stall-batch", type=int, default=64,
+                   help="the Lightning stall rounds' batch (their step's forward and backward, which a lazy copy "
+                        "overlaps)")
     a = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="tierstore-bench-frameworks-", dir=os.environ.get("TMPDIR"))
     home = os.path.join(work, "home")
@@ -181,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# tierstore vs the frameworks' own checkpoints ({a.repeats} rounds, torch {torch.__version__}, "
               f"{os.cpu_count()} CPUs)")
         if "lightning" in a.which:
-            lightning(store, work, a.repeats, a.blocks, a.width)
+            lightning(store, work, a.repeats, a.blocks, a.width, a.stall_batch)
         if "hf" in a.which:
             huggingface(store, work, a.repeats, a.hf_layers, a.hf_width)
     finally:

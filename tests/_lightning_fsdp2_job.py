@@ -8,7 +8,8 @@ start of step 4 this rank's local shards and (rank 0) the full state, which the 
 from ``epoch=0-step=4.ckpt`` and trains to step 8; C resumes with ``ckpt_path="last"`` (A's step 8) and trains 2
 more. Each rank writes A's and B's final local shards (parameters and AdamW state), C's restored ones and the runs'
 losses. ``one`` (1 rank): D resumes the step-4 checkpoint on one FSDP2 rank (resharded) and trains to step 6,
-saving there; it writes the full state it restored and its losses. Then a run whose ``on_save_checkpoint`` replaces
+saving there; it writes the full state it restored and its losses. ``four`` (4 ranks): E resumes the step-4
+checkpoint on four FSDP2 ranks and trains to step 6, saving there; it writes the full state it restored. Then a run whose ``on_save_checkpoint`` replaces
 the state dict is refused at its first save (``ConfigError``), before anything is written.
 """
 
@@ -99,6 +100,12 @@ def main(argv: list[str]) -> int:
         J.trainer([_cb(store, ck, 100, last=False), Probe(out, "c")], 10, devices=2, strategy=_strategy(2)).fit(
             c, J.data(rank, 2), ckpt_path="last")
         res = {"a": a.losses, "b": b.losses, "c": c.losses}
+    elif mode == "four":  # resharded up: the 2-rank step-4 checkpoint on four FSDP2 ranks (the head's one row
+        # lands on one rank, the others hold empty shards of it), training on and saving on four
+        e = J.Sharded()
+        J.trainer([_cb(store, ck + "-four", 2), Probe(out, "e", full=True)], 6, devices=4, strategy=_strategy(4)).fit(
+            e, J.data(rank, 4), ckpt_path=mid)
+        res = {"e": e.losses}
     else:
         d = J.Sharded()
         J.trainer([_cb(store, ck + "-one", 3), Probe(out, "d", full=True)], 6, devices=1, strategy=_strategy(1)).fit(

@@ -6,7 +6,7 @@ step-4 checkpoint on 2 ranks, C resumes ``ckpt_path="last"``, D resumes the step
 here: each rank's stored objects of a step are exactly that rank's shards (nothing gathered, nothing held twice),
 the pointer Lightning sees is written once the step is committed, B ends bitwise where A ended (parameters, AdamW
 state, losses), C restores A's last step, D (resharded, 2 -> 1) restores the full state of step 4 bitwise and saves
-on its own, a one-process reader of a sharded pointer gets full tensors, and a state dict a hook rewrote is
+on its own, E (resharded, 2 -> 4) does too on four ranks, a one-process reader of a sharded pointer gets full tensors, and a state dict a hook rewrote is
 refused before anything is written.
 """
 
@@ -37,7 +37,7 @@ def _nbytes(ts: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts.values())
 
 
-def test_sharded_saves_resume_bitwise_and_restore_on_one_rank(tmp_path):
+def test_sharded_saves_resume_bitwise_and_restore_on_one_and_four_ranks(tmp_path):
     home, ck, out = tmp_path / "home", tmp_path / "ck", str(tmp_path / "out")
     job = run_ranks("tests._lightning_fsdp2_job", ["two", str(home), str(ck), out], preload=_warm.LIGHTNING)
     assert job.codes == [0, 0], job.tail()
@@ -99,3 +99,17 @@ def test_sharded_saves_resume_bitwise_and_restore_on_one_rank(tmp_path):
         assert store.steps.steps(model_name("lightning", f"{ck}-bad")) == []  # nothing begun, nothing written
     finally:
         store.close()
+
+
+    # resharded up (2 -> 4 ranks): each of the four restores its own shards of the 2-rank step, so the full state
+    # they hold at the start is step 4's bit for bit (the 16-row weights split 4 ways, the head's one row on one
+    # rank and empty shards on the others); they train on and save on four ranks
+    job = run_ranks("tests._lightning_fsdp2_job", ["four", str(home), str(ck), out], world=4,
+                    preload=_warm.LIGHTNING, timeout_s=400)
+    assert job.codes == [0, 0, 0, 0], job.tail()
+    assert R.differences(_load(f"{out}.e.full.pt"), full4) == []
+    for rank in range(4):
+        e = json.loads(Path(f"{out}.four.{rank}.json").read_text())["e"]
+        assert sorted(map(int, e)) == [4, 5] and all(v == v for v in e.values()), rank
+    saved = read_pointer(Path(f"{ck}-four") / "epoch=1-step=6.ckpt")
+    assert saved.info["layout"] == "sharded" and saved.info["world_size"] == 4

@@ -9,7 +9,10 @@ from ``epoch=0-step=4.ckpt`` and trains to step 8; C resumes with ``ckpt_path="l
 more. Each rank writes A's and B's final local shards (parameters and AdamW state), C's restored ones and the runs'
 losses. ``one`` (1 rank): D resumes the step-4 checkpoint on one FSDP2 rank (resharded) and trains to step 6,
 saving there; it writes the full state it restored and its losses. ``four`` (4 ranks): E resumes the step-4
-checkpoint on four FSDP2 ranks and trains to step 6, saving there; it writes the full state it restored. Then a run whose ``on_save_checkpoint`` replaces
+checkpoint on four FSDP2 ranks and trains to step 6, saving there; it writes the full state it restored.
+``reboot-a``, ``reboot-b``, ``reboot-c`` (2 ranks): sharded saves at 2 and 4 made durable; a resume saving 6 and 8
+in host memory only (no migration); after the test's reboot, ``ckpt_path="last"`` (which names step 8, gone) and
+an uninterrupted reference run, each writing its final local shards. Then a run whose ``on_save_checkpoint`` replaces
 the state dict is refused at its first save (``ConfigError``), before anything is written.
 """
 
@@ -84,7 +87,7 @@ def main(argv: list[str]) -> int:
 
     mode, home, ck, out = argv
     rank = int(os.environ["RANK"])
-    store = tierstore.open(home)
+    store = tierstore.open(home, migrate=mode != "reboot-b")
     res: dict[str, Any] = {}
     mid = os.path.join(ck, "epoch=0-step=4.ckpt")
     if mode == "two":
@@ -100,6 +103,22 @@ def main(argv: list[str]) -> int:
         J.trainer([_cb(store, ck, 100, last=False), Probe(out, "c")], 10, devices=2, strategy=_strategy(2)).fit(
             c, J.data(rank, 2), ckpt_path="last")
         res = {"a": a.losses, "b": b.losses, "c": c.losses}
+    elif mode == "reboot-a":  # sharded saves at 2 and 4, then everything durable
+        J.trainer([_cb(store, ck, 2)], 4, devices=2, strategy=_strategy(2)).fit(J.Sharded(), J.data(rank, 2))
+        store.flush()
+    elif mode == "reboot-b":  # resumed, saves at 6 and 8 commit in host memory only (the migration is off)
+        J.trainer([_cb(store, ck, 2)], 8, devices=2, strategy=_strategy(2)).fit(J.Sharded(), J.data(rank, 2),
+                                                                                ckpt_path="last")
+    elif mode == "reboot-c":  # after the reboot: "last" falls back to step 4; then an uninterrupted reference
+        f = J.Sharded()
+        t = J.trainer([_cb(store, ck, 100, last=False)], 8, devices=2, strategy=_strategy(2))
+        t.fit(f, J.data(rank, 2), ckpt_path="last")
+        torch.save(R.local_state(f, _optimizer(t)), f"{out}.f.local.{rank}.pt")
+        ref = J.Sharded()
+        t = J.trainer([], 8, devices=2, strategy=_strategy(2), enable_checkpointing=False)
+        t.fit(ref, J.data(rank, 2))
+        torch.save(R.local_state(ref, _optimizer(t)), f"{out}.ref.local.{rank}.pt")
+        res = {"f": f.losses, "ref": ref.losses}
     elif mode == "four":  # resharded up: the 2-rank step-4 checkpoint on four FSDP2 ranks (the head's one row
         # lands on one rank, the others hold empty shards of it), training on and saving on four
         e = J.Sharded()

@@ -113,3 +113,26 @@ def test_sharded_saves_resume_bitwise_and_restore_on_one_and_four_ranks(tmp_path
         assert sorted(map(int, e)) == [4, 5] and all(v == v for v in e.values()), rank
     saved = read_pointer(Path(f"{ck}-four") / "epoch=1-step=6.ckpt")
     assert saved.info["layout"] == "sharded" and saved.info["world_size"] == 4
+
+
+def test_a_reboot_after_sharded_saves_resumes_last_from_the_newest_durable_step(tmp_path):
+    """Sharded saves at 2 and 4 made durable, a resume saving 6 and 8 in host memory only, then a node reboot (the
+    index server stopped, shared memory wiped): ``ckpt_path="last"`` names step 8, which is gone, so every rank
+    resumes from step 4 (rank 0's choice, broadcast) and ends bitwise where an uninterrupted run ends."""
+    from tests.test_lightning_reboot import _reboot
+
+    home, ck, out = tmp_path / "home", tmp_path / "ck", str(tmp_path / "out")
+    for phase in ("reboot-a", "reboot-b"):
+        job = run_ranks("tests._lightning_fsdp2_job", [phase, str(home), str(ck), out], preload=_warm.LIGHTNING)
+        assert job.codes == [0, 0], (phase, job.tail())
+    assert read_pointer(ck / "last.ckpt").info["global_step"] == 8
+    _reboot(home)
+    job = run_ranks("tests._lightning_fsdp2_job", ["reboot-c", str(home), str(ck), out], preload=_warm.LIGHTNING)
+    assert job.codes == [0, 0], job.tail()
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.reboot-c.{rank}.json").read_text())
+        f, ref = got["f"], got["ref"]
+        assert sorted(map(int, f)) == [4, 5, 6, 7], rank  # resumed at global step 4, the newest durable one
+        assert all(f[s] == ref[s] for s in f), rank
+        assert R.differences(_load(f"{out}.f.local.{rank}.pt"), _load(f"{out}.ref.local.{rank}.pt")) == [], rank
+

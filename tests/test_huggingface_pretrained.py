@@ -203,3 +203,63 @@ def test_a_taken_out_dir_no_config_and_a_gone_step_are_refused(store, tmp_path, 
     assert not (tmp_path / "hf").exists() and not (ckpt / "hf").exists()
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]  # no half-written sibling either
     assert _listing(ckpt) == before
+
+
+def test_a_resumable_export_resumes_in_the_plain_trainer_bitwise(store, tmp_path, redis_url, shm_root):
+    """``resumable=True``: a plain ``transformers.Trainer`` (not ``TierStoreTrainer``) resumes from the exported
+    ``checkpoint-4`` (its weights, optimizer, scheduler, RNG and trainer state files) and trains steps 5-8 exactly
+    as the uninterrupted run did: the same losses and the same final weights, bit for bit. A model-only
+    checkpoint is refused, and leaves nothing."""
+    from transformers import Trainer
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.at: dict[int, float] = {}
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.at[state.global_step] = logs["loss"]
+
+    def args(out: Path) -> TrainingArguments:
+        a = _args(out, max_steps=8, save_steps=4)
+        a.logging_steps = 1
+        return a
+
+    run, ref_losses = tmp_path / "out", Losses()
+    ref = TierStoreTrainer(model=_model(), args=args(run), train_dataset=_data(), store=store,
+                           data_collator=default_data_collator, callbacks=[ref_losses])
+    ref.train()
+    exported = tmp_path / "resumable"
+    export_pretrained(run / "checkpoint-4", exported, store=store, config=ref.model.config, resumable=True)
+    names = sorted(os.listdir(exported))
+    assert names == ["config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
+                     "trainer_state.json"], names
+    assert (exported / "trainer_state.json").read_bytes() == (run / "checkpoint-4" / "trainer_state.json").read_bytes()
+    from tierstore.cli.transfer import export_main  # the command line writes the same files
+
+    assert export_main(["--pretrained", str(run / "checkpoint-4"), "--out", str(tmp_path / "cli"), "--resumable",
+                        "--config", str(exported), "--quiet", "--home", str(tmp_path / "home"), "--redis", redis_url,
+                        "--durable", f"file://{tmp_path / 'durable'}", "--host-root", str(shm_root / "node0"),
+                        "--node", "node0"]) == 0
+    assert sorted(os.listdir(tmp_path / "cli")) == names
+    for n in ("model.safetensors", "trainer_state.json"):
+        assert (tmp_path / "cli" / n).read_bytes() == (exported / n).read_bytes(), n
+
+    losses = Losses()
+    plain = Trainer(model=_model(), args=args(tmp_path / "plain"), train_dataset=_data(),
+                    data_collator=default_data_collator, callbacks=[losses])
+    plain.train(resume_from_checkpoint=str(exported))
+    assert sorted(losses.at) == [5, 6, 7, 8]  # resumed after step 4
+    assert all(losses.at[s] == ref_losses.at[s] for s in losses.at), (losses.at, ref_losses.at)
+    want, got = ref.model.state_dict(), plain.model.state_dict()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+    only = tmp_path / "only"
+    kw = dict(model=_model(), args=_args(only, max_steps=4, save_steps=4), train_dataset=_data(), store=store,
+              data_collator=default_data_collator)
+    kw["args"].save_only_model = True
+    TierStoreTrainer(**kw).train()
+    with pytest.raises(ConfigError, match="save_only_model"):
+        export_pretrained(only / "checkpoint-4", tmp_path / "refused", store=store, config=ref.model.config,
+                          resumable=True)
+    assert not (tmp_path / "refused").exists()

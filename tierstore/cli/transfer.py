@@ -2,7 +2,7 @@
 
     tierstore export MODEL [STEP] --format safetensors|torch --out DIR [--model-only] [--dtype bf16]
                      [--max-shard-size 5GB] [--max-staleness S] [--overwrite]
-    tierstore export --pretrained CHECKPOINT_DIR --out DIR [--config DIR] [--max-shard-size 5GB]
+    tierstore export --pretrained CHECKPOINT_DIR --out DIR [--config DIR] [--max-shard-size 5GB] [--resumable]
     tierstore import SOURCE --model NAME [--module pkg.mod:factory] [--world-size N] [--dtype bf16]
 
 Progress goes to stderr (a bar on a terminal, a line per tenth otherwise); the
@@ -91,6 +91,9 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", metavar="DIR", default=None,
                    help="with --pretrained: the directory holding config.json (default: the checkpoint "
                         "directory, else its run directory, where trainer.save_model() writes it)")
+    p.add_argument("--resumable", action="store_true",
+                   help="with --pretrained: also the Trainer's resume files (optimizer.pt, scheduler.pt, the RNG "
+                        "states, trainer_state.json), so a plain transformers.Trainer resumes from --out")
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--model-only", action="store_true", help="leave out optimizer state")
@@ -104,8 +107,8 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         return _export_pretrained(p, a)
     if a.model is None:
         p.error("give MODEL, or --pretrained CHECKPOINT_DIR")
-    if a.config is not None:
-        p.error("--config goes with --pretrained")
+    if a.config is not None or a.resumable:
+        p.error(f"{'--config' if a.config is not None else '--resumable'} goes with --pretrained")
     store = _open(a)
     try:
         bar = None if a.quiet else _Bar(f"export {a.model}")
@@ -139,7 +142,7 @@ def _export_pretrained(p: argparse.ArgumentParser, a: argparse.Namespace) -> int
     t0 = time.perf_counter()
     try:
         out = export_pretrained(a.pretrained, a.out, store=store, config=a.config, max_shard_size=a.max_shard_size,
-                                progress=None if a.quiet else _Bar(f"export {a.pretrained}"))
+                                progress=None if a.quiet else _Bar(f"export {a.pretrained}"), resumable=a.resumable)
     finally:
         if store is not None:
             store.close()

@@ -31,6 +31,15 @@ What it writes in ``out_dir``:
   A checkpoint of ``TierStoreTrainer`` holds no ``config.json`` itself: its
   save writes the pointer, not the Trainer's files.
 
+With ``resumable=True`` it also writes what the Trainer's own resume reads besides the weights, so a plain
+``transformers.Trainer`` (not ``TierStoreTrainer``) resumes from ``out_dir`` with
+``train(resume_from_checkpoint=out_dir)``: ``optimizer.pt``, ``scheduler.pt`` and ``scaler.pt`` (the stored
+state dicts, read by :func:`~tierstore.train.plain.read_plain`), the RNG state of every rank that saved
+(``rng_state.pth`` for one process, ``rng_state_<rank>.pth`` for several: the Trainer's names and format) and
+``trainer_state.json`` (copied from the checkpoint directory, where the Trainer wrote it after the save). A
+checkpoint saved with ``save_only_model`` has no optimizer, scheduler or RNG state: refused
+(:class:`~tierstore.errors.ConfigError`).
+
 It writes nothing in the checkpoint directory or the store (``export_model``
 takes no epoch and writes nothing to the store). The files go to a hidden
 sibling of ``out_dir`` (``.<name>.partial-<hex>``), renamed to ``out_dir``
@@ -56,6 +65,8 @@ import shutil
 import uuid
 from typing import Any
 
+import torch
+
 from tierstore.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -64,16 +75,17 @@ from tierstore.errors import (
     NoValidCopyError,
 )
 from tierstore.interop.export import Progress, export_model
-from tierstore.interop.huggingface import POINTER_FILE, _gone, _in_store, _pointer
+from tierstore.interop.huggingface import POINTER_FILE, TRAINER_STATE, _gone, _in_store, _pointer
 from tierstore.interop.pointer import named_store
 from tierstore.interop.store_ref import StoreRef
+from tierstore.train.plain import read_plain
 
 try:
     from transformers import PretrainedConfig
 except ImportError as e:  # pragma: no cover - the import of tierstore.interop.huggingface above raises first
     raise MissingDependencyError("tierstore.interop.hf_pretrained needs transformers: pip install 'tierstore[hf]'") from e
 
-__all__ = ["CONFIG_FILE", "SIDE_FILES", "export_pretrained"]
+__all__ = ["CONFIG_FILE", "SIDE_FILES", "TRAINER_FILES", "export_pretrained"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +95,8 @@ SIDE_FILES = re.compile(r"^(config\.json|generation_config\.json|tokenizer(_conf
                         r"special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|spiece\.model|"
                         r"sentencepiece\.bpe\.model|chat_template\.(jinja|json)|preprocessor_config\.json|"
                         r"processor_config\.json|video_preprocessor_config\.json)$")
+#: the Trainer's resume files besides the weights (``resumable=True``), by the state entry each is read from
+TRAINER_FILES = {"optim": "optimizer.pt", "sched": "scheduler.pt", "scaler": "scaler.pt"}
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -145,9 +159,54 @@ def _write_side_files(tmp: str, source: str | None, config: Any) -> list[str]:
     return written
 
 
+def _rng_file(value: Any) -> dict[str, Any]:
+    """A stored :class:`~tierstore.train.state.RNGState` value in the format of the Trainer's ``rng_state.pth``."""
+    import numpy as np  # lazy: transformers' own dependency
+
+    def tup(v: Any) -> Any:
+        return tuple(tup(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+    out: dict[str, Any] = {"python": tup(value["python"]), "cpu": value["torch"]}
+    if "numpy" in value:
+        name, keys, pos, has_gauss, cached = value["numpy"]
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+        out["numpy"] = (name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
+    if "cuda" in value:
+        out["cuda"] = value["cuda"]
+    return out
+
+
+def _write_trainer_files(store: Any, ptr: Any, ckpt: str, tmp: str) -> list[str]:
+    """The Trainer's resume files of the pointer's step, written into ``tmp`` (see the module docstring)."""
+    entries = list(ptr.info.get("entries") or [])
+    written: list[str] = []
+    plain = read_plain(store, ptr.model, ptr.step, only=[k for k in TRAINER_FILES if k in entries])
+    for key, name in TRAINER_FILES.items():
+        if key in plain.entries:
+            torch.save(plain.entries[key], os.path.join(tmp, name))
+            written.append(name)
+    if "rng" in entries:
+        world = int(ptr.info.get("world") or 1)
+        for rank in range(world):
+            value = read_plain(store, ptr.model, ptr.step, rank=rank, only=["rng"]).entries["rng"]
+            name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"
+            torch.save(_rng_file(value), os.path.join(tmp, name))
+            written.append(name)
+    state = os.path.join(ckpt, TRAINER_STATE)
+    if not os.path.isfile(state):
+        raise CheckpointNotFoundError(f"{ckpt} holds no {TRAINER_STATE} (the Trainer writes it after the save): "
+                                      "nothing says where the run was; export it without resumable",
+                                      what="checkpoint", path=ckpt)
+    shutil.copyfile(state, os.path.join(tmp, TRAINER_STATE))
+    written.append(TRAINER_STATE)
+    for name in written:
+        _fsync(os.path.join(tmp, name))
+    return written
+
+
 def export_pretrained(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                       store: Any = None, config: Any = None, max_shard_size: int | str = "5GB",
-                      progress: Progress | None = None) -> str:
+                      progress: Progress | None = None, resumable: bool = False) -> str:
     """Write the ``checkpoint-N`` directory ``checkpoint_dir`` of ``TierStoreTrainer`` as ``out_dir``, a directory
     ``from_pretrained`` reads (``model.safetensors``, ``config.json`` and the files beside it); see the module
     docstring. Returns ``out_dir`` (absolute).
@@ -159,6 +218,8 @@ def export_pretrained(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.
             transformers config (``model.config``); ``None``: the checkpoint directory, else its run directory.
         max_shard_size: the most tensor bytes per safetensors file (as ``save_pretrained``'s).
         progress: called after each layer (:data:`tierstore.interop.export.Progress`).
+        resumable: also the Trainer's resume files (optimizer, scheduler, scaler, RNG, ``trainer_state.json``),
+            so a plain ``transformers.Trainer`` resumes from ``out_dir``.
 
     Raises:
         CheckpointNotFoundError: ``checkpoint_dir`` holds no pointer (never saved by tierstore, or the Trainer's
@@ -166,7 +227,8 @@ def export_pretrained(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.
         CheckpointGoneError: no tier restores the step (or an object of it): names the step and the newest
             checkpoint of the run that restores.
         KeyExistsError: ``out_dir`` exists and is not an empty directory.
-        ConfigError: no ``config.json`` found, a ``config`` of another kind, ``out_dir`` inside ``checkpoint_dir``.
+        ConfigError: no ``config.json`` found, a ``config`` of another kind, ``out_dir`` inside ``checkpoint_dir``;
+            ``resumable`` for a checkpoint saved with ``save_only_model``.
     """
     ckpt = os.path.abspath(os.fspath(checkpoint_dir))
     out = os.path.abspath(os.fspath(out_dir))
@@ -183,6 +245,10 @@ def export_pretrained(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.
         raise ConfigError(f"out_dir {out} is inside the checkpoint directory {ckpt}: export_pretrained writes "
                           "nothing there; choose a directory outside it", field="out_dir")
     _refuse_taken(out)
+    entries = list(ptr.info.get("entries") or [])
+    if resumable and "optim" not in entries:
+        raise ConfigError(f"{ckpt} was saved with save_only_model (it holds {entries}): there is no optimizer, "
+                          "scheduler or RNG state to resume from; export it without resumable", field="resumable")
     source, cfg = _config_source(ckpt, config)
     opened = None
     if store is None:
@@ -202,6 +268,11 @@ def export_pretrained(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.
             except NoValidCopyError as e:
                 raise _gone(store, ckpt, ptr, e, "export that one instead") from e
             side = _write_side_files(tmp, source, cfg)
+            if resumable:
+                try:
+                    side += _write_trainer_files(store, ptr, ckpt, tmp)
+                except NoValidCopyError as e:
+                    raise _gone(store, ckpt, ptr, e, "export that one instead") from e
             _fsync(tmp)
             try:
                 os.rename(tmp, out)  # replaces an empty directory, never one with files

@@ -10,8 +10,11 @@ the share of the parameters' bytes that never change: a fine-tune of a few layer
 - Hugging Face: the ``Trainer``'s own checkpoints (safetensors, ``optimizer.pt``, ...), then
   ``TierStoreTrainer`` with each policy.
 
+Each tierstore run also once with lazy saves (``lazy_save=True`` / ``store_lazy=True``, ``exact``).
+
 Reported per system: the training thread's stall per save (median and max of the save calls: Lightning's
-``CheckpointIO.save_checkpoint``, the Trainer's ``_save_checkpoint``), the bytes written per checkpoint and their
+``CheckpointIO.save_checkpoint``, the Trainer's ``_save_checkpoint``; for tierstore plus each save's share of
+the time the optimizer's step waited for a lazy copy, ``SaveStats.wait_s``), the bytes written per checkpoint and their
 ratio to one full checkpoint (tierstore: what its Checkpointer wrote, ``SaveStats.bytes``; the framework: the
 files' sizes), the wall time of ``fit``/``train`` (tierstore's returns with every kept step durable in the local
 durable directory: its ``teardown`` settles; the framework's with its files written), and the bytes the host
@@ -71,9 +74,17 @@ def _header(title: str, full: float, steps: int, frozen: float) -> None:
 
 
 def _policies() -> dict[str, Any]:
+    """The tierstore systems: ``name -> (policy, lazy)``."""
     from tierstore.train.policies import differential, exact, layerwise
 
-    return {"exact": exact(), "differential": differential(base_every=8), "layerwise": layerwise(tau=1e-3)}
+    return {"exact": (exact(), False), "differential": (differential(base_every=8), False),
+            "layerwise": (layerwise(tau=1e-3), False), "exact, lazy": (exact(), True)}
+
+
+def _stalls(calls: list[float], stats: dict) -> list[float]:
+    """The save calls plus each save's share of the optimizer steps' waits for lazy copies."""
+    waited = stats.get("wait_s", 0.0) / max(len(calls), 1)
+    return [c + waited for c in calls]
 
 
 def lightning(home: str, work: str, steps: int, frozen: float, width: int, blocks: int) -> None:
@@ -149,16 +160,17 @@ def lightning(home: str, work: str, steps: int, frozen: float, width: int, block
          full, wall, 0, ref)
     store = tierstore.open(home)
     try:
-        for pname, policy in _policies().items():
-            io = TimedTS(store, name=f"bench-run-{pname}", policy=policy)
+        for pname, (policy, lazy) in _policies().items():
+            tag = pname.replace(", ", "-")
+            io = TimedTS(store, name=f"bench-run-{tag}", policy=policy, lazy_save=lazy)
             io.stalls, io.stats = [], []
-            cb = TierStoreCheckpoint(dirpath=os.path.join(work, f"lit-{pname}"), **kw)
+            cb = TierStoreCheckpoint(dirpath=os.path.join(work, f"lit-{tag}"), **kw)
             t0 = time.perf_counter()
             trainer([cb], [io]).fit(Net(), data)
             wall = time.perf_counter() - t0
             st = io.stats[0] if io.stats else {"bytes": 0, "saves": 1}
-            _row(f"`TierStoreCheckpoint`, `{pname}`", io.stalls, st["bytes"] / max(st["saves"], 1), full, wall,
-                 _host_bytes(store, f"bench-run-{pname}."), ref)
+            _row(f"`TierStoreCheckpoint`, `{pname}`", _stalls(io.stalls, st), st["bytes"] / max(st["saves"], 1),
+                 full, wall, _host_bytes(store, f"bench-run-{tag}."), ref)
     finally:
         store.close()
 
@@ -229,16 +241,18 @@ def huggingface(home: str, work: str, steps: int, frozen: float, width: int, lay
          own.written / len(own.stalls), full, wall, 0, ref)
     store = tierstore.open(home)
     try:
-        for pname, policy in _policies().items():
-            t = Timed(model=model(), args=args(os.path.join(work, f"hf-{pname}")), train_dataset=ds, store=store,
-                      store_name=f"bench-run-hf-{pname}", store_policy=policy)
+        for pname, (policy, lazy) in _policies().items():
+            tag = pname.replace(", ", "-")
+            t = Timed(model=model(), args=args(os.path.join(work, f"hf-{tag}")), train_dataset=ds, store=store,
+                      store_name=f"bench-run-hf-{tag}", store_policy=policy, store_lazy=lazy)
             t.stalls, t.stats = [], {}
             t0 = time.perf_counter()
             t.train()
-            store.flush()  # durable, as the Lightning runs end (the Trainer's saves are synchronous)
+            store.flush()  # durable, as the Lightning runs end
             wall = time.perf_counter() - t0
-            _row(f"`TierStoreTrainer`, `{pname}`", t.stalls, t.stats.get("bytes", 0) / max(t.stats.get("saves", 1), 1),
-                 full, wall, _host_bytes(store, f"bench-run-hf-{pname}."), ref)
+            _row(f"`TierStoreTrainer`, `{pname}`", _stalls(t.stalls, t.stats),
+                 t.stats.get("bytes", 0) / max(t.stats.get("saves", 1), 1), full, wall,
+                 _host_bytes(store, f"bench-run-hf-{tag}."), ref)
     finally:
         store.close()
 

@@ -198,3 +198,38 @@ def test_a_save_returns_before_its_commit_and_the_pointer_follows_it(store, tmp_
     with pytest.raises(CommitError, match="aborted"):
         bad.train()  # its only save fails: raised when train() ends, which waits for it
     assert not (tmp_path / "bad" / "checkpoint-4" / "tierstore.json").exists()
+
+
+def test_save_total_limit_every_step_on_a_slow_durable_tier_leaves_the_newest_step_alone_in_memory(
+        store, tmp_path, monkeypatch):
+    """A save per step with ``save_total_limit=3`` on a durable tier slower than the saves: the steps whose
+    migration was still running when a later save collected are kept in memory then; at the end of ``train()``
+    (``store_settle``) the run waits for the migration and collects them, so host memory holds the newest step
+    alone and the run keeps exactly the pinned steps of the directories left. ``store_settle=False`` leaves
+    them."""
+    from tests._runs import check_run
+    from tierstore.interop.huggingface import TierStoreTrainer
+    from tierstore.interop.pointer import read_pointer
+    from tierstore.testing.faults import FaultPlan, FaultRule, install
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    install(store, FaultPlan([FaultRule("backend.put@durable", "slow", delay_s=0.05)]))
+
+    def run(out, **kw):
+        t = TierStoreTrainer(model=H.model(), args=H.args(str(out), max_steps=8, save_steps=1, save_total_limit=3),
+                             train_dataset=H.Windows(), store=store, **kw)
+        t.train()
+        dirs = sorted(p for p in out.iterdir() if p.name.startswith("checkpoint-"))
+        return {str(d): read_pointer(d / "tierstore.json") for d in dirs}
+
+    pointers = run(tmp_path / "settled")
+    assert len(pointers) == 3
+    check_run(store, pointers)  # one model, three pinned steps, host memory: the newest step only
+
+    left = run(tmp_path / "unsettled", store_settle=False)
+    model = next(iter(left.values())).model
+    host = store.host.tier
+    in_memory = {k.step for k, r in zip(store.list(model), store.index.get_objects(store.list(model)))
+                 if r is not None and host in r.tiers}
+    assert len(in_memory) > 1, in_memory  # what store_settle collects: steps left in memory after the last save

@@ -88,6 +88,7 @@ from tierstore.errors import (
     ConfigError,
     MissingDependencyError,
     NoValidCopyError,
+    TierStoreError,
 )
 from tierstore.interop.pointer import (
     Found,
@@ -216,11 +217,16 @@ class TierStoreTrainerMixin:
             (raised by the next save or the end of ``train()``; no pointer is written): never a checkpoint with
             values the model did not have. Default ``False``; without the optimizer in the checkpoint
             (``save_only_model``) the save copies before it returns.
+        store_settle: at the end of ``train()``, every rank waits for its saves' migration to the durable tier
+            (:meth:`~tierstore.store.TierStore.flush`, bounded by ``StoreConfig.flush_timeout_s``; one that does
+            not finish is logged, never raised), then rank 0 collects the older steps, so the host tier holds the
+            newest step alone after the last save; ``False``: ``train()`` returns without waiting, and the older
+            steps whose migration was still running are left to the next run's saves.
     """
 
     def __init__(self, *args: Any, store: Any = None, store_name: str = "hf", store_policy: Policy | None = None,
                  store_timeout: float = 120.0, store_async: bool = True, store_lazy: bool = False,
-                 **kwargs: Any) -> None:
+                 store_settle: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         if self.args.load_best_model_at_end:
             raise ConfigError("TierStoreTrainer does not support load_best_model_at_end yet (the best checkpoint's "
@@ -235,6 +241,7 @@ class TierStoreTrainerMixin:
         self._ts_ck: tuple[Any, dict[str, Any]] | None = None  # the run's Checkpointer, kept across saves
         self._ts_async = bool(store_async)
         self._ts_lazy = bool(store_lazy)
+        self._ts_settle = bool(store_settle)
         self._ts_saves = SaveQueue("tierstore-hf-save")  # the background parts of saves (store_async)
 
     args: Any
@@ -307,6 +314,12 @@ class TierStoreTrainerMixin:
         self._ts_saves.close()
         ck, _ = got
         ck.close()
+        if failed is None and self._ts_settle:  # before the collective: rank 0 collects after every rank settled
+            try:
+                self.store.flush()
+            except TierStoreError as e:  # the steps stay as they are: a later run's saves collect them
+                log.warning("the checkpoints' migration did not finish at the end of the run (%s): their older "
+                            "steps are left for a later collection", e)
         if self._ts_group is not None:  # bounded by the group's timeout (store_timeout + 120 s)
             flag = torch.tensor([0 if failed is None else 1], dtype=torch.int64)
             try:

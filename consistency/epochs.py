@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from backends.base import Backend
 from consistency.index import Index
@@ -31,27 +32,66 @@ from consistency.manifest import (
     parse_durable_epoch_name,
     parse_durable_manifest_name,
 )
-from tierstore.errors import CommitError, IndexLostError, KeyExistsError, TierStoreError
+from tierstore.errors import CommitError, IndexLostError, KeyExistsError, TierStoreError, TierUnavailableError
 
 __all__ = ["EpochLog"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 class EpochLog:
-    """A model's epochs in the index and the durable tier (``durable`` may be ``None``: index only)."""
+    """A model's epochs in the index and the durable tier (``durable`` may be ``None``: index only).
 
-    def __init__(self, index: Index, durable: Backend | None, *, keep: int = 8) -> None:
+    Every call to the durable tier (the epoch records' listing, their create-once puts, the listing of the
+    durable manifests) runs on one daemon thread, in order, and is waited for at most ``timeout()`` seconds
+    (the protocol's ``pin_record_timeout_s``, 30 s by default): past it a hung tier (a hung mount, a silent S3
+    endpoint) is treated as one that cannot be reached, which each caller already tolerates with a warning (an
+    epoch not recorded durably, a loss check skipped), and the call goes on in the background. Calls queued
+    behind one that outlived its deadline give up at once. The pruning of old records is not waited for.
+    """
+
+    def __init__(self, index: Index, durable: Backend | None, *, keep: int = 8,
+                 timeout: Callable[[], float] | None = None) -> None:
+        from consistency.stepbase import SerialJobs  # lazy: stepbase imports this module
+
         self.index = index
         self.durable = durable
         self.keep = keep
+        self.timeout = timeout or (lambda: 30.0)
+        self._jobs = SerialJobs("tierstore-epoch-records")
+
+    def _bounded(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` on the records' thread, waited for at most ``timeout()`` s; past it (or queued behind a call
+        that outlived it) :class:`~tierstore.errors.TierUnavailableError`, while ``fn`` goes on."""
+        box: dict[str, Any] = {}
+
+        def run(job: Any) -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                box["error"] = e
+
+        limit = max(0.0, float(self.timeout()))
+        behind = self._jobs.stalled(limit)
+        job = self._jobs.submit(run)
+        if not job.done.wait(0.0 if behind else limit):
+            why = (f"queued behind an earlier call the durable tier has not answered for {limit:g} s" if behind
+                   else f"the durable tier did not answer within {limit:g} s")
+            raise TierUnavailableError(f"{what}: {why}")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def durable_epoch(self, model: str) -> int:
         """The newest epoch of ``model`` recorded in the durable tier (0 if none, or unreadable)."""
         if self.durable is None:
             return 0
+        durable = self.durable
         try:
-            names = list(self.durable.list(durable_epoch_prefix(model)))
+            names = self._bounded(f"list the epoch records of {model}",
+                                  lambda: list(durable.list(durable_epoch_prefix(model))))
         except TierStoreError as e:
             log.warning("cannot read the durable epoch records of %s: %s", model, e)
             return 0
@@ -91,8 +131,9 @@ class EpochLog:
             if self.durable is None:
                 return want
             body = json.dumps({"model": model, "epoch": want, "taken_at": time.time()}).encode()
+            durable, name = self.durable, durable_epoch_name(model, want)
             try:
-                self.durable.put(durable_epoch_name(model, want), body, if_absent=True)
+                self._bounded(f"record epoch {want} of {model}", lambda: durable.put(name, body, if_absent=True))
             except KeyExistsError:
                 continue  # another incarnation took it first
             except TierStoreError as e:
@@ -102,23 +143,32 @@ class EpochLog:
         raise CommitError(f"could not reserve a new epoch of {model}: it kept moving", model=model)
 
     def prune(self, model: str, newest: int) -> None:
-        """Delete the durable epoch records of ``model`` older than the newest ``keep``."""
-        if self.durable is None:
+        """Delete the durable epoch records of ``model`` older than the newest ``keep``, on the records' thread
+        (in order after the puts before it; not waited for: old records only cost space)."""
+        durable = self.durable
+        if durable is None:
             return
-        try:
-            names = [(parse_durable_epoch_name(model, n), n) for n in self.durable.list(durable_epoch_prefix(model))]
-            for e, n in sorted((e, n) for e, n in names if e is not None)[:-self.keep]:
-                if e < newest:
-                    self.durable.delete(n)
-        except TierStoreError as e:  # old records only cost space
-            log.info("could not prune the epoch records of %s: %s", model, e)
+
+        def run(job: Any) -> None:
+            try:
+                names = [(parse_durable_epoch_name(model, n), n) for n in durable.list(durable_epoch_prefix(model))]
+                for e, n in sorted((e, n) for e, n in names if e is not None)[:-self.keep]:
+                    if e < newest:
+                        durable.delete(n)
+            except TierStoreError as e:  # old records only cost space
+                log.info("could not prune the epoch records of %s: %s", model, e)
+
+        self._jobs.submit(run)
 
     def durable_steps(self, model: str) -> list[int]:
         """Steps of ``model`` with a durable manifest in the durable tier."""
-        if self.durable is None:
+        durable = self.durable
+        if durable is None:
             return []
         out = []
-        for name in self.durable.list(durable_manifest_prefix(model)):
+        names = self._bounded(f"list the durable manifests of {model}",
+                              lambda: list(durable.list(durable_manifest_prefix(model))))
+        for name in names:
             got = parse_durable_manifest_name(name)
             if got is not None and got[0] == model:
                 out.append(got[1])

@@ -144,7 +144,7 @@ class StepBase:
         self.step_timeout_s = step_timeout_s
         self.clock = clock
         self.on_lost = on_lost
-        self.epochs = EpochLog(index, durable)
+        self.epochs = EpochLog(index, durable, timeout=lambda: self.pin_record_timeout_s)
         # pins whose durable record could not be written or removed (StepRecords.pin / unpin): the index pin
         # stands, the record only matters to an index rebuild; counted, the last one kept, each one logged
         self.durable_pin_failures = 0

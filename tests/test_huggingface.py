@@ -233,3 +233,35 @@ def test_save_total_limit_every_step_on_a_slow_durable_tier_leaves_the_newest_st
     in_memory = {k.step for k, r in zip(store.list(model), store.index.get_objects(store.list(model)))
                  if r is not None and host in r.tiers}
     assert len(in_memory) > 1, in_memory  # what store_settle collects: steps left in memory after the last save
+
+
+def test_a_hung_durable_tier_delays_the_end_of_train_by_store_timeout_at_most(store, tmp_path, monkeypatch, caplog):
+    """Every durable put hangs: the first save's durable epoch record and each pin's record are waited for
+    ``pin_record_timeout_s`` at most (then warned about), the saves still commit in host memory, and the end of
+    ``train()`` waits for their migration (``store_settle``) for ``store_timeout`` seconds, logs that it did not
+    finish, and returns: a hung durable tier never hangs a run, and its checkpoints still resume."""
+    import logging
+    import time
+
+    from tierstore.interop.huggingface import TierStoreTrainer
+    from tierstore.testing.faults import FaultPlan, FaultRule, install
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    plan = install(store, FaultPlan([FaultRule("backend.put@durable", "hang", delay_s=120)]))
+    store.steps.pin_record_timeout_s = 2  # the durable records' bound (the first save's epoch record, the pins)
+    try:
+        t = TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "out"), max_steps=4, save_steps=2),
+                             train_dataset=H.Windows(), store=store, store_timeout=3)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="tierstore.interop.huggingface"):
+            t.train()
+        took = time.monotonic() - t0
+        assert took < 60, took  # the records' bounds (2 s), the settle's (3 s) and the training, not the hang (120 s)
+        assert any("migration did not finish" in r.getMessage() for r in caplog.records)
+        again = TierStoreTrainer(model=H.model(), args=H.args(str(tmp_path / "out"), max_steps=6, save_steps=2),
+                                 train_dataset=H.Windows(), store=store, store_timeout=3, store_settle=False)
+        again.train(resume_from_checkpoint=True)  # from memory: checkpoint-4 committed there
+        assert again.state.global_step == 6
+    finally:
+        plan.arm()  # let the hung puts go

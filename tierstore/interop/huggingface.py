@@ -218,8 +218,8 @@ class TierStoreTrainerMixin:
             values the model did not have. Default ``False``; without the optimizer in the checkpoint
             (``save_only_model``) the save copies before it returns.
         store_settle: at the end of ``train()``, every rank waits for its saves' migration to the durable tier
-            (:meth:`~tierstore.store.TierStore.flush`, bounded by ``StoreConfig.flush_timeout_s``; one that does
-            not finish is logged, never raised), then rank 0 collects the older steps, so the host tier holds the
+            (:meth:`~tierstore.store.TierStore.flush`, bounded by ``store_timeout``; one that does not finish is
+            logged, never raised), then rank 0 collects the older steps, so the host tier holds the
             newest step alone after the last save; ``False``: ``train()`` returns without waiting, and the older
             steps whose migration was still running are left to the next run's saves.
     """
@@ -315,8 +315,8 @@ class TierStoreTrainerMixin:
         ck, _ = got
         ck.close()
         if failed is None and self._ts_settle:  # before the collective: rank 0 collects after every rank settled
-            try:
-                self.store.flush()
+            try:  # bounded below the group's timeout (store_timeout + 120 s), so every rank reaches the collective
+                self.store.flush(timeout=self._ts_timeout)
             except TierStoreError as e:  # the steps stay as they are: a later run's saves collect them
                 log.warning("the checkpoints' migration did not finish at the end of the run (%s): their older "
                             "steps are left for a later collection", e)

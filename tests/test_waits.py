@@ -171,3 +171,48 @@ def test_wait_durable_returns_once_the_step_is_durable(store):
         assert ck.wait(durable=True) == "committed"  # already durable: returns at once
     finally:
         ck.close()
+
+
+class HungEverything(HungPuts):
+    """A durable tier whose every put hangs, the epoch records' too (a mount that stopped answering)."""
+
+    def put(self, name, data, *, if_absent=False):
+        self.entered.set()
+        self.release.wait(GUARD_S * 2)
+        return self.inner.put(name, data, if_absent=if_absent)
+
+
+def test_a_first_save_on_a_hung_durable_tier_waits_for_its_epoch_record_a_bounded_time(
+        tmp_path, redis_url, shm_root, caplog):
+    """The first save of an incarnation records its epoch in the durable tier, create-once, before the index hands
+    it out. With every durable put hung, that record is waited for ``pin_record_timeout_s`` at most: then it is
+    warned about (as a tier that cannot be written), the epoch is taken in the index, and the save commits in
+    memory; the record is written when the tier answers."""
+    store = _open(tmp_path, redis_url, shm_root, close_timeout_s=3.0, flush_timeout_s=2.0)
+    hung: list[HungPuts] = []
+    store.rewire(tier=lambda b: hung.append(HungEverything(b)) or hung[-1] if b.tier == "durable" else b)
+    store.steps.pin_record_timeout_s = 2.0
+    caplog.set_level(logging.WARNING, logger="consistency.epochs")
+    ck = Checkpointer(store, "hung-epoch", torch.nn.Linear(8, 8), rank=0, world_size=1, keep_last=3)
+    try:
+        ended, out = _ends(lambda: (ck.save(1), ck.wait())[1])
+        assert ended and out.get("result") == "committed", out
+        assert hung[0].entered.is_set()
+        assert any("not recorded in the durable tier" in r.getMessage() and "did not answer within 2 s"
+                   in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert ck.epoch is not None and ck.epoch >= 1
+        ended, _ = _ends(ck.close, guard=2.0 + 3.0 + SLACK_S)
+        assert ended
+    finally:
+        hung[0].release.set()
+        store.close()
+    store = _open(tmp_path, redis_url, shm_root)
+    try:  # the record follows once the tier answers (its put was left running, not dropped)
+        import time
+
+        deadline = time.monotonic() + SLACK_S
+        while store.steps.epochs.durable_epoch("hung-epoch") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.steps.epochs.durable_epoch("hung-epoch") >= 1
+    finally:
+        store.close()

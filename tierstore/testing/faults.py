@@ -354,6 +354,11 @@ class FaultyRedis(redis.Redis):
     def __init__(self, inner: redis.Redis, plan: FaultPlan) -> None:
         self.__dict__.update(inner.__dict__)
         self._faults = plan
+        # the pool is ``inner``'s: a redis-py client closes its pool when it is closed or garbage-collected (every
+        # connection, in use or not). So ``inner`` lives as long as this wrapper (its collection closed the pool
+        # under the wrapper's commands: a connection mid-handshake lost its socket), and the wrapper never closes it
+        self._inner = inner
+        self.auto_close_connection_pool = False
 
     def _fault(self, what: str, run: Callable[[], Any]) -> Any:
         rule = self._faults.decide("index.script")

@@ -79,6 +79,7 @@ from tierstore.interop.huggingface import POINTER_FILE, TRAINER_STATE, _gone, _i
 from tierstore.interop.pointer import named_store
 from tierstore.interop.store_ref import StoreRef
 from tierstore.train.plain import read_plain
+from tierstore.train.state import _tuplify
 
 try:
     from transformers import PretrainedConfig
@@ -163,10 +164,7 @@ def _rng_file(value: Any) -> dict[str, Any]:
     """A stored :class:`~tierstore.train.state.RNGState` value in the format of the Trainer's ``rng_state.pth``."""
     import numpy as np  # lazy: transformers' own dependency
 
-    def tup(v: Any) -> Any:
-        return tuple(tup(x) for x in v) if isinstance(v, (list, tuple)) else v
-
-    out: dict[str, Any] = {"python": tup(value["python"]), "cpu": value["torch"]}
+    out: dict[str, Any] = {"python": _tuplify(value["python"]), "cpu": value["torch"]}
     if "numpy" in value:
         name, keys, pos, has_gauss, cached = value["numpy"]
         keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys

@@ -7,14 +7,27 @@ Write protocol (the NVRx / DCP pattern), for every ``put``:
 
 1. create the parent directories (fsyncing each new directory's parent);
 2. write a temporary file ``.tmp~<basename>~<random>`` in the same directory
-   and fsync it;
+   and fsync it (a put of ``DIRECT_MIN`` bytes or more is written with
+   ``O_DIRECT`` where the filesystem takes it: see below);
 3. publish it: ``os.replace`` onto the final name (a plain put) or ``os.link``
    to the final name, which fails if the name exists (``if_absent``: atomic
    against concurrent writers, also across processes), then unlink the temp;
 4. fsync the directory.
 
 A reader therefore sees the old file, the new one or nothing, never a partial
-write. Temporary names contain ``~``, which no valid object name may hold, so
+write.
+
+Large puts bypass the page cache (``direct=True``, the default). A buffered
+write copies every byte into the page cache and ``fsync`` then writes them
+back on the caller's thread: measured here, 295 MiB took 0.4-0.9 s of CPU that
+way against 14 ms with ``O_DIRECT`` (the device reads the caller's pages), and
+the migration thread that pays it shares the cores with the trainer. The
+direct path writes page-aligned pieces straight from the caller's buffer where
+it is aligned (a host-tier object is: it starts its own mapping), copies the
+rest through a small aligned buffer, pads the last block and truncates the file
+to its size before the fsync. A filesystem that refuses ``O_DIRECT`` (tmpfs,
+some FUSE and network mounts) gets the buffered write, once and from then on,
+with the same protocol and the same result. Temporary names contain ``~``, which no valid object name may hold, so
 ``list`` never shows them; files left by a crashed writer are removed by
 :meth:`LocalFSBackend.cleanup_temp`.
 
@@ -27,11 +40,15 @@ a name that collides with a directory (``a`` when ``a/b`` exists) ->
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from backends.base import Backend, Buffer, as_buffers, check_range, validate_object_name
 from tierstore.errors import (
@@ -43,7 +60,7 @@ from tierstore.errors import (
     TierUnavailableError,
 )
 
-__all__ = ["TEMP_MARK", "LocalFSBackend"]
+__all__ = ["DIRECT_MIN", "TEMP_MARK", "LocalFSBackend"]
 
 #: Every temporary file name holds this; no valid object name can.
 TEMP_MARK = "~"
@@ -51,6 +68,20 @@ _TEMP_PREFIX = ".tmp" + TEMP_MARK
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 _COLLISION = {errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY}
+#: Puts of at least this many bytes are written with O_DIRECT where the filesystem allows it.
+DIRECT_MIN = 1 << 20
+_ALIGN = 4096  # O_DIRECT's alignment of addresses, lengths and offsets (a page: every block size divides it)
+_BOUNCE = 4 << 20  # the aligned buffer through which unaligned pieces go
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class _NoDirect(Exception):
+    """The filesystem refused an O_DIRECT write: write the file again through the page cache."""
+
+
+def _address(view: memoryview) -> int:
+    """The address of a contiguous buffer's first byte (read-only ones included)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
 def _translate(e: OSError, op: str, name: str, root: str) -> TierStoreError:
@@ -77,6 +108,9 @@ class LocalFSBackend(Backend):
         fsync: fsync files and directories on every put (default). ``False``
             keeps the atomic rename but not durability across power loss
             (for tests and scratch stores).
+        direct: write puts of ``DIRECT_MIN`` bytes or more with ``O_DIRECT``,
+            past the page cache, where the filesystem takes it (default);
+            ``False`` writes every put through the page cache.
     """
 
     tier = "durable"
@@ -87,9 +121,11 @@ class LocalFSBackend(Backend):
     local_reads = True
     ranged_get = True
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, direct: bool = True) -> None:
         self.root = Path(root).absolute()
         self.fsync = fsync
+        self.direct = bool(direct and _O_DIRECT)  # cleared for good once the filesystem refuses O_DIRECT
+        self._bounce = threading.local()  # each writing thread's aligned buffer
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -131,21 +167,101 @@ class LocalFSBackend(Backend):
     def _write_temp(self, d: str, base: str, bufs: list[memoryview]) -> str:
         """Write ``bufs`` to a fresh temp file in ``d``; return its path (fsynced)."""
         tmp = os.path.join(d, f"{_TEMP_PREFIX}{base}{TEMP_MARK}{secrets.token_hex(6)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = -1
         try:
-            for b in bufs:
-                view = b
-                while view.nbytes:
-                    n = os.write(fd, view)
-                    view = view[n:]
+            written = False
+            if self.direct and sum(b.nbytes for b in bufs) >= DIRECT_MIN:
+                fd, written = self._try_direct(tmp, flags, bufs)
+                flags = (flags & ~os.O_EXCL) | os.O_TRUNC  # a refused direct write leaves our own temp file
+            if not written:
+                if fd < 0:
+                    fd = os.open(tmp, flags, 0o644)
+                for b in bufs:
+                    view = b
+                    while view.nbytes:
+                        n = os.write(fd, view)
+                        view = view[n:]
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             _unlink_quiet(tmp)
             raise
         os.close(fd)
         return tmp
+
+    def _try_direct(self, tmp: str, flags: int, bufs: list[memoryview]) -> tuple[int, bool]:
+        """Write ``tmp`` with O_DIRECT: ``(fd, True)``; ``(-1, False)`` where the filesystem refuses it.
+
+        A refusal (EINVAL at the open or at an aligned write) turns direct writes off for this backend.
+        """
+        try:
+            fd = os.open(tmp, flags | _O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct = False  # the filesystem has no O_DIRECT
+            return -1, False
+        try:
+            self._write_direct(fd, bufs)
+        except _NoDirect:
+            self.direct = False
+            os.close(fd)
+            return -1, False
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, True
+
+    def _write_direct(self, fd: int, bufs: list[memoryview]) -> None:
+        """Write ``bufs`` to ``fd`` (opened with O_DIRECT), aligned pieces from the buffers themselves.
+
+        Raises:
+            _NoDirect: the filesystem refused an aligned write (EINVAL) or wrote part of a block.
+        """
+        bounce = getattr(self._bounce, "buf", None)
+        if bounce is None:
+            # anonymous and private (a forked child gets its own): page-aligned
+            bounce = self._bounce.buf = mmap.mmap(-1, _BOUNCE, flags=mmap.MAP_PRIVATE)
+        staged = 0  # bytes waiting in the bounce buffer
+        total = 0
+
+        def write(view: memoryview) -> None:  # an aligned address, length and file offset
+            while view.nbytes:
+                try:
+                    n = os.write(fd, view)
+                except OSError as e:
+                    if e.errno == errno.EINVAL:
+                        raise _NoDirect from e
+                    raise
+                if n % _ALIGN:
+                    raise _NoDirect
+                view = view[n:]
+
+        with memoryview(bounce) as bmv:
+            for b in bufs:
+                view = b
+                while view.nbytes:
+                    if not staged and view.nbytes >= _ALIGN and _address(view) % _ALIGN == 0:
+                        n = view.nbytes - view.nbytes % _ALIGN
+                        write(view[:n])  # straight from the caller's pages
+                    else:
+                        n = min(view.nbytes, _BOUNCE - staged)
+                        bmv[staged:staged + n] = view[:n]
+                        staged += n
+                        if staged == _BOUNCE:
+                            write(bmv)
+                            staged = 0
+                    total += n
+                    view = view[n:]
+            if staged:
+                padded = -(-staged // _ALIGN) * _ALIGN
+                bmv[staged:padded] = bytes(padded - staged)
+                write(bmv[:padded])
+        if total % _ALIGN:
+            os.ftruncate(fd, total)  # the last block's padding goes
 
     # -- the interface -------------------------------------------------------------
     def put(self, name: str, data: Buffer | Sequence[Buffer], *, if_absent: bool = False) -> None:
@@ -340,7 +456,7 @@ class LocalFSBackend(Backend):
         """Nothing to release (no file stays open between calls)."""
 
     def __repr__(self) -> str:
-        return f"<LocalFSBackend root={self._root_s!r} fsync={self.fsync}>"
+        return f"<LocalFSBackend root={self._root_s!r} fsync={self.fsync} direct={self.direct}>"
 
 
 def _unlink_quiet(path: str) -> None:

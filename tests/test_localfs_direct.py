@@ -216,3 +216,31 @@ def test_a_forked_child_writes_through_its_own_bounce_buffer(tmp_path):
         assert b.get(f"parent{i}") == theirs
         assert b.get(f"child{i}") == bytes([i]) * (DIRECT_MIN + 5)
     assert b.get("first") == odd
+
+
+def test_an_io_error_in_a_direct_write_is_typed_leaves_nothing_and_is_not_a_refusal(tmp_path, monkeypatch):
+    """EIO mid-write (a failing disk) is the tier failing, not a filesystem without O_DIRECT: the put raises
+    TierUnavailableError, its temp file goes, and the next put is written direct again."""
+    from tierstore.errors import TierUnavailableError
+
+    fail = [True]
+
+    def write(fd, data):
+        if fail[0] and _is_direct(fd):
+            fail[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        return _REAL_WRITE(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    b = LocalFSBackend(tmp_path)
+    data = os.urandom(DIRECT_MIN * 2)
+    with pytest.raises(TierUnavailableError) as ei:
+        b.put("k", data)
+    if fail[0]:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.EIO
+    assert b.get("k") is None and _no_temp(tmp_path)
+    assert b.direct
+    fds = _direct_fds(monkeypatch)
+    b.put("k", data)
+    assert fds and b.get("k") == data

@@ -217,7 +217,25 @@ class ReadPath:
             )
         return None
 
-    def _get(self, key: ShardKey, out, raw: bool, depth: int, rec: Any = UNREAD) -> codec.Shard | None:
+    def get_aliased(self, key: ShardKey | str) -> codec.Shard | None:
+        """:meth:`get`, verified whole before it returns, with the tensors of a full object aliasing the copy read.
+
+        For a reader that copies the tensors somewhere at once and drops them (a restore's load): no new
+        tensor is allocated for a full object (fresh memory costs a page fault per 4 KiB, more than the copy
+        itself), and the copy is hashed once, whole, before any tensor is made. The tensors are read-only by
+        contract and valid while referenced (a host-tier copy's segment is not recycled while a view of it
+        lives); deltas and refs resolve into new tensors as :meth:`get`'s do. Internal: never hand these
+        tensors to a user.
+
+        Raises:
+            NoValidCopyError: as :meth:`get`.
+        """
+        key = check_key(key)
+        self._check_open()
+        return self._get(key, None, False, depth=0, copy=False)
+
+    def _get(self, key: ShardKey, out, raw: bool, depth: int, rec: Any = UNREAD, *,
+             copy: bool = True) -> codec.Shard | None:
         if depth > self.config.max_delta_chain:
             raise CorruptObjectError(f"{key}: delta/ref chain longer than {self.config.max_delta_chain}", key=str(key))
         if rec is UNREAD:
@@ -233,6 +251,8 @@ class ReadPath:
             internal = obj.metadata.get(INTERNAL) or {}
             kind = internal.get("kind", "full")
             if raw or kind == "full":  # verified in the same pass as the copy into out / new tensors
+                if not copy and out is None and kind == "full":  # verified whole, then aliased
+                    return kind, internal, obj.decode(copy=False)
                 return kind, internal, obj.decode(out=out if not raw or kind == "full" else None)
             return kind, internal, obj.decode()  # a delta or ref: verified before its fields are used
 
@@ -244,7 +264,7 @@ class ReadPath:
         if raw or kind == "full":
             shard = stored
         elif kind == "ref":
-            shard = self._get(ShardKey.parse(internal["target"]), out, False, depth + 1)
+            shard = self._get(ShardKey.parse(internal["target"]), out, False, depth + 1, copy=copy)
             if shard is None:
                 raise NoValidCopyError(f"{key} refers to {internal['target']}, which is gone", key=str(key),
                                        evidence="lost")

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import copy as _copy
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -340,7 +340,8 @@ def _whole_size(store: Any, key: ShardKey) -> int:
 
 
 def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: int, src: int,
-                     layers: Iterable[str], only: Iterable[str] | None = None) -> ReshardRead:
+                     layers: Iterable[str], only: Iterable[str] | None = None,
+                     get: Callable[[ShardKey], Any] | None = None) -> ReshardRead:
     """This rank's shards of ``layers`` of a resolution: whole where the layout matches, resharded where not.
 
     Args:
@@ -348,6 +349,7 @@ def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: in
         view: the target state (its modules and optimizers say what this rank holds).
         rank: this rank; ``src``: the saved rank it mirrors (``rank % N``).
         only: the state keys restored (``None``: all).
+        get: how an object read whole is read (default ``store.get``: verified, into new tensors).
 
     Raises:
         RestoreMismatchError: a layer that cannot be resharded (see the module docstring).
@@ -371,7 +373,7 @@ def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: in
         m = owner.get(ln)
         if m is None or _fits(m, ln, sources.get(here)):
             key = sources.keys[here]
-            out.shards[ln] = read_object(store, model, ln, key)
+            out.shards[ln] = read_object(store, model, ln, key, get)
             out.whole_bytes += _whole_size(store, key)
         else:
             if holders is None:

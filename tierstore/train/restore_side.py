@@ -23,10 +23,12 @@ import torch
 
 from consistency.closure import readers_of
 from tierstore.errors import NoValidCopyError, StepCommittedError, TierStoreError
+from tierstore.keys import ShardKey
 from tierstore.train.imported import adopt_import, import_seeds
 from tierstore.train.reshard import read_for_restore
 from tierstore.train.restoring import (
     IN_PASS,
+    CopiesLost,
     PendingRestore,
     agreed_step,
     hash_eagerly,
@@ -36,7 +38,7 @@ from tierstore.train.restoring import (
     verify_mode,
     weights_of,
 )
-from tierstore.train.view import Restored, RestoreReport
+from tierstore.train.view import STATE_LAYER, Restored, RestoreReport
 
 __all__ = ["RestoreSide"]
 
@@ -83,13 +85,20 @@ class RestoreSide:
     def _src(self, world: int) -> int:
         return self.rank if self.rank < world else self.rank % world
 
-    def read(self, res: Any, layers: Iterable[str] | None = None, only: Iterable[str] | None = None,
-             ) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
+    def read(self, res: Any, layers: Iterable[str] | None = None, only: Iterable[str] | None = None, *,
+             aliased: bool = False) -> dict[str, tuple[dict[str, torch.Tensor], dict]]:
         """This rank's shards of a resolution (``layer -> (tensors, metadata)``), refs of parts resolved, each
         layer shaped for this rank's state: read whole where its layout matches the saved one, else resharded
-        (:mod:`tierstore.train.reshard`); every copy verified as it is read."""
+        (:mod:`tierstore.train.reshard`); every copy verified as it is read.
+
+        ``aliased``: the module layers read whole alias the copies read, each verified whole first
+        (:meth:`~tierstore.store.reading.ReadPath.get_aliased`): for a restore, whose load copies them into
+        the state and drops them; never for tensors handed to a user."""
+        def get(key: ShardKey) -> Any:
+            return self.store.get(key) if key.layer == STATE_LAYER else self.store.get_aliased(key)
+
         got = read_for_restore(self.store, self.model, res, self.view, self.rank, self._src(res.world_size),
-                               res.layers if layers is None else layers, only)
+                               res.layers if layers is None else layers, only, get if aliased else None)
         self.report.resharded = sorted({*self.report.resharded, *got.resharded})
         self.report.bytes_read += got.bytes_read + got.whole_bytes
         self.report.bad_copies += got.bad_copies
@@ -208,12 +217,17 @@ class RestoreSide:
             pending.abandon()
 
     def _restore(self, step: int | None, only: Iterable[str] | None, mode: str,
-                 read_only: bool) -> tuple[Restored, PendingRestore | None]:
-        """Resolve, read and load (:mod:`tierstore.train.restoring`); the copies' verification, unless in pass."""
+                 read_only: bool, thorough: bool = False) -> tuple[Restored, PendingRestore | None]:
+        """Resolve, read and load (:mod:`tierstore.train.restoring`); the copies' verification, unless in pass.
+
+        The step is chosen by the copies' trailers (every copy read is hashed whole by the read or the
+        verification; hashing each in the resolve too read it twice), unless ``thorough``: in pass, a copy
+        that fails in every tier makes every rank resolve again with each copy hashed (``thorough``), which
+        passes over a step whose copies do not verify, as a restore always did."""
         t0 = time.perf_counter()
         phases = self.report.phases
         deferred = mode != IN_PASS
-        res = self._agreed_resolution(step, verify="trailer" if deferred else None)
+        res = self._agreed_resolution(step, verify=None if thorough else "trailer")
         phases["resolve"] = phases.get("resolve", 0.0) + time.perf_counter() - t0
         if res is None:  # nothing committed yet: a fresh job
             return Restored(None, None), None
@@ -241,7 +255,7 @@ class RestoreSide:
             if verdict == 0:  # every rank reads again, verified
                 log.warning("restore of %s: %s; reading again with every copy verified first", self.model,
                             failed or "another rank could not read its copies")
-                return self._restore(step, only, IN_PASS, read_only)
+                return self._restore(step, only, IN_PASS, read_only, thorough=True)
         else:
             v = None
         t_load = time.perf_counter()
@@ -250,8 +264,12 @@ class RestoreSide:
         pending = PendingRestore(self, v, step, read_only, only, t0) if v is not None else None
         try:  # every rank read and validated its part before any loads (collective)
             shards, plan = prepare_agreed(self, res, (lambda: shards) if deferred else (lambda: self.read(
-                res, layers, only)), doc, only)
+                res, layers, only, aliased=True)), doc, only, lost_retry=not (deferred or thorough))
             self.view.apply(plan)
+        except CopiesLost as e:  # in pass, every rank alike: nothing was loaded
+            log.warning("restore of %s: step %d: %s; resolving again with every copy verified", self.model,
+                        res.step, e.error)
+            return self._restore(step, only, IN_PASS, read_only, thorough=True)
         except BaseException:
             if pending is not None:
                 pending.abandon()

@@ -85,8 +85,8 @@ from tierstore.train.gather import read_shards
 from tierstore.train.reshard import adapt_document
 from tierstore.train.view import STATE_LAYER
 
-__all__ = ["IN_PASS", "VERIFY_MODES", "PendingRestore", "agree", "agreed_step", "core_free", "hash_eagerly",
-           "prepare_agreed", "read_unverified", "refuse_until_restored", "verify_mode", "weights_of"]
+__all__ = ["IN_PASS", "VERIFY_MODES", "CopiesLost", "PendingRestore", "agree", "agreed_step", "core_free",
+           "hash_eagerly", "prepare_agreed", "read_unverified", "refuse_until_restored", "verify_mode", "weights_of"]
 
 log = logging.getLogger(__name__)
 
@@ -186,17 +186,35 @@ def _peer_error(ck: Any, step: int | None, failed: list[tuple[int, int, str]]) -
                reasons={r: w for r, _k, w in failed}, **fields)
 
 
-def agree(ck: Any, err: BaseException | None, step: int | None) -> None:
+class CopiesLost(Exception):
+    """Every rank whose part of a read failed found no valid copy (agreed: raised on every rank alike).
+
+    Raised by :func:`agree` with ``lost_retry`` instead of the ranks' errors (``error``: what this rank would
+    have raised): a restore whose step was chosen by the copies' trailers alone reads its copies verified, and
+    where one fails in every tier it resolves again with every copy hashed, which then passes over that step
+    as a restore always did.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def agree(ck: Any, err: BaseException | None, step: int | None, *, lost_retry: bool = False) -> None:
     """Every rank's verdict on its part of a restore: return where every rank's is good, else raise. Collective.
 
     Every rank calls it once its own verdict is known (``err``: what its part raised, ``None``: it succeeded)
     and before it changes anything: a failing rank raises ``err``, every other rank a
-    :class:`~tierstore.errors.PeerRestoreError` naming the failed ranks and their errors.
+    :class:`~tierstore.errors.PeerRestoreError` naming the failed ranks and their errors. With ``lost_retry``,
+    where every failure was a :class:`~tierstore.errors.NoValidCopyError`, every rank raises
+    :class:`CopiesLost` instead (the gathered verdicts are the same on every rank, so is the choice).
     """
     verdicts = ck.ranks.gather(_kind(err), "" if err is None else _reason(err))
     failed = [(r, k, w) for r, k, w in verdicts if k != _OK]
     if not failed:
         return
+    if lost_retry and all(k == _LOST for _r, k, _w in failed):
+        raise CopiesLost(err if err is not None else _peer_error(ck, step, failed))
     if err is not None:
         raise err
     raise _peer_error(ck, step, failed)
@@ -217,10 +235,11 @@ def agreed_step(ck: Any, mine: int, err: BaseException | None, step: int | None)
 
 
 def prepare_agreed(ck: Any, res: Any, shards: Callable[[], dict[str, Any]], doc: dict[str, Any],
-                   only: Iterable[str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                   only: Iterable[str] | None, *, lost_retry: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's shards (``shards()``: read, or already read) and its validated plan, once every rank's are.
 
-    Collective (:func:`agree`): nothing is loaded on any rank unless every rank read and validated its part.
+    Collective (:func:`agree`, ``lost_retry`` as there): nothing is loaded on any rank unless every rank read
+    and validated its part.
     """
     err: Exception | None = None
     got: dict[str, Any] = {}
@@ -230,7 +249,7 @@ def prepare_agreed(ck: Any, res: Any, shards: Callable[[], dict[str, Any]], doc:
         plan = ck.view.prepare(got, adapt_document(doc, res, ck.view, only), only)
     except Exception as e:  # noqa: BLE001 - every failure of this rank's part is voted, then raised here
         err = e
-    agree(ck, err, res.step)
+    agree(ck, err, res.step, lost_retry=lost_retry)
     return got, plan
 
 

@@ -25,9 +25,10 @@ Protocol (:meth:`~tierstore.train.checkpointer.Checkpointer.restore`, every rank
    or ``save()``, whichever comes first. Every rank learns whether a copy of
    any rank failed (``all_reduce(MIN)``, collective: all ranks act alike).
 4. *on a failure*: every rank restores again through the verified path
-   (resolve hashing the copies in local tiers; each copy verified in the pass
-   that copies it; a bad copy falls back to the next tier, a step without a
-   valid copy to an older step: as a restore always did), after dropping the
+   (``in_pass``: each copy hashed whole before its tensors are read; a bad
+   copy falls back to the next tier; a copy bad in every tier makes every rank
+   resolve again with every copy hashed, which passes over that step to an
+   older one: as a restore always did), after dropping the
    copies that failed from their tier (a checksum mismatch is proof; so a
    process restarted after the error does not meet them again), so the state no
    longer holds the bad bytes; then ``"before_update"`` raises
@@ -91,7 +92,10 @@ __all__ = ["IN_PASS", "VERIFY_MODES", "CopiesLost", "PendingRestore", "agree", "
 log = logging.getLogger(__name__)
 
 VERIFY_MODES = ("before_update", "before_return")
-IN_PASS = "in_pass"  # the verified path: a copy is hashed as it is copied (the second restore after a failure)
+# the verified path (the second restore after a failure, resharding restores): the step is chosen by the copies'
+# trailers, each copy read is hashed whole before its tensors alias it (ReadPath.get_aliased) or as ranges of it
+# are read; a copy bad in every tier: CopiesLost, and every rank resolves again hashing every copy
+IN_PASS = "in_pass"
 
 
 def core_free(world_size: int) -> bool:

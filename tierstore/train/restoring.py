@@ -147,12 +147,17 @@ def read_unverified(ck: Any, res: Any, layers: Iterable[str], *, eager: bool = F
     ranks all use: the hashing overlaps the first forward/backward, the copies come first).
     """
     reads = DeferredReads(ck.store, copy=False, eager=eager)
+    src = ck._src(res.world_size)
+    layers = list(layers)
+    wanted = set(layers) - {STATE_LAYER}
+    keys = [info.key for (ln, r), info in res.objects.items() if r == src and ln in wanted]
+    records = dict(zip(keys, ck.store.index.get_objects(keys)))  # one round trip for every object read
 
     def get(key: ShardKey) -> Any:
-        return ck.store.get(key) if key.layer == STATE_LAYER else reads.get(key)
+        return ck.store.get(key) if key.layer == STATE_LAYER else reads.get(key, rec=records.get(key))
 
     try:
-        shards = read_shards(ck.store, ck.model, res, ck._src(res.world_size), layers, get=get)
+        shards = read_shards(ck.store, ck.model, res, src, layers, get=get)
     finally:
         v = reads.close()
     return shards, v

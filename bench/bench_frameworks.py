@@ -21,7 +21,7 @@ commit's share of the cores. The systems: the framework's default save, tierstor
 copy before it returns) and the lazy one (the copy during the next step's forward and backward).
 
     python -m bench.bench_frameworks [--repeats 5] [--blocks 16] [--width 1024] [--hf-layers 8] [--hf-width 512]
-                                     [--stall-batch 64]
+                                     [--stall-batch 64] [--which lightning,hf] [--train-threads N]
 """
 
 from __future__ import annotations
@@ -287,13 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-batch", type=int, default=64,
                    help="the Lightning stall rounds' batch (their step's forward and backward, which a lazy copy "
                         "overlaps)")
+    p.add_argument("--train-threads", type=int, default=None,
+                   help="torch's intra-op threads for the training steps (default: torch's, every core); fewer "
+                        "leaves cores to the background work, as a GPU trainer does")
     a = p.parse_args(argv)
+    if a.train_threads:
+        torch.set_num_threads(a.train_threads)
     work = tempfile.mkdtemp(prefix="tierstore-bench-frameworks-", dir=os.environ.get("TMPDIR"))
     home = os.path.join(work, "home")
     store = tierstore.open(home)
     try:
         print(f"# tierstore vs the frameworks' own checkpoints ({a.repeats} rounds, torch {torch.__version__}, "
-              f"{os.cpu_count()} CPUs)")
+              f"{os.cpu_count()} CPUs, {torch.get_num_threads()} training threads)")
         if "lightning" in a.which:
             lightning(store, work, a.repeats, a.blocks, a.width, a.stall_batch)
         if "hf" in a.which:

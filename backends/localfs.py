@@ -25,9 +25,11 @@ the migration thread that pays it shares the cores with the trainer. The
 direct path writes page-aligned pieces straight from the caller's buffer where
 it is aligned (a host-tier object is: it starts its own mapping), copies the
 rest through a small aligned buffer, pads the last block and truncates the file
-to its size before the fsync. A filesystem that refuses ``O_DIRECT`` (tmpfs,
-some FUSE and network mounts) gets the buffered write, once and from then on,
-with the same protocol and the same result. Temporary names contain ``~``, which no valid object name may hold, so
+to its size before the fsync. A filesystem that refuses ``O_DIRECT`` (some
+FUSE and network mounts, older tmpfs) gets the buffered write, from that put
+on, with the same protocol and the same result.
+
+Temporary names contain ``~``, which no valid object name may hold, so
 ``list`` never shows them; files left by a crashed writer are removed by
 :meth:`LocalFSBackend.cleanup_temp`.
 

@@ -19,66 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import tierstore
 from tests import _warm
-from tests._tiers import live_path
+from tests.test_restore_verify import _flip_key, _model, _same, _snapshot, _step, _train_and_save
 from tierstore import codec
 from tierstore.ports import free_port
 from tierstore.train.checkpointer import Checkpointer
-
-
-def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
-    return m, torch.optim.AdamW(m.parameters(), lr=0.01)
-
-
-def _step(m: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    opt.zero_grad()
-    m(torch.randn(5, 8, generator=g)).square().mean().backward()
-    opt.step()
-
-
-def _snapshot(m: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"m.{k}": v.detach().clone() for k, v in m.state_dict().items()}
-    for i, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
-            out[f"o.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
-    return out
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _train_and_save(store, name: str, steps: int) -> dict[int, dict]:
-    m, opt = _model(0)
-    ck = Checkpointer(store, name, m, opt, keep_last=None)
-    saved = {}
-    for s in range(steps):
-        _step(m, opt, s)
-        ck.save(s)
-        assert ck.wait() == "committed"
-        saved[s] = _snapshot(m, opt)
-    ck.close()
-    store.flush()
-    return saved
-
-
-def _flip(store, key) -> None:
-    """Flip one byte in the middle of the largest tensor of ``key``'s host copy (trailer and table intact)."""
-    path = live_path(store.host.root, store, key)
-    obj = codec.open_object(path.read_bytes())
-    e = max(obj.tensors, key=lambda t: t.nbytes)
-    at = codec.HEADER.size + obj.table_len + e.offset + e.nbytes // 2
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 @pytest.fixture
@@ -91,7 +38,7 @@ def host_only(tmp_path, redis_url, shm_root):
 @pytest.mark.parametrize("read_only", [False, True], ids=["writer", "read-only"])
 def test_a_bad_only_copy_of_the_newest_step_ends_in_the_older_step_bitwise(host_only, caplog, read_only):
     saved = _train_and_save(host_only, "bad", 3)
-    _flip(host_only, next(k for k in host_only.list("bad", step=2) if k.layer != "_state"))
+    _flip_key(host_only, next(k for k in host_only.list("bad", step=2) if k.layer != "_state"))
     m, opt = _model(9)
     ck = Checkpointer(host_only, "bad", m, *([] if read_only else [opt]))
     try:
@@ -182,7 +129,7 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     ck.close()
     dist.barrier()
     if rank == 0:
-        _flip(store, next(k for k in store.list("two", step=1) if k.layer != "_state" and k.rank == 0))
+        _flip_key(store, next(k for k in store.list("two", step=1) if k.layer != "_state" and k.rank == 0))
     dist.barrier()
     m2, o2 = _model(5)
     ck2 = Checkpointer(store, "two", m2, o2)

@@ -63,10 +63,9 @@ def _train_and_save(store, name: str, steps: int, device: str = "cpu") -> dict[i
     return saved
 
 
-def _flip_data(store, name: str, step: int) -> str:
-    """Flip one byte in the middle of a tensor's data in the host copy of a layer of ``step`` (trailer and
-    table intact: only the checksum over the whole copy can tell). Returns the copy's physical name."""
-    key = next(k for k in store.list(name, step=step) if k.layer != "_state")
+def _flip_key(store, key) -> None:
+    """Flip one byte in the middle of the largest tensor's data in ``key``'s host copy (trailer and table
+    intact: only the checksum over the whole copy can tell)."""
     path = live_path(store.host.root, store, key)
     obj = codec.open_object(path.read_bytes())
     e = max(obj.tensors, key=lambda t: t.nbytes)
@@ -76,6 +75,12 @@ def _flip_data(store, name: str, step: int) -> str:
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x40]))
+
+
+def _flip_data(store, name: str, step: int) -> str:
+    """:func:`_flip_key` of a layer of ``step``; returns the copy's physical name."""
+    key = next(k for k in store.list(name, step=step) if k.layer != "_state")
+    _flip_key(store, key)
     return store.info(key).name
 
 
@@ -278,16 +283,7 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     store.flush()
     dist.barrier()
     if rank == 0:
-        key = next(k for k in store.list("two", step=1) if k.layer != "_state" and k.rank == 0)
-        path = live_path(store.host.root, store, key)
-        obj = codec.open_object(path.read_bytes())
-        e = max(obj.tensors, key=lambda t: t.nbytes)
-        at = codec.HEADER.size + obj.table_len + e.offset + e.nbytes // 2
-        with open(path, "r+b") as f:
-            f.seek(at)
-            b = f.read(1)
-            f.seek(at)
-            f.write(bytes([b[0] ^ 0x40]))
+        _flip_key(store, next(k for k in store.list("two", step=1) if k.layer != "_state" and k.rank == 0))
     dist.barrier()
     m2, o2 = _model(5)
     ck2 = Checkpointer(store, "two", m2, o2)

@@ -47,7 +47,7 @@ from tierstore.errors import (
     TierStoreError,
 )
 from tierstore.keys import ShardKey
-from tierstore.store.common import INTERNAL, check_key
+from tierstore.store.common import INTERNAL, UNREAD, check_key
 
 if TYPE_CHECKING:
     import torch
@@ -243,8 +243,10 @@ class RangedReadPath:
     if TYPE_CHECKING:  # provided by TierStore
         def _check_open(self) -> None: ...
 
-    def open_ranged(self, key: ShardKey | str) -> RangedShard | None:
+    def open_ranged(self, key: ShardKey | str, *, rec: Any = UNREAD) -> RangedShard | None:
         """Open ``key`` for ranged reads (see the module docstring); ``None`` if the index knows no such object.
+
+        ``rec``: the index's record of ``key`` where the caller has read it already (one round trip for many).
 
         Raises:
             NoValidCopyError: no tier holds a copy whose header, tables and trailer verify (or one a ref or
@@ -254,12 +256,13 @@ class RangedReadPath:
         """
         key = check_key(key)
         self._check_open()
-        return self._open_ranged(key, 0)
+        return self._open_ranged(key, 0, rec)
 
-    def _open_ranged(self, key: ShardKey, depth: int) -> RangedShard | None:
+    def _open_ranged(self, key: ShardKey, depth: int, rec: Any = UNREAD) -> RangedShard | None:
         if depth > self.config.max_delta_chain:
             raise CorruptObjectError(f"{key}: delta/ref chain longer than {self.config.max_delta_chain}", key=str(key))
-        rec = self.index.get_object(key)
+        if rec is UNREAD:
+            rec = self.index.get_object(key)
         if rec is None:
             return None
         copy = _Copy(self.tiers, key, rec)

@@ -217,7 +217,7 @@ class ReadPath:
             )
         return None
 
-    def get_aliased(self, key: ShardKey | str) -> codec.Shard | None:
+    def get_aliased(self, key: ShardKey | str, *, rec: Any = UNREAD) -> codec.Shard | None:
         """:meth:`get`, verified whole before it returns, with the tensors of a full object aliasing the copy read.
 
         For a reader that copies the tensors somewhere at once and drops them (a restore's load): no new
@@ -225,14 +225,14 @@ class ReadPath:
         itself), and the copy is hashed once, whole, before any tensor is made. The tensors are read-only by
         contract and valid while referenced (a host-tier copy's segment is not recycled while a view of it
         lives); deltas and refs resolve into new tensors as :meth:`get`'s do. Internal: never hand these
-        tensors to a user.
+        tensors to a user. ``rec``: the index's record of ``key`` where the caller has read it already.
 
         Raises:
             NoValidCopyError: as :meth:`get`.
         """
         key = check_key(key)
         self._check_open()
-        return self._get(key, None, False, depth=0, copy=False)
+        return self._get(key, None, False, depth=0, rec=rec, copy=False)
 
     def _get(self, key: ShardKey, out, raw: bool, depth: int, rec: Any = UNREAD, *,
              copy: bool = True) -> codec.Shard | None:

@@ -14,7 +14,7 @@ tensor holds, from the stored ``dist`` metadata (mesh laid out as
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,9 +93,9 @@ class LayerSource:
         meta: the layer metadata (``optim_scalars``, ``dist``).
     """
 
-    def __init__(self, store: Any, model: str, layer: str, key: ShardKey) -> None:
+    def __init__(self, store: Any, model: str, layer: str, key: ShardKey, rec: Any = None) -> None:
         self.rank = key.rank
-        own = store.open_ranged(key)
+        own = store.open_ranged(key) if rec is None else store.open_ranged(key, rec=rec)
         if own is None:
             raise NoValidCopyError(f"layer {layer!r}: object {key} is gone", key=str(key), layer=layer)
         self._opened = [own]
@@ -155,17 +155,24 @@ class LayerSource:
 
 
 class Sources:
-    """The saved ranks' objects of one layer (``keys``: saved rank -> key), opened on first use."""
+    """The saved ranks' objects of one layer (``keys``: saved rank -> key), opened on first use.
 
-    def __init__(self, store: Any, model: str, layer: str, keys: dict[int, ShardKey]) -> None:
+    ``records``: the index's records of those keys where the caller has read them already (a key missing
+    from it is looked up when opened).
+    """
+
+    def __init__(self, store: Any, model: str, layer: str, keys: dict[int, ShardKey],
+                 records: Mapping[ShardKey, Any] | None = None) -> None:
         self.store, self.model, self.layer = store, model, layer
         self.keys = keys
         self.ranks = sorted(self.keys)
+        self._records = records or {}
         self._open: dict[int, LayerSource] = {}
 
     def get(self, rank: int) -> LayerSource:
         if rank not in self._open:
-            self._open[rank] = LayerSource(self.store, self.model, self.layer, self.keys[rank])
+            key = self.keys[rank]
+            self._open[rank] = LayerSource(self.store, self.model, self.layer, key, self._records.get(key))
         return self._open[rank]
 
     @property

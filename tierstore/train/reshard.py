@@ -324,13 +324,14 @@ def adapt_document(doc: dict[str, Any], res: Any, view: StateView, only: Iterabl
     return out
 
 
-def _whole_size(store: Any, key: ShardKey) -> int:
-    """Bytes a whole read of ``key`` reads: the object, and the objects its ref or delta chain reaches."""
+def _whole_size(store: Any, key: ShardKey, records: Mapping[ShardKey, Any] | None = None) -> int:
+    """Bytes a whole read of ``key`` reads: the object, and the objects its ref or delta chain reaches
+    (``records``: the index's records already read, by key; the others are looked up)."""
     total, seen = 0, set()
     todo: list[ShardKey] = [key]
     while todo:
         k = todo.pop()
-        rec = store.info(k) if k not in seen else None
+        rec = None if k in seen else records[k] if records is not None and k in records else store.info(k)
         seen.add(k)
         if rec is None:
             continue
@@ -341,7 +342,7 @@ def _whole_size(store: Any, key: ShardKey) -> int:
 
 def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: int, src: int,
                      layers: Iterable[str], only: Iterable[str] | None = None,
-                     get: Callable[[ShardKey], Any] | None = None) -> ReshardRead:
+                     get: Callable[[ShardKey, Any], Any] | None = None) -> ReshardRead:
     """This rank's shards of ``layers`` of a resolution: whole where the layout matches, resharded where not.
 
     Args:
@@ -349,7 +350,9 @@ def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: in
         view: the target state (its modules and optimizers say what this rank holds).
         rank: this rank; ``src``: the saved rank it mirrors (``rank % N``).
         only: the state keys restored (``None``: all).
-        get: how an object read whole is read (default ``store.get``: verified, into new tensors).
+        get: how an object read whole is read, ``get(key, rec)`` with the index's record of ``key`` read
+            already (or ``None``: look it up); default ``store.get``: verified, into new tensors. The records
+            of every object of ``layers`` are read in one round trip first.
 
     Raises:
         RestoreMismatchError: a layer that cannot be resharded (see the module docstring).
@@ -365,16 +368,22 @@ def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: in
     for (ln, r), info in res.objects.items():
         if ln in wanted:
             keys.setdefault(ln, {})[r] = info.key
+    every = [k for by_rank in keys.values() for k in by_rank.values()]
+    records = dict(zip(every, store.index.get_objects(every))) if every else {}  # one round trip for all
+
+    def whole_get(k: ShardKey) -> Any:
+        return get(k, records.get(k)) if get is not None else store.get(k)
+
     for ln in order:
-        sources = Sources(store, model, ln, keys.get(ln, {}))
+        sources = Sources(store, model, ln, keys.get(ln, {}), records)
         if not sources.ranks:
             continue
         here = src if src in sources.keys else sources.ranks[rank % len(sources.ranks)]
         m = owner.get(ln)
         if m is None or _fits(m, ln, sources.get(here)):
             key = sources.keys[here]
-            out.shards[ln] = read_object(store, model, ln, key, get)
-            out.whole_bytes += _whole_size(store, key)
+            out.shards[ln] = read_object(store, model, ln, key, whole_get)
+            out.whole_bytes += _whole_size(store, key, records)
         else:
             if holders is None:
                 holders = _holders(res)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -183,10 +184,17 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-reshard-") as tmp:
         home, out = str(Path(tmp) / "home"), str(Path(tmp) / "run")
-        saved = _run("save", 2, args, home, out)
-        phases = {"same sharding (2 -> 2)": _run("same", 2, args, home, out),
-                  "resharded (2 -> 4)": _run("four", 4, args, home, out),
-                  "resharded (2 -> 1, plain)": _run("one", 1, args, home, out)}
+        try:
+            saved = _run("save", 2, args, home, out)
+            phases = {"same sharding (2 -> 2)": _run("same", 2, args, home, out),
+                      "resharded (2 -> 4)": _run("four", 4, args, home, out),
+                      "resharded (2 -> 1, plain)": _run("one", 1, args, home, out)}
+        finally:  # the ranks' embedded index server and host tier outlive them: nothing is left behind
+            from tierstore.embedded import stop_server
+            from tierstore.home import host_dir
+
+            stop_server(home)
+            shutil.rmtree(host_dir(home), ignore_errors=True)
     state = sum(r["saved_bytes"] for r in saved)
     print(f"state: {args.layers} x Linear({args.width}, {args.width}) + AdamW, {state / 2**20:.1f} MiB in all, "
           f"saved by 2 FSDP2 ranks; medians of {args.repeats} (min-max), slowest rank\n")

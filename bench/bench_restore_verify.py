@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -84,6 +85,8 @@ def main() -> None:
         writer.close()
         store.close()
         stop_server(home)
+        shutil.rmtree(shm, ignore_errors=True)  # the host tier: 1 GiB of shared memory
+        shutil.rmtree(tmp, ignore_errors=True)
     copy = statistics.median(times["copy"])
     print(f"{a.gib} GiB in {a.layers} layers (+ momentum), one rank, {a.threads} torch threads, "
           f"{os.cpu_count()} CPUs, medians of {a.repeats}")

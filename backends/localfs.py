@@ -169,16 +169,14 @@ class LocalFSBackend(Backend):
     def _write_temp(self, d: str, base: str, bufs: list[memoryview]) -> str:
         """Write ``bufs`` to a fresh temp file in ``d``; return its path (fsynced)."""
         tmp = os.path.join(d, f"{_TEMP_PREFIX}{base}{TEMP_MARK}{secrets.token_hex(6)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = -1
         try:
-            written = False
-            if self.direct and sum(b.nbytes for b in bufs) >= DIRECT_MIN:
-                fd, written = self._try_direct(tmp, flags, bufs)
-                flags = (flags & ~os.O_EXCL) | os.O_TRUNC  # a refused direct write leaves our own temp file
-            if not written:
-                if fd < 0:
-                    fd = os.open(tmp, flags, 0o644)
+            tried = self.direct and sum(b.nbytes for b in bufs) >= DIRECT_MIN
+            if tried:
+                fd = self._try_direct(tmp, bufs)
+            if fd < 0:  # through the page cache: not tried, or refused (our own temp file then: from its start)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if tried else os.O_EXCL),
+                             0o644)
                 for b in bufs:
                     view = b
                     while view.nbytes:
@@ -194,28 +192,28 @@ class LocalFSBackend(Backend):
         os.close(fd)
         return tmp
 
-    def _try_direct(self, tmp: str, flags: int, bufs: list[memoryview]) -> tuple[int, bool]:
-        """Write ``tmp`` with O_DIRECT: ``(fd, True)``; ``(-1, False)`` where the filesystem refuses it.
+    def _try_direct(self, tmp: str, bufs: list[memoryview]) -> int:
+        """Write ``tmp`` with O_DIRECT and return its descriptor; ``-1`` where the filesystem refuses it.
 
         A refusal (EINVAL at the open or at an aligned write) turns direct writes off for this backend.
         """
         try:
-            fd = os.open(tmp, flags | _O_DIRECT, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _O_DIRECT, 0o644)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             self.direct = False  # the filesystem has no O_DIRECT
-            return -1, False
+            return -1
         try:
             self._write_direct(fd, bufs)
         except _NoDirect:
             self.direct = False
             os.close(fd)
-            return -1, False
+            return -1
         except BaseException:
             os.close(fd)
             raise
-        return fd, True
+        return fd
 
     def _write_direct(self, fd: int, bufs: list[memoryview]) -> None:
         """Write ``bufs`` to ``fd`` (opened with O_DIRECT), aligned pieces from the buffers themselves.

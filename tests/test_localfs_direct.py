@@ -143,13 +143,7 @@ def test_a_filesystem_that_refuses_o_direct_gets_the_whole_put_buffered(tmp_path
 
 
 def test_aligned_short_writes_continue_where_they_stopped(tmp_path, monkeypatch):
-    direct: set[int] = set()
-
-    def open_(path, flags, *a, **kw):
-        fd = _REAL_OPEN(path, flags, *a, **kw)
-        if flags & os.O_DIRECT:
-            direct.add(fd)
-        return fd
+    direct = _direct_fds(monkeypatch)
 
     def write(fd, data):
         view = memoryview(data)
@@ -157,7 +151,6 @@ def test_aligned_short_writes_continue_where_they_stopped(tmp_path, monkeypatch)
             return _REAL_WRITE(fd, view[:8192])  # a short write, of whole blocks
         return _REAL_WRITE(fd, data)
 
-    monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "write", write)
     b = LocalFSBackend(tmp_path)
     want = os.urandom(DIRECT_MIN + 12345)

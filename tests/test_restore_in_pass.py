@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import tierstore
-from tests import _warm
+from tests._ranks import run_ranks
 from tests.test_restore_verify import _flip_key, _model, _same, _snapshot, _step, _train_and_save
 from tierstore import codec
-from tierstore.ports import free_port
 from tierstore.train.checkpointer import Checkpointer
 
 
@@ -147,13 +144,9 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
 
 
 def test_two_gloo_ranks_one_bad_copy_every_rank_resolves_again_and_restores_the_older_step(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    procs = [_warm.popen([sys.executable, "-m", "tests.test_restore_in_pass", str(r), str(port),
-                          str(tmp_path / "home"), str(tmp_path / "out")], cwd=root, env=env)
-             for r in range(2)]
-    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    job = run_ranks("tests.test_restore_in_pass",
+                    lambda r, port: [str(r), str(port), str(tmp_path / "home"), str(tmp_path / "out")], torchrun=False)
+    assert job.codes == [0, 0], job.tail()
     res = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
     for r in res:  # rank 1's copies were fine: it resolves again too (the ranks act alike)
         assert r == {"restored": 0, "state": True, "next": "committed"}, r

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from tierstore.errors import InvalidValueError, NoValidCopyError, RestoreMismatchError
 from tierstore.keys import ShardKey
+from tierstore.store.common import UNREAD
 from tierstore.train.dedup import part_of
 from tierstore.train.gather import mesh_coords, shard_box
 from tierstore.train.layers import OPTIM
@@ -93,9 +94,9 @@ class LayerSource:
         meta: the layer metadata (``optim_scalars``, ``dist``).
     """
 
-    def __init__(self, store: Any, model: str, layer: str, key: ShardKey, rec: Any = None) -> None:
+    def __init__(self, store: Any, model: str, layer: str, key: ShardKey, rec: Any = UNREAD) -> None:
         self.rank = key.rank
-        own = store.open_ranged(key) if rec is None else store.open_ranged(key, rec=rec)
+        own = store.open_ranged(key, rec=rec)
         if own is None:
             raise NoValidCopyError(f"layer {layer!r}: object {key} is gone", key=str(key), layer=layer)
         self._opened = [own]
@@ -172,7 +173,7 @@ class Sources:
     def get(self, rank: int) -> LayerSource:
         if rank not in self._open:
             key = self.keys[rank]
-            self._open[rank] = LayerSource(self.store, self.model, self.layer, key, self._records.get(key))
+            self._open[rank] = LayerSource(self.store, self.model, self.layer, key, self._records.get(key, UNREAD))
         return self._open[rank]
 
     @property

@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from tierstore.codec import DTYPES
 from tierstore.errors import RestoreMismatchError
 from tierstore.keys import ShardKey
+from tierstore.store.common import UNREAD
 from tierstore.train.gather import mesh_coords, read_object, shard_box
 from tierstore.train.layers import BUFFER, OPTIM, PARAM, StateMap, placement_of
 from tierstore.train.pieces import Box, LayerSource, Sources, target_box, whole
@@ -351,7 +352,7 @@ def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: in
         rank: this rank; ``src``: the saved rank it mirrors (``rank % N``).
         only: the state keys restored (``None``: all).
         get: how an object read whole is read, ``get(key, rec)`` with the index's record of ``key`` read
-            already (or ``None``: look it up); default ``store.get``: verified, into new tensors. The records
+            already (or ``UNREAD``: look it up); default ``store.get``: verified, into new tensors. The records
             of every object of ``layers`` are read in one round trip first.
 
     Raises:
@@ -372,7 +373,7 @@ def read_for_restore(store: Any, model: str, res: Any, view: StateView, rank: in
     records = dict(zip(every, store.index.get_objects(every))) if every else {}  # one round trip for all
 
     def whole_get(k: ShardKey) -> Any:
-        return get(k, records.get(k)) if get is not None else store.get(k)
+        return get(k, records.get(k, UNREAD)) if get is not None else store.get(k)
 
     for ln in order:
         sources = Sources(store, model, ln, keys.get(ln, {}), records)

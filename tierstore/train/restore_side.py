@@ -95,9 +95,7 @@ class RestoreSide:
         (:meth:`~tierstore.store.reading.ReadPath.get_aliased`): for a restore, whose load copies them into
         the state and drops them; never for tensors handed to a user."""
         def get(key: ShardKey, rec: Any) -> Any:
-            if key.layer == STATE_LAYER:
-                return self.store.get(key)
-            return self.store.get_aliased(key) if rec is None else self.store.get_aliased(key, rec=rec)
+            return self.store.get(key) if key.layer == STATE_LAYER else self.store.get_aliased(key, rec=rec)
 
         got = read_for_restore(self.store, self.model, res, self.view, self.rank, self._src(res.world_size),
                                res.layers if layers is None else layers, only, get if aliased else None)

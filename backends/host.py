@@ -393,7 +393,9 @@ class HostBackend(Backend):
 
     def get_range(self, name: str, offset: int, length: int) -> memoryview | bytes | None:
         """A read-only view of the bytes ``[offset, offset + length)`` of the object, holding a shared lock on it
-        while alive (as :meth:`get`'s view does); only the pages of the range are touched."""
+        while alive (as :meth:`get`'s view does). An object this process wrote is read through its kept mapping
+        (no page faults); any other has only the pages of the range mapped, their page tables filled at once
+        (``MAP_POPULATE``: a fault per page costs more than the copy of it)."""
         check_range(offset, length)
         path = self._path(name)
         for _ in range(_OPEN_RETRIES):
@@ -403,6 +405,7 @@ class HostBackend(Backend):
                 return None
             except OSError as e:
                 raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
+            pinned = False
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -418,12 +421,21 @@ class HostBackend(Backend):
                 stop = min(offset + length, st.st_size)
                 if stop <= offset:
                     return b""
-                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)  # holds a dup of fd
-                return memoryview(mm)[offset:stop].toreadonly()
+                kept = self._pool.kept(st.st_dev, st.st_ino, st.st_size)
+                if kept is not None:  # the pages are mapped in this process already
+                    pinned = True
+                    view = kept.view(st.st_size, keep=_ReadPin(fd, (st.st_dev, st.st_ino)))
+                    return view[offset:stop].toreadonly()
+                start = offset - offset % mmap.ALLOCATIONGRANULARITY
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mm = mmap.mmap(fd, stop - start, flags=flags, prot=mmap.PROT_READ,
+                               offset=start)  # holds a dup of fd: the lock lives on
+                return memoryview(mm)[offset - start : stop - start].toreadonly()
             except OSError as e:
                 raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
             finally:
-                os.close(fd)
+                if not pinned:
+                    os.close(fd)
         raise TierUnavailableError(f"host object {name!r} kept changing while being opened", key=name, tier="host")
 
     def tail(self, name: str, nbytes: int) -> bytes | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
@@ -67,3 +68,37 @@ def test_preallocate_fills_pool(shm_root):
     assert len(list((shm_root / ".pool").iterdir())) == 2
     b.put("m/l/1/0", b"q" * 4096)
     assert len(list((shm_root / ".pool").iterdir())) == 1
+
+
+def _payload(n: int) -> bytes:
+    return bytes((i * 131 + (i >> 9)) % 251 for i in range(n))
+
+
+def test_get_range_of_another_process_object_maps_the_range_alone(shm_root):
+    """A reader that did not write the object (its own kept mappings: none) maps the range's pages only,
+    from a page boundary below it: every offset, aligned or not, reads the right bytes."""
+    writer, reader = HostBackend(shm_root), HostBackend(shm_root)
+    data = _payload(3 * 65_536 + 777)
+    writer.put("m/l/1/0", data)
+    n = len(data)
+    for off, length in [(0, 1), (1, 4095), (4095, 2), (65_535, 65_538), (70_001, 100_000), (n - 3, 3), (n - 3, 50)]:
+        got = reader.get_range("m/l/1/0", off, length)
+        assert bytes(got) == data[off : off + length], (off, length)
+        assert len(got.obj) <= min(length, n - off) + mmap.ALLOCATIONGRANULARITY  # the range's pages, not all
+    writer.close()
+    reader.close()
+
+
+def test_a_get_range_view_keeps_its_segment_from_reuse_in_the_writer_too(shm_root):
+    """The writer reads through its kept mapping; the view holds the shared lock as :meth:`get`'s does, so the
+    deleted object's segment is not overwritten under it by the next put of the same size."""
+    b = HostBackend(shm_root, recycle_grace_s=0.0)
+    first = b"a" * 8192
+    b.put("m/l/1/0", first)
+    view = b.get_range("m/l/1/0", 100, 5000)
+    assert b.delete("m/l/1/0")
+    b.put("m/l/2/0", b"b" * 8192)  # the pool's segment is locked by the view: a fresh one
+    assert bytes(view) == first[100:5100]
+    assert bytes(b.get("m/l/2/0")) == b"b" * 8192
+    del view
+    b.close()

@@ -94,6 +94,39 @@ def test_no_valid_copy_in_any_tier_fails_typed_and_leaves_out_alone(store):
     assert torch.count_nonzero(out) == 0
 
 
+
+def test_a_box_writer_verifies_now_and_copies_later(store):
+    """``box_writer`` checks every chunk of the box when called (a bad host chunk read from the durable copy
+    then); its ``write`` copies the verified bytes into any tensor of the box, contiguous or not."""
+    key = ShardKey("m", "big", 0, 0)
+    w = torch.randn(2048, 512)
+    store.put(key, {"w": w})
+    store.flush()
+    p = live_path(store.host.root, store, key)
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    p.write_bytes(bytes(raw))
+    shard = store.open_ranged(key)
+    write = shard.box_writer("w", (0, 0), (2048, 512))
+    assert len(shard.failures) == 1 and "host" in shard.failures[0]  # met by the call, not by the write
+    out = torch.zeros(2048, 512)
+    write(out)
+    assert torch.equal(out, w)
+    strided = torch.zeros(512, 1024)[:, 3:515]  # a box written into a non-contiguous view
+    shard.box_writer("w", (100, 0), (512, 512))(strided)
+    assert torch.equal(strided, w[100:612])
+
+
+def test_a_box_writer_without_a_valid_copy_fails_when_called(store):
+    key = ShardKey("m", "big", 0, 0)
+    store.put(key, {"w": torch.randn(2048, 512)})
+    store.flush()
+    flip_everywhere(store, key)
+    shard = store.open_ranged(key)
+    assert shard.box_writer("w", (0, 0), (64, 512)) is not None  # the flipped chunk is not in this box
+    with pytest.raises(NoValidCopyError):
+        shard.box_writer("w", (0, 0), (2048, 512))
+
 # -- the Checkpointer: ranks of one process --------------------------------------------------------
 
 
@@ -224,3 +257,47 @@ def test_a_range_read_without_a_valid_copy_fails_typed(saved):
         with pytest.raises(NoValidCopyError, match=r"zc/blocks\.0/1/0"):
             load(store, "zc", {"model": model, "optim": R.adamw(model)}, step=1)
         assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+
+
+def _stepped(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model of the checkpoint's shape whose AdamW has state already (other values than the checkpoint's)."""
+    model = R.make(seed=seed)
+    opt = R.adamw(model)
+    model(*R.batch(7, 0)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _state_memory(opt: torch.optim.Optimizer) -> dict[tuple[int, str], tuple[int, int]]:
+    return {(id(p), k): (id(v), v.data_ptr()) for p, st in opt.state.items() for k, v in st.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def test_a_resharded_restore_fills_the_optimizers_own_state_tensors(zstore, ref):
+    """Pieces of two saved ranks assembled straight into the tensors the optimizer holds (no staging tensor, no
+    new memory), bitwise."""
+    model, opt = _stepped(seed=9)
+    before = _state_memory(opt)
+    ck = Checkpointer(zstore, "z", model, opt)
+    assert ck.restore(read_only=True).step == 1 and ck.report.resharded
+    assert R.differences(R.full_state(model, opt), ref) == []
+    assert _state_memory(opt) == before
+    ck.close()
+
+
+def test_a_failed_resharded_restore_leaves_the_optimizer_state_alone(saved):
+    """The last layer's object is bad in every tier: the layers before it were read (verified, not yet
+    copied) when its read fails, and the optimizer's state, which the load writes in place, is untouched."""
+    home = saved[0].config.home
+    with tierstore.open(home=home, host_root=saved[0].host.root, restore_verify="trailer") as store:
+        _zero_checkpoint(store, "zf")
+        store.flush()
+        flip_everywhere(store, ShardKey("zf", "head", 1, 0))
+        model, opt = _stepped(seed=9)
+        before = R.full_state(model, opt)
+        memory = _state_memory(opt)
+        with pytest.raises(NoValidCopyError, match=r"zf/head/1/0"):
+            load(store, "zf", {"model": model, "optim": opt}, step=1)
+        assert R.differences(R.full_state(model, opt), before) == []
+        assert _state_memory(opt) == memory

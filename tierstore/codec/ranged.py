@@ -175,26 +175,71 @@ class RangedObject:
             return out
         if int(starts[0]) < 0 or int(starts[-1]) + length > e.nbytes or (n > 1 and np.any(np.diff(starts) < length)):
             raise InvalidValueError(f"runs outside tensor {name!r} or not ascending", entry=name)
+        self._runs_writer(e, starts, length)(out)
+        return out
+
+    def _runs_writer(self, e: TensorInfo, starts: np.ndarray, length: int) -> Callable[[memoryview], None]:
+        """Verify (fetch and check) every chunk the runs need, now; the returned ``write(dst)`` copies the runs'
+        bytes from those verified chunks into ``dst`` (``len(starts) * length`` bytes), later or at once."""
         if self._whole is not None:
-            src = self._whole[name].numpy()
-            idx = (starts[:, None] + np.arange(length, dtype=np.int64)[None, :]).reshape(-1)
-            np.take(src, idx, out=np.frombuffer(out, dtype=np.uint8))
-            return out
+            src = self._whole[e.name].numpy()
+
+            def take(dst: memoryview) -> None:
+                idx = (starts[:, None] + np.arange(length, dtype=np.int64)[None, :]).reshape(-1)
+                np.take(src, idx, out=np.frombuffer(dst, dtype=np.uint8))
+            return take
         chunks = self._loaded(e, starts, length)
         c = self._chunks.size
-        dst = out
-        pos = 0
-        for s in starts.tolist():
-            a = e.offset + s
-            b = a + length
-            while a < b:
-                i = a // c
-                piece = chunks[i]
-                take = min(b, (i + 1) * c) - a
-                dst[pos : pos + take] = piece[a - i * c : a - i * c + take]
-                pos += take
-                a += take
-        return dst
+        begin = e.offset
+
+        def write(dst: memoryview) -> None:
+            pos = 0
+            for s in starts.tolist():
+                a = begin + s
+                b = a + length
+                while a < b:
+                    i = a // c
+                    take = min(b, (i + 1) * c) - a
+                    dst[pos : pos + take] = chunks[i][a - i * c : a - i * c + take]
+                    pos += take
+                    a += take
+        return write
+
+    def box_writer(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> Callable[[torch.Tensor], None]:
+        """Verify the chunks that hold a sub-box of tensor ``name`` now, copy it later: ``write(out)`` fills
+        ``out`` (the box's shape and dtype) from the verified chunks, with no further check and nothing that can
+        fail on the stored bytes. The verified chunks stay referenced until ``write`` is dropped (a host-tier
+        copy's are views of its mapping: no new memory).
+
+        Raises:
+            CorruptObjectError: a chunk that does not match its digest (raised here, not by ``write``).
+            InvalidValueError: no such tensor, or a box outside it.
+        """
+        e = self.info(name)
+        dtype = DTYPES[e.dtype]
+        sizes = [int(s) for s in sizes]
+        starts, length = box_runs(e.shape, [int(o) for o in offsets], sizes)
+        item = ITEMSIZE[e.dtype]
+        nbytes = len(starts) * length * item
+        runs = self._runs_writer(e, starts * item, length * item) if nbytes else None
+
+        def write(out: torch.Tensor) -> None:
+            if list(out.shape) != sizes or out.dtype != dtype:
+                raise InvalidValueError(f"out is {out.dtype} {list(out.shape)}, the box {dtype} {sizes}", entry=name)
+            if runs is None:
+                return
+            view = _byte_view(out)
+            if view is not None:
+                with torch.no_grad():
+                    runs(view)
+                return
+            tmp = torch.empty(sizes, dtype=dtype)
+            tmp_view = _byte_view(tmp)
+            assert tmp_view is not None  # a new contiguous tensor
+            runs(tmp_view)
+            with torch.no_grad():
+                out.copy_(tmp)
+        return write
 
     def _loaded(self, e: TensorInfo, starts: np.ndarray, length: int) -> dict[int, Any]:
         """The verified, uncompressed chunks that hold the runs, by index."""

@@ -164,6 +164,21 @@ class RangedShard:
         """
         raise NotImplementedError
 
+    def box_writer(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> Callable[[torch.Tensor], None]:
+        """As :meth:`read_box`, verified now (every chunk of the box checked, a bad one read from the next
+        tier), copied later: ``write(out)`` fills ``out`` (the box's shape and dtype) from the verified bytes.
+
+        Raises:
+            NoValidCopyError: no tier holds a valid copy of a chunk it needs (raised here, not by ``write``).
+            InvalidValueError: no such tensor, or a box outside it.
+        """
+        got = self.read_box(name, offsets, sizes)
+
+        def write(out: torch.Tensor) -> None:
+            with torch.no_grad():
+                out.copy_(got)
+        return write
+
 
 class _Full(RangedShard):
     def __init__(self, key: ShardKey, copy: _Copy) -> None:
@@ -182,6 +197,9 @@ class _Full(RangedShard):
     def read_box(self, name: str, offsets: Sequence[int], sizes: Sequence[int],
                  out: torch.Tensor | None = None) -> torch.Tensor:
         return self._copy.run(lambda obj: obj.read_box(name, offsets, sizes, out))
+
+    def box_writer(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> Callable[[torch.Tensor], None]:
+        return self._copy.run(lambda obj: obj.box_writer(name, offsets, sizes))
 
 
 class _Delta(RangedShard):

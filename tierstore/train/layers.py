@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from tierstore.errors import InvalidValueError, RestoreMismatchError
 from tierstore.keys import validate_name
+from tierstore.train.pending import PendingTensor
 from tierstore.train.state import decode, encode, normalise_fqn, unwrap
 
 __all__ = [
@@ -109,6 +110,35 @@ def _plain(v: Any, where: str) -> Any:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _in_place_target(cur: Any, v: torch.Tensor | PendingTensor, p: torch.Tensor, dev: torch.device,
+                     reused: set[int]) -> torch.Tensor | None:
+    """The optimizer's current state tensor to copy ``v`` into, or ``None`` (a new tensor is made).
+
+    Only one of the same kind, local shape, dtype, device and placements as what loading ``v`` would
+    make, contiguous, with storage of its own (not a view of something else), and not already a target of
+    this load (``reused``: the data pointers taken): so copying into it is what ``load_state_dict`` would
+    have left, without faulting in new pages (``dcp.load`` loads into the same tensors).
+    """
+    if not isinstance(cur, torch.Tensor) or cur.requires_grad:
+        return None
+    sharded = isinstance(p, DTensor) and v.dim() > 0
+    if isinstance(cur, DTensor) != sharded:
+        return None
+    if (sharded and isinstance(cur, DTensor) and isinstance(p, DTensor)
+            and (cur.device_mesh != p.device_mesh or cur.placements != p.placements
+                 or tuple(cur.shape) != tuple(p.shape))):
+        return None
+    loc = _local(cur)
+    if (loc.device != dev or loc.dtype != v.dtype or tuple(loc.shape) != tuple(v.shape)
+            or not loc.is_contiguous() or loc._base is not None):
+        return None
+    ptr = loc.data_ptr()
+    if loc.numel() and ptr in reused:
+        return None
+    reused.add(ptr)
+    return cur
 
 
 def tied_key(t: torch.Tensor) -> tuple | None:
@@ -312,7 +342,7 @@ class StateMap:
 
     @staticmethod
     def _check(layer: str, name: str, got: Any, want: torch.Tensor, meta: dict | None = None) -> None:
-        if not isinstance(got, torch.Tensor):
+        if not isinstance(got, torch.Tensor | PendingTensor):
             raise RestoreMismatchError(f"layer {layer!r} tensor {name!r}: not a tensor", layer=layer, tensor=name)
         local = _local(want)
         if tuple(got.shape) != tuple(local.shape) or got.dtype != local.dtype:
@@ -494,13 +524,27 @@ class StateMap:
             return
         index = {n: i for i, n in enumerate(self.opt_params)}
         state: dict[int, dict[str, Any]] = {}
+        objs = [q for g in self.optimizer.param_groups for q in g["params"]]  # in the order of opt_params
+        current = self.optimizer.state
+        reused: set[int] = set()
         for pname, vals in plan["optim"].items():
             p = self.tensors[pname]
+            i = index.get(pname)
+            held = current.get(objs[i]) if i is not None and i < len(objs) else None
             entry: dict[str, Any] = {}
             for k, v in vals.items():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor | PendingTensor):
                     dev = _local(p).device if v.dim() > 0 else torch.device("cpu")
-                    v = v.detach().to(dev, copy=True)
+                    into = _in_place_target(held.get(k) if isinstance(held, dict) else None, v, p, dev, reused)
+                    if into is not None:  # the optimizer's own tensor, its pages already there: no new memory
+                        if isinstance(v, PendingTensor):
+                            v.fill(_local(into))
+                        else:
+                            with torch.no_grad():
+                                _local(into).copy_(v.detach())
+                        entry[k] = into
+                        continue
+                    v = v.tensor(dev) if isinstance(v, PendingTensor) else v.detach().to(dev, copy=True)
                     if isinstance(p, DTensor) and v.dim() > 0:  # state shaped like its parameter: sharded alike
                         v = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
                                                shape=p.shape, stride=p.stride())

@@ -125,6 +125,10 @@ class LayerSource:
     def read_box(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], out: torch.Tensor) -> None:
         self._of[name].read_box(name, offsets, sizes, out)
 
+    def box_writer(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        """The box verified now, copied by the returned ``write(out)`` later (:meth:`RangedShard.box_writer`)."""
+        return self._of[name].box_writer(name, offsets, sizes)
+
     def optim_names(self, param: str) -> list[str]:
         """The stored optimizer-state tensors of ``param`` (``optim/<param>/<key>``)."""
         return [n for n in self.tensors if n.startswith(OPTIM) and n[len(OPTIM):].rpartition("/")[0] == param]

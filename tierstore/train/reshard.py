@@ -61,6 +61,7 @@ from tierstore.keys import ShardKey
 from tierstore.store.common import UNREAD
 from tierstore.train.gather import mesh_coords, read_object, shard_box
 from tierstore.train.layers import BUFFER, OPTIM, PARAM, StateMap, placement_of
+from tierstore.train.pending import PendingTensor
 from tierstore.train.pieces import Box, LayerSource, Sources, target_box, whole
 from tierstore.train.view import StateView
 
@@ -155,7 +156,7 @@ class _Layer:
         self.world = len(sources.ranks)
         self._boxes: dict[tuple, dict[Box, list[int]]] = {}
 
-    def read(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def read(self) -> tuple[dict[str, Any], dict]:
         m, spec, base = self.m, self.m.layers[self.layer], self.sources.get(self.src)
         expected = {PARAM + n: n for n in spec.params}
         expected.update({BUFFER + n: n for n in spec.buffers})
@@ -183,7 +184,7 @@ class _Layer:
                     cur = m.opt_state.get(n, {}).get(key)
                     stored_dim = len(holder.tensors[name][1])
                     like = cur if isinstance(cur, torch.Tensor) else (m.tensors[n] if stored_dim else None)
-                    out[name] = self._assemble(name, like, holder, exact=isinstance(cur, torch.Tensor))
+                    out[name] = self._assemble(name, like, holder, exact=isinstance(cur, torch.Tensor), later=True)
                     if isinstance(cur, DTensor):
                         dist[name] = placement_of(cur)
                 scalars = (holder.meta.get("optim_scalars") or {}).get(n)
@@ -228,8 +229,11 @@ class _Layer:
         return out
 
     def _assemble(self, name: str, like: torch.Tensor | None, primary: LayerSource, *, exact: bool = True,
-                  ) -> torch.Tensor:
-        """The target's part of ``name``, read from the saved pieces that overlap it."""
+                  later: bool = False) -> torch.Tensor | PendingTensor:
+        """The target's part of ``name``, read from the saved pieces that overlap it, each verified now.
+
+        ``later``: copied by the load instead (a :class:`PendingTensor`: the optimizer's state is copied
+        straight into its own tensors there), no staging tensor."""
         dtype_s, local = primary.tensors[name]
         dtype = DTYPES[dtype_s]
         spec = primary.dist.get(name)
@@ -247,7 +251,8 @@ class _Layer:
                     f"layer {self.layer!r} tensor {name!r}: the checkpoint holds {dtype}, the target {like.dtype}",
                     layer=self.layer, tensor=name)
             box = target_box(name, like)
-        result = torch.empty(box.sizes, dtype=dtype)
+        result = None if later else torch.empty(box.sizes, dtype=dtype)
+        parts = []
         covered = 0
         for r, piece in self._pieces(name, primary):
             part = box.meet(piece)
@@ -257,12 +262,15 @@ class _Layer:
             if name not in src.tensors or DTYPES[src.tensors[name][0]] != dtype or src.piece(name, self.world) != piece:
                 raise RestoreMismatchError(f"layer {self.layer!r} tensor {name!r}: rank {r} saved it otherwise than "
                                            f"rank {primary.rank}", layer=self.layer, tensor=name)
-            src.read_box(name, part.within(piece), part.sizes, out=result[part.slices(box)])
+            if result is None:
+                parts.append((part.slices(box), src.box_writer(name, part.within(piece), part.sizes)))
+            else:
+                src.read_box(name, part.within(piece), part.sizes, out=result[part.slices(box)])
             covered += part.volume
         if covered != box.volume:
             raise RestoreMismatchError(f"layer {self.layer!r} tensor {name!r}: the saved shards cover {covered} of the "
                                        f"{box.volume} elements this rank needs", layer=self.layer, tensor=name)
-        return result
+        return result if result is not None else PendingTensor(box.sizes, dtype, parts)
 
 
 def _holders(res: Any) -> dict[str, list[int]]:

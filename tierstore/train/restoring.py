@@ -14,7 +14,9 @@ Protocol (:meth:`~tierstore.train.checkpointer.Checkpointer.restore`, every rank
 2. *read and load*: module layers (parameters, buffers, optimizer state)
    through :class:`~tierstore.store.deferred.DeferredReads` with
    ``copy=False`` (tensors alias the host-tier copies; no hashing, no extra
-   memory), then loaded (``load_state_dict``: one copy each). The ``_state``
+   memory), then loaded: one copy each, into the modules' tensors
+   (``load_state_dict``) and the optimizer's own state tensors where it holds
+   them (:meth:`~tierstore.train.layers.StateMap.apply`). The ``_state``
    layer (data position, RNG, the save's ``extra``, handed to the caller as
    they are) is read through the verified path. The verification starts
    hashing the first copy as soon as it is read.

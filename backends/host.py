@@ -39,9 +39,11 @@ import fcntl
 import itertools
 import mmap
 import os
+import resource
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,61 @@ def default_pin_bytes() -> int:
         return 0
 
 
+class _Held:
+    """How many descriptors this process's read views hold open (each view holds its object's shared lock
+    through one), against a budget of half the soft limit of open files: past it, reads return private
+    copies (no descriptor held) instead of views, so a restore that keeps a view of every object of a large
+    state (thousands of layers) never runs the process out of descriptors (``EMFILE``)."""
+
+    lock = threading.Lock()
+    count = 0
+
+    @classmethod
+    def take(cls) -> None:
+        with cls.lock:
+            cls.count += 1
+
+    @classmethod
+    def give(cls) -> None:
+        with cls.lock:
+            cls.count -= 1
+
+    @classmethod
+    def full(cls) -> bool:
+        return cls.count >= read_view_budget()
+
+
+def read_view_budget() -> int:
+    """How many read views (one open descriptor each) this process may hold at once: half its soft limit of
+    open files (the rest is the trainer's, its sockets' and the store's own), at least 16."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(16, soft // 2)
+
+
+def _mapped(fd: int, length: int, offset: int = 0) -> mmap.mmap:
+    """A read-only shared mapping (page tables filled at once) that holds a duplicate of ``fd``, counted."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ, offset=offset)
+    _Held.take()
+    weakref.finalize(mm, _Held.give)
+    return mm
+
+
+def _private(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` read into private memory (no descriptor held after)."""
+    parts = []
+    while length > 0:
+        got = os.pread(fd, length, offset)
+        if not got:
+            break
+        parts.append(got)
+        offset += len(got)
+        length -= len(got)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 class _ReadPin:
     """A reader's open file (holding its shared lock), closed when the last view of it goes."""
 
@@ -83,9 +140,11 @@ class _ReadPin:
     def __init__(self, fd: int, ident: tuple[int, int]) -> None:
         self.fd = fd
         self.ident = ident  # the file's (st_dev, st_ino)
+        _Held.take()
 
     def __del__(self) -> None:
         os.close(self.fd)
+        _Held.give()
 
 
 class _HostReservation(Reservation):
@@ -364,13 +423,13 @@ class HostBackend(Backend):
                 size = st.st_size
                 if size == 0:
                     return b""
+                if _Held.full():  # as many views as descriptors allow are alive: a private copy, no lock kept
+                    return _private(fd, 0, size)
                 kept = self._pool.kept(st.st_dev, st.st_ino, size)
                 if kept is not None:  # no page faults: the pages are mapped in this process already
                     pinned = True
                     return kept.view(size, keep=_ReadPin(fd, (st.st_dev, st.st_ino))).toreadonly()
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)  # holds a dup of fd: the lock lives on
-                return memoryview(mm)
+                return memoryview(_mapped(fd, size))  # holds a dup of fd: the lock lives on
             except OSError as e:
                 raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e
             finally:
@@ -421,15 +480,15 @@ class HostBackend(Backend):
                 stop = min(offset + length, st.st_size)
                 if stop <= offset:
                     return b""
+                if _Held.full():  # as many views as descriptors allow are alive: a private copy, no lock kept
+                    return _private(fd, offset, stop - offset)
                 kept = self._pool.kept(st.st_dev, st.st_ino, st.st_size)
                 if kept is not None:  # the pages are mapped in this process already
                     pinned = True
                     view = kept.view(st.st_size, keep=_ReadPin(fd, (st.st_dev, st.st_ino)))
                     return view[offset:stop].toreadonly()
                 start = offset - offset % mmap.ALLOCATIONGRANULARITY
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                mm = mmap.mmap(fd, stop - start, flags=flags, prot=mmap.PROT_READ,
-                               offset=start)  # holds a dup of fd: the lock lives on
+                mm = _mapped(fd, stop - start, start)  # holds a dup of fd: the lock lives on
                 return memoryview(mm)[offset - start : stop - start].toreadonly()
             except OSError as e:
                 raise TierUnavailableError(f"cannot read host object {name!r}: {e}", key=name, tier="host") from e

@@ -102,3 +102,28 @@ def test_a_get_range_view_keeps_its_segment_from_reuse_in_the_writer_too(shm_roo
     assert bytes(b.get("m/l/2/0")) == b"b" * 8192
     del view
     b.close()
+
+
+def test_past_the_descriptor_budget_reads_are_private_copies(shm_root, monkeypatch):
+    """Each read view holds its object's descriptor (its shared lock); with as many alive as the budget
+    allows, reads return private copies that hold none, and views again once those go."""
+    import backends.host as host
+
+    budget = host._Held.count + 2  # two more views, whatever else this process holds
+    monkeypatch.setattr(host, "read_view_budget", lambda: budget)
+    b = HostBackend(shm_root, recycle_grace_s=0.0)
+    reader = HostBackend(shm_root)  # not the writer: its views are its own mappings
+    for i in range(4):
+        b.put(f"m/l/{i}/0", bytes([i]) * 8192)
+    views = [reader.get("m/l/0/0"), reader.get_range("m/l/1/0", 10, 100)]
+    assert all(isinstance(v, memoryview) for v in views)
+    whole, part = reader.get("m/l/2/0"), reader.get_range("m/l/3/0", 4000, 5000)
+    assert isinstance(whole, bytes) and whole == b"\x02" * 8192
+    assert isinstance(part, bytes) and part == b"\x03" * 4192
+    assert b.delete("m/l/2/0")  # a private copy holds no lock: its segment is reused at once
+    b.put("m/l/9/0", b"z" * 8192)
+    assert whole == b"\x02" * 8192
+    del views
+    assert isinstance(reader.get("m/l/0/0"), memoryview)
+    b.close()
+    reader.close()

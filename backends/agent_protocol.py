@@ -48,6 +48,12 @@ A connection is one UCX endpoint from the agent's listener; it carries one
    answers ``OK`` (or an error, and nothing is published). ``GET``/``LIST``:
    the reply (``OK`` with ``payload_len`` and checksum) is followed by the
    payload in chunks.
+   ``TAIL``: a ``GET`` of the object's last bytes alone (a trailer check reads
+   16 bytes, not the object): ``payload_len`` in the request is how many
+   bytes are wanted (at most :data:`MAX_TAIL`; no payload follows the
+   request), and the reply is a ``GET``'s for those bytes (fewer where the
+   object is shorter). An agent from before ``TAIL`` answers ``UNKNOWN_OP``;
+   the client then reads the whole object with ``GET``.
 4. ``LANE`` (same host only: equal :func:`host_id`): a ``PUT``-shaped
    request whose payload is the client's UCX worker address, answered ``OK``.
    From then on the agent sends every reply and payload of the session
@@ -114,6 +120,7 @@ __all__ = [
     "MAX_CHUNKS",
     "MAX_KEY_LEN",
     "MAX_LANE_ADDRESS",
+    "MAX_TAIL",
     "NONCE_LEN",
     "REPLY",
     "REPLY_FRAME_SIZE",
@@ -167,6 +174,8 @@ REPLY_FRAME_SIZE = 256
 MAX_MESSAGE_LEN = REPLY_FRAME_SIZE - REPLY.size
 #: the largest worker address a LANE request may carry
 MAX_LANE_ADDRESS = 4096
+#: the most bytes one ``TAIL`` asks for
+MAX_TAIL = 4096
 
 FLAG_CHECKSUM = 0x01
 FLAG_IF_ABSENT = 0x02
@@ -185,9 +194,10 @@ MAX_CHUNKS = _SLOT_MASK - 1
 
 
 class Op:
-    PUT, GET, DELETE, EXISTS, LIST, PING, LANE = 1, 2, 3, 4, 5, 6, 7
-    ALL = frozenset({1, 2, 3, 4, 5, 6, 7})
-    NAMES: ClassVar[dict[int, str]] = {1: "PUT", 2: "GET", 3: "DELETE", 4: "EXISTS", 5: "LIST", 6: "PING", 7: "LANE"}
+    PUT, GET, DELETE, EXISTS, LIST, PING, LANE, TAIL = 1, 2, 3, 4, 5, 6, 7, 8
+    ALL = frozenset({1, 2, 3, 4, 5, 6, 7, 8})
+    NAMES: ClassVar[dict[int, str]] = {1: "PUT", 2: "GET", 3: "DELETE", 4: "EXISTS", 5: "LIST", 6: "PING", 7: "LANE",
+                                       8: "TAIL"}
 
 
 class Status:
@@ -386,7 +396,9 @@ def unpack_request(frame: bytes | bytearray | memoryview, secret: bytes, nonce: 
         raise reject(Status.TOO_LARGE, f"payload of {payload_len} bytes exceeds the limit of {limit}")
     if op in (Op.PUT, Op.LANE) and -(-payload_len // (1 << shift)) > MAX_CHUNKS:
         raise reject(Status.TOO_LARGE, f"payload of {payload_len} bytes needs more than {MAX_CHUNKS} chunks")
-    if op not in (Op.PUT, Op.LANE) and payload_len != 0:
+    if op == Op.TAIL and payload_len > MAX_TAIL:
+        raise reject(Status.TOO_LARGE, f"a tail of {payload_len} bytes exceeds the limit of {MAX_TAIL}")
+    if op not in (Op.PUT, Op.LANE, Op.TAIL) and payload_len != 0:
         raise reject(Status.BAD_FRAME, "payload length must be 0 for this op")
     return Request(op, flags, shift, key, payload_len, digest, rid)
 

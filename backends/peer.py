@@ -162,8 +162,8 @@ class PeerBackend(Backend):
         conn.abort()
 
     async def _request(self, peer: PeerAddress, op: int, key: str, parts: Sequence[memoryview] = (),
-                       flags: int = 0, digest: bytes = bytes(16),
-                       out: memoryview | None = None) -> tuple[P.Reply, memoryview | None]:
+                       flags: int = 0, digest: bytes = bytes(16), out: memoryview | None = None,
+                       length: int = 0) -> tuple[P.Reply, memoryview | None]:
         """One request to one peer; a transport failure on a cached connection is retried once."""
         for attempt in (0, 1):
             try:
@@ -174,7 +174,7 @@ class PeerBackend(Backend):
                 try:
                     return await asyncio.wait_for(
                         conn.exchange(op, key, parts, flags=flags, digest=digest, chunk_shift=self.chunk_shift,
-                                      out=out), self.timeout_s)
+                                      out=out, length=length), self.timeout_s)
                 except (*self._transport_errors, ProtocolError) as e:
                     if conn.lane and isinstance(e, asyncio.TimeoutError) and not conn.closed:
                         # the agent is alive (its endpoint has error handling) yet its lane went silent
@@ -245,13 +245,28 @@ class PeerBackend(Backend):
         validate_object_name(name)
         return self._call(self._first(name, P.Op.EXISTS, self._ranked(name))) is not None
 
-    async def _first(self, name: str, op: int, peers: list[PeerAddress], out: memoryview | None = None) -> Any:
-        flags = P.FLAG_CHECKSUM if (self.verify and op == P.Op.GET) else 0
+    def tail(self, name: str, nbytes: int) -> bytes | None:
+        """The object's last ``nbytes`` bytes, or ``None``: one ``TAIL`` exchange that moves those bytes alone
+        (a trailer check on this tier moved the whole object); from an agent that predates ``TAIL``, the
+        whole object by ``GET``, sliced."""
+        validate_object_name(name)
+        if not 0 <= nbytes <= P.MAX_TAIL:
+            return super().tail(name, nbytes)
+        data = self._call(self._first(name, P.Op.TAIL, self._ranked(name), length=nbytes))
+        return None if data is None else bytes(data)
+
+    async def _first(self, name: str, op: int, peers: list[PeerAddress], out: memoryview | None = None,
+                     length: int = 0) -> Any:
+        flags = P.FLAG_CHECKSUM if (self.verify and op in (P.Op.GET, P.Op.TAIL)) else 0
         failures: list[_Unreachable] = []
         corrupt: CorruptObjectError | None = None
         for peer in peers:
             try:
-                reply, data = await self._request(peer, op, name, flags=flags, out=out)
+                reply, data = await self._request(peer, op, name, flags=flags, out=out, length=length)
+                if op == P.Op.TAIL and reply.status == P.Status.UNKNOWN_OP:  # an agent from before TAIL
+                    reply, data = await self._request(peer, P.Op.GET, name, flags=flags)
+                    if data is not None:
+                        data = data[max(0, data.nbytes - length):]
             except _Unreachable as e:
                 failures.append(e)
                 continue
@@ -259,7 +274,7 @@ class PeerBackend(Backend):
                 corrupt = e
                 continue
             if reply.status == P.Status.OK:
-                return data if op == P.Op.GET else True
+                return data if op in (P.Op.GET, P.Op.TAIL) else True
             if reply.status != P.Status.NOT_FOUND:
                 raise P.error_for_status(reply, key=name, tier="peer", node=peer.node_id)
         if corrupt is not None:

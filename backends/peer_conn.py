@@ -117,8 +117,10 @@ class PeerConn:
 
     async def exchange(self, op: int, key: str, parts: Sequence[memoryview] = (), *, flags: int = 0,
                        digest: bytes = bytes(16), chunk_shift: int = P.DEFAULT_CHUNK_SHIFT,
-                       out: memoryview | None = None) -> tuple[P.Reply, memoryview | None]:
-        """Run one request; return the final reply and the payload of an ``OK`` GET/LIST.
+                       out: memoryview | None = None, length: int = 0) -> tuple[P.Reply, memoryview | None]:
+        """Run one request; return the final reply and the payload of an ``OK`` GET/LIST/TAIL.
+
+        ``length`` is the number of bytes a TAIL asks for (its request's ``payload_len``; nothing is sent).
 
         Raises:
             CorruptObjectError: a payload does not match the checksum in its reply.
@@ -128,7 +130,7 @@ class PeerConn:
         if self.lane and op in (P.Op.GET, P.Op.LIST):
             chunk_shift = max(chunk_shift, LANE_CHUNK_SHIFT)
         chunk = 1 << chunk_shift
-        nbytes = sum(p.nbytes for p in parts)
+        nbytes = length if op == P.Op.TAIL else sum(p.nbytes for p in parts)
         rid, frame = self.session.request(op, key, flags=flags, payload_len=nbytes, digest=digest,
                                           chunk_shift=chunk_shift)
         await self._send(frame, 0)
@@ -137,7 +139,7 @@ class PeerConn:
             views = chunk_views(parts, chunk)
             await asyncio.gather(*(self._send(v, i + 1) for i, v in enumerate(views)))
             reply = await self._reply(rid)
-        if op not in (P.Op.GET, P.Op.LIST) or reply.status != P.Status.OK:
+        if op not in (P.Op.GET, P.Op.LIST, P.Op.TAIL) or reply.status != P.Status.OK:
             return reply, None
         n = reply.payload_len
         if out is not None and n > out.nbytes:

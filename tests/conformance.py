@@ -161,6 +161,20 @@ class BackendConformance:
             with pytest.raises(InvalidValueError):
                 backend.get_range("r/x", off, length)
 
+    def test_tail_is_the_last_bytes(self, backend):
+        """``tail`` (a trailer check) reads the object's last bytes: all of it where it is shorter, ``None``
+        where there is none, and after an overwrite or a delete it sees the current object."""
+        data = _payload(300_001, seed=7)
+        backend.put("t/obj", data)
+        for n in (16, 1, 0, 4096, 300_001, 400_000):
+            assert _as_bytes(backend.tail("t/obj", n)) == (data[-n:] if n else b""), n
+        backend.put("t/obj", b"second")
+        assert _as_bytes(backend.tail("t/obj", 3)) == b"ond"
+        assert _as_bytes(backend.tail("t/obj", 100)) == b"second"
+        backend.delete("t/obj")
+        assert backend.tail("t/obj", 16) is None
+        assert backend.tail("no/such/object", 16) is None
+
     # -- misses --------------------------------------------------------------------
     def test_get_miss_is_none(self, backend):
         assert backend.get("no/such/object") is None

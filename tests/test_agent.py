@@ -132,6 +132,9 @@ def test_unpack_rejects_semantics():
     assert rejected(req(P.Op.PUT, "a", payload_len=11)) == P.Status.TOO_LARGE
     assert rejected(req(P.Op.LANE, "", payload_len=P.MAX_LANE_ADDRESS + 1)) == P.Status.TOO_LARGE
     assert rejected(req(P.Op.GET, "a", payload_len=1)) == P.Status.BAD_FRAME
+    assert rejected(req(P.Op.TAIL, "a", payload_len=P.MAX_TAIL + 1)) == P.Status.TOO_LARGE
+    assert rejected(req(P.Op.TAIL, "../etc/passwd", payload_len=16)) == P.Status.BAD_KEY
+    assert P.unpack_request(req(P.Op.TAIL, "a/b", payload_len=16), SECRET, NONCE, 10).payload_len == 16
     assert rejected(req(P.Op.GET, "a", chunk_shift=31)) == P.Status.BAD_FRAME
     assert rejected(req(P.Op.GET, "a", flags=0x80)) == P.Status.BAD_FRAME
     assert rejected(b"short") == P.Status.BAD_FRAME

@@ -189,3 +189,60 @@ def test_reconnects_after_agent_restart(fresh_cluster):
         assert (c.agents[0].root / "re" / "y").exists()
     finally:
         b.close()
+
+
+# -- trailer checks ------------------------------------------------------------------
+def _exchanges(monkeypatch) -> list[tuple[str, int, int]]:
+    """Every exchange of this process's peer connections: (op, status, payload bytes of the reply)."""
+    from backends import agent_protocol as P
+    from backends.peer_conn import PeerConn
+
+    seen: list[tuple[str, int, int]] = []
+    real = PeerConn.exchange
+
+    async def spy(self, op, key, *a, **kw):
+        reply, data = await real(self, op, key, *a, **kw)
+        seen.append((P.Op.NAMES.get(op, str(op)), reply.status, 0 if data is None else data.nbytes))
+        return reply, data
+
+    monkeypatch.setattr(PeerConn, "exchange", spy)
+    return seen
+
+
+def test_tail_moves_the_trailer_alone(cluster3, monkeypatch):
+    """A trailer check on the peer tier (what resolve asks of every copy it does not read) moves the bytes it
+    asks for, not the object: one TAIL exchange whose payload is 16 bytes, checksummed like a GET's."""
+    b = PeerBackend(cluster3.addresses, secret=cluster3.secret, replication=1, local_node_id="node0")
+    try:
+        data = os.urandom(2 << 20)
+        b.put("tail/x", data)
+        seen = _exchanges(monkeypatch)
+        assert b.tail("tail/x", 16) == data[-16:]
+        assert [e for e in seen if e[0] != "LANE"] == [("TAIL", 0, 16)]
+        assert b.tail("tail/missing", 16) is None
+        asked = [e for e in seen[1:] if e[0] != "LANE"]  # a new connection's lane opens with its first request
+        assert asked and all(op == "TAIL" and status == 1 and n == 0 for op, status, n in asked), seen
+    finally:
+        b.close()
+        _wipe(cluster3)
+
+
+def test_tail_from_an_agent_without_it_reads_the_object(cluster3, monkeypatch):
+    """An agent from before TAIL answers UNKNOWN_OP (here: the client asks with an op number no agent knows);
+    the client then reads the whole object by GET and returns its last bytes: the same answers."""
+    from backends import agent_protocol as P
+
+    b = PeerBackend(cluster3.addresses, secret=cluster3.secret, replication=1, local_node_id="node0")
+    try:
+        data = os.urandom(100_000)
+        b.put("tail/old", data)
+        monkeypatch.setattr(P.Op, "TAIL", 99)
+        seen = _exchanges(monkeypatch)
+        assert b.tail("tail/old", 16) == data[-16:]
+        assert [(op, status) for op, status, _ in seen if op != "LANE"] == [("99", P.Status.UNKNOWN_OP),
+                                                                            ("GET", P.Status.OK)]
+        assert b.tail("tail/old", 0) == b""
+        assert b.tail("tail/gone", 16) is None
+    finally:
+        b.close()
+        _wipe(cluster3)

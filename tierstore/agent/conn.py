@@ -238,6 +238,8 @@ class Connection:
                 await self._put(req)
             elif req.op == P.Op.GET:
                 await self._get(req)
+            elif req.op == P.Op.TAIL:
+                await self._tail(req)
             elif req.op == P.Op.LANE:
                 await self._open_lane(req)
             elif req.op == P.Op.LIST:
@@ -302,6 +304,17 @@ class Connection:
         digest = bytes(16)
         if req.flags & P.FLAG_CHECKSUM:
             digest = digests.digest(req.key, view, before)
+        await self._send_payload(P.Reply(P.Status.OK, "", view.nbytes, digest, req.request_id,
+                                         req.flags & P.FLAG_CHECKSUM), view, req.chunk)
+
+    async def _tail(self, req: P.Request) -> None:
+        """The object's last ``req.payload_len`` bytes (a trailer check): a GET's reply for them alone."""
+        data = self.agent.backend.tail(req.key, req.payload_len)
+        if data is None:
+            await self.out.reply(P.Reply(P.Status.NOT_FOUND, "", request_id=req.request_id))
+            return
+        view = memoryview(data).cast("B")
+        digest = P.checksum([view]) if req.flags & P.FLAG_CHECKSUM else bytes(16)
         await self._send_payload(P.Reply(P.Status.OK, "", view.nbytes, digest, req.request_id,
                                          req.flags & P.FLAG_CHECKSUM), view, req.chunk)
 

@@ -20,6 +20,9 @@ Run: ``python bench/bench_peer.py [--mib 256] [--reps 5] [--snap-mib 512]``
   reservation)`` into a reservation of the reader's own host tier (a pooled,
   mapped segment of the size, reused every rep), committed after: the read
   that also promotes the object to the local host tier on restore.
+* trailer check: :meth:`backends.peer.PeerBackend.tail` of the last 16 bytes
+  (one ``TAIL`` exchange), against the whole-object ``GET`` it did before
+  (``Backend.tail``), in the same rounds.
 * device snapshot: :meth:`backends.device.DeviceBackend.snapshot` against a
   bare ``copy_`` into pre-allocated tensors of the same sizes (the bound).
 
@@ -142,6 +145,7 @@ def _gbps(nbytes: int, xs: list[float]) -> float:
 
 
 def bench_peer(mib: int, reps: int) -> None:
+    from backends.base import Backend
     from backends.peer import PeerBackend
     from tests._agents import AgentCluster
 
@@ -156,6 +160,7 @@ def bench_peer(mib: int, reps: int) -> None:
 
     has_shm = "shm" in inspect.signature(PeerBackend.__init__).parameters
     has_out = "out" in inspect.signature(PeerBackend.get).parameters
+    has_tail = "tail" in PeerBackend.__dict__  # an older checkout's peer tier read the whole object
     modes = ["tcp", "shm"] if has_shm else ["tcp"]
     raws = {m: _Raw(nbytes, m, run) for m in modes}
     cluster = AgentCluster(1)
@@ -194,6 +199,10 @@ def bench_peer(mib: int, reps: int) -> None:
                     if has_out:
                         timed(f"getout_{m}_{'v' if v else 'nv'}",
                               lambda m=m, v=v, name=name: peers[m, v].get(name, out=out), keep)
+                if has_tail:  # a trailer check (resolve's, of a copy held by a peer): TAIL, and the GET it was
+                    name = f"bench/{m}True/{i}"
+                    timed(f"tail_{m}", lambda m=m, name=name: peers[m, True].tail(name, 16), keep)
+                    timed(f"tailget_{m}", lambda m=m, name=name: Backend.tail(peers[m, True], name, 16), keep)
                 if has_out:
                     def into_host(m=m, name=f"bench/{m}True/{i}"):
                         res = host.reserve(f"local/{m}/{i}", nbytes)
@@ -224,6 +233,13 @@ def bench_peer(mib: int, reps: int) -> None:
                     ratio = statistics.median(bound) / statistics.median(t[key])
                     label2 = f"PeerBackend.{label} {m} ({'xxh3' if v == 'v' else 'no verify'})"
                     print(f"{label2:44s} {_stats(t[key])}  {_gbps(nbytes, t[key]):5.2f} GB/s  x raw {ratio:4.2f}")
+        if has_tail:
+            print(f"\n== trailer check of a {mib} MiB copy on a peer (16 bytes), the same rounds ==")
+            for m in modes:
+                before, now = t[f"tailget_{m}"], t[f"tail_{m}"]
+                print(f"{'whole object by GET (before TAIL) ' + m:44s} {_stats(before)}")
+                print(f"{'PeerBackend.tail (TAIL) ' + m:44s} {_stats(now)}  "
+                      f"{statistics.median(before) / statistics.median(now):7.0f}x faster")
         for p in peers.values():
             p.close()
         host.close()

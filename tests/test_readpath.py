@@ -119,3 +119,43 @@ def test_copies_on_a_remote_tier_are_checked_at_once_with_the_same_verdicts(stor
     assert res.step == 1 and 2 in res.skipped and 2 in res.lost, res.skipped  # the bad trailer: positive evidence
     assert most[0] > 1, "the copies were checked one at a time"
     check(store, res)
+
+
+def test_a_lost_step_on_a_remote_tier_is_passed_over_without_checking_every_copy(store, monkeypatch):
+    """A step whose copies are gone from every tier is passed over at its first problem: the concurrent checks
+    not begun are dropped (each copy of a lost step costs a miss in every tier), and the verdict, the reason
+    given, is the one asking one by one gives."""
+    import threading
+    import time
+
+    from tierstore import readpath
+
+    layers = ("a", "b", "c", "d")
+    save_step(store, 1, 8, layers=layers)
+    save_step(store, 2, 8, layers=layers)  # 32 objects
+    store.flush()
+    for name in list(store.host.list("gpt/")):
+        if "/2/" in name:
+            store.host.delete(name)
+    for name in list(store.durable.list("gpt/")):
+        if "/2/" in name:
+            store.durable.delete(name)  # step 2 is lost: no copy anywhere
+    monkeypatch.setattr(store.durable, "local_reads", False)  # as S3 is: not this node's disks
+    lock, asked = threading.Lock(), []
+    tail = store.durable.tail
+
+    def slow_tail(name, nbytes):
+        with lock:
+            asked.append(name)
+        time.sleep(0.05)  # a round trip
+        return tail(name, nbytes)
+
+    monkeypatch.setattr(store.durable, "tail", slow_tail)
+    res = store.resolve(M, verify="trailer")
+    assert res.step == 1 and 2 in res.lost, res.skipped
+    of_step2 = [n for n in asked if "/2/" in n]
+    assert 0 < len(of_step2) <= 2 * readpath.PREFETCH_THREADS < 32, of_step2
+    check(store, res)
+
+    monkeypatch.setattr(readpath._Verifier, "prefetch", lambda self, entries: None)  # one by one, in order
+    assert store.resolve(M, verify="trailer").skipped == res.skipped

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,14 +131,22 @@ class _Verifier:
         """Check the copies of ``entries`` at once, on up to :data:`PREFETCH_THREADS` threads, into the verdict
         cache: what :meth:`why_not` then returns for each, in order, is what asking one by one gives, without
         waiting a round trip per copy on a remote tier (the peer tier, the durable tier). Nothing is done
-        where every tier is this node's memory or disks (a check there costs less than a thread hop)."""
+        where every tier is this node's memory or disks (a check there costs less than a thread hop).
+
+        The first copy with a problem ends it: the checks not begun are dropped, those begun finish. Every
+        copy before it in ``entries`` was begun (the threads take them in order), so the first problem in
+        order, the step's verdict, is the one asking one by one finds; a step passed over is not checked
+        to its last copy on every tier (a lost step's copies each cost a miss in every tier)."""
         todo = [o for o in entries if (o["key"], o.get("name") or o["key"], o["checksum"]) not in self.verdicts]
         if len(todo) < 2 or all(t.zero_copy_get or t.local_reads for t in self.tiers):
             return
-        with ThreadPoolExecutor(max_workers=min(PREFETCH_THREADS, len(todo)),
-                                thread_name_prefix="tierstore-resolve") as ex:
-            for f in [ex.submit(self.why_not, o) for o in todo]:
-                f.result()
+        ex = ThreadPoolExecutor(max_workers=min(PREFETCH_THREADS, len(todo)), thread_name_prefix="tierstore-resolve")
+        try:
+            for f in as_completed([ex.submit(self.why_not, o) for o in todo]):
+                if f.result() is not None:
+                    break
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
 
     def why_not(self, entry: dict) -> str | None:
         """``None`` if the copy the entry names verifies in some live tier, else why not."""

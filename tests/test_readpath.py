@@ -159,3 +159,36 @@ def test_a_lost_step_on_a_remote_tier_is_passed_over_without_checking_every_copy
 
     monkeypatch.setattr(readpath._Verifier, "prefetch", lambda self, entries: None)  # one by one, in order
     assert store.resolve(M, verify="trailer").skipped == res.skipped
+
+
+def test_a_share_checks_its_saved_ranks_copies_alone(store, monkeypatch):
+    """``part=(i, n)``: the caller checks the copies of saved ranks ``s % n == i`` (one share of a collective
+    restore's checks): a lost copy of rank 1 is no problem of rank 0's share and is rank 1's; the layers are
+    judged whole either way. Without ``part`` every copy is checked."""
+    save_step(store, 1, 2)
+    save_step(store, 2, 2)
+    store.flush()
+    lost = ShardKey(M, "b", 2, 1)
+    store.host.delete(live_name(store, lost))
+    store.durable.delete(live_name(store, lost))
+    checked: list[str] = []
+    tail, get = store.host.tail, store.host.get
+    monkeypatch.setattr(store.host, "tail", lambda name, n: (checked.append(name), tail(name, n))[1])
+    monkeypatch.setattr(store.host, "get", lambda name: (checked.append(name), get(name))[1])
+    res0 = store.resolve(M, part=(0, 2))
+    assert res0.step == 2 and set(res0.objects) == {(ly, r) for ly in "ab" for r in (0, 1)}  # every rank's objects
+    assert checked and all(ShardKey.parse(n.split(".")[0]).rank == 0 for n in checked), checked
+    assert store.resolve(M, part=(1, 2)).step == 1
+    assert store.resolve(M, part=(0, 1)).step == 1 and store.resolve(M).step == 1
+    with pytest.raises(ValueError, match="part"):
+        store.resolve(M, part=(2, 2))
+
+
+def test_at_most_leaves_out_the_newer_steps(store):
+    save_step(store, 1, 2)
+    save_step(store, 2, 2)
+    assert store.resolve(M, at_most=1).step == 1
+    assert store.resolve(M, at_most=5).step == 2
+    with pytest.raises(NoValidCopyError) as ei:
+        store.resolve(M, at_most=0)
+    assert "reason" in ei.value.fields  # not "nothing committed": a fresh job is another answer

@@ -37,6 +37,17 @@
 Manifests written before they recorded their complete set resolve layers
 they did not save by searching older committed manifests (as before).
 
+**A share of the checks** (``part=(i, n)``, the Checkpointer's collective
+restore): the caller checks only the copies of the saved ranks ``s`` with
+``s % n == i`` (and every object they reach by a delta base or a ref); the
+layers, staleness and chains are judged as ever. Each of ``n`` ranks takes its
+share, so together they check every copy, once, instead of each rank checking
+every rank's copies (a resolve cost ranks x objects checks on every rank). A
+step chosen so is restorable only once every share verified it: the ranks
+agree on it (:meth:`tierstore.train.restore_side.RestoreSide._agreed_resolution`:
+the oldest step each share resolved, then each share again at or below it,
+``at_most``, until all agree).
+
 All ranks resolve against the same committed manifests, and restore bumps
 the epoch first, so no zombie can commit a newer step while they do: they
 agree, as long as they see the same copies (a copy that fails on one rank
@@ -272,7 +283,8 @@ def _legacy_inherited(m: dict, committed: list[int], manifest: Callable[[int], d
 
 def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_staleness: int = 0, *,
             max_chain: int = 64, step: int | None = None, verify: str = "auto",
-            retry: RetryPolicy | None = None) -> Resolution:
+            retry: RetryPolicy | None = None, at_most: int | None = None,
+            part: tuple[int, int] | None = None) -> Resolution:
     """Resolve ``model``'s resume step and the version of each layer; see the module docstring.
 
     Args:
@@ -283,6 +295,9 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
         verify: ``"auto"``, ``"full"`` or ``"trailer"`` (see the module docstring).
         retry: how a tier that did not answer is asked again before a copy is called unknown
             (default :class:`~backends.retry.RetryPolicy`).
+        at_most: the newest step to try (the older committed steps after it, as ever).
+        part: ``(i, n)``: check only the copies of saved ranks ``s % n == i`` (the module docstring: a share
+            of a collective restore's checks, whose ranks then agree); ``None``: every copy.
 
     Raises:
         NoValidCopyError: no candidate verifies (``reason`` says why the newest did not;
@@ -308,7 +323,12 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
         if not committed:
             protocol.check_index(model)  # a lost index is not a fresh job
             raise NoValidCopyError(f"model {model!r} has no committed step", model=model)
-        candidates = list(reversed(committed))
+        candidates = [s for s in reversed(committed) if at_most is None or s <= at_most]
+        if not candidates:
+            why = f"no committed step of {model!r} at or below step {at_most}"
+            raise NoValidCopyError(why, model=model, reason=why)
+    if part is not None and not (isinstance(part, tuple) and len(part) == 2 and 0 <= part[0] < part[1]):
+        raise ValueError(f"part must be (index, count) with 0 <= index < count, got {part!r}")
     manifests: dict[int, dict | None] = {}
 
     def manifest(s: int) -> dict | None:
@@ -321,7 +341,7 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
     lost: set[int] = set()
     for r_step in candidates:
         try:
-            found = _try_step(r_step, manifest, committed, verifier, max_staleness, max_chain)
+            found = _try_step(r_step, manifest, committed, verifier, max_staleness, max_chain, part)
         except ManifestError as e:  # a manifest that does not parse: positive evidence
             found = f"{type(e).__name__}: {e}"
         except TierStoreError as e:  # an unreachable index mid-way: nothing is known
@@ -345,8 +365,12 @@ def resolve(protocol: StepProtocol, tiers: Sequence[Backend], model: str, max_st
 
 
 def _try_step(r_step: int, manifest: Callable[[int], dict | None], committed: list[int], verifier: _Verifier,
-              max_staleness: int, max_chain: int) -> Resolution | str:
-    """The resolution of ``r_step`` if everything it reads verifies, else why not."""
+              max_staleness: int, max_chain: int, part: tuple[int, int] | None = None) -> Resolution | str:
+    """The resolution of ``r_step`` if everything it reads (of ``part``'s share) verifies, else why not."""
+
+    def checked(o: dict) -> bool:
+        return part is None or ShardKey.parse(o["key"]).rank % part[1] == part[0]
+
     m = manifest(r_step)
     if m is None:
         return "its manifest is gone from the index"
@@ -368,12 +392,13 @@ def _try_step(r_step: int, manifest: Callable[[int], dict | None], committed: li
         chosen[layer] = version
         for rank, o in pairs:
             objects[(layer, rank)] = ObjectRecord.from_json(o)
-    entries = {o["key"]: o for o in complete_entries(m)}
+    entries = {o["key"]: o for o in complete_entries(m) if checked(o)}
     for s in m.get("requires", []):
         if s not in committed or manifest(s) is None:
             return f"it replays onto step {s}, which is no longer committed"
         for o in complete_entries(manifest(s)):  # type: ignore[arg-type]
-            entries.setdefault(o["key"], o)
+            if checked(o):
+                entries.setdefault(o["key"], o)
     problem = _chain_problem(entries, verifier, max_chain)
     if problem is not None:
         return problem

@@ -292,17 +292,21 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
         return self.steps.wait(model, step, timeout=timeout)
 
     def resolve(self, model: str, max_staleness: int = 0, *, step: int | None = None,
-                verify: str | None = None) -> Resolution:
+                verify: str | None = None, at_most: int | None = None,
+                part: tuple[int, int] | None = None) -> Resolution:
         """The freshest consistent layer set of ``model`` that verifies; see :mod:`tierstore.readpath`.
 
         Args:
             step: resolve this committed step (no fallback to another).
             verify: how copies are checked (default ``config.restore_verify``); ``"trailer"`` for a
                 reader that hashes the copies it reads itself (:mod:`tierstore.store.deferred`).
+            at_most: try no step newer than this.
+            part: ``(i, n)``: check only the copies of saved ranks ``s % n == i``, one share of a
+                collective restore whose ranks agree after (:mod:`tierstore.readpath`); ``None``: all.
         """
         c = self.config
         return resolve(self.steps, self.tiers, model, max_staleness=max_staleness, max_chain=c.max_delta_chain,
-                       step=step, verify=verify or c.restore_verify, retry=c.retry)
+                       step=step, verify=verify or c.restore_verify, retry=c.retry, at_most=at_most, part=part)
 
     def get_many_deferred(self, keys: builtins.list[ShardKey | str], *, outs: Any = None,
                           copy: bool = True, eager: bool = False) -> tuple[builtins.list[Any], Verification]:

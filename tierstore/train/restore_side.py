@@ -284,35 +284,47 @@ class RestoreSide:
         return Restored(res.step, plan.get("user")), pending
 
     def _agreed_resolution(self, step: int | None, verify: str | None = None) -> Any:
-        """The step every rank restores: each resolves the newest it can verify, and they take the
-        oldest of those (collective in a group), so a rank that cannot read the newest step (a node lost
+        """The step every rank restores (collective in a group). Each rank checks its share of the copies,
+        those of the saved ranks ``s % world == rank`` (:mod:`tierstore.readpath`: together the ranks check
+        every copy once), and resolves the newest step whose share verifies; they take the oldest of those;
+        a rank that resolved a newer one resolves again at or below it, and so on until every rank resolved
+        the same step: every share of it verified. So a rank that cannot read the newest step (a node lost
         with its copies) never resumes from another step than the others. ``None``: nothing committed."""
-        err: NoValidCopyError | None = None
+        kw: dict[str, Any] = {"verify": verify} if verify else {}
+        if self.ranks.group is not None and self.world_size > 1:  # shares only where the ranks agree after
+            kw["part"] = (self.rank, self.world_size)
+        at_most: int | None = None
+        first = True
         res = None
-        try:
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step,
-                                     **({"verify": verify} if verify else {}))
-            mine = res.step
-        except NoValidCopyError as e:
-            fresh = step is None and "reason" not in e.fields
-            mine, err = (-1, None) if fresh else (-2, e)
-        agreed = agreed_step(self, mine, err, step)  # collective, with ``step`` too: every rank agrees
-        if err is not None:
-            raise err
-        if agreed == -2:
-            raise NoValidCopyError(f"{self.model}: another rank found no committed step it can restore",
-                                   model=self.model, reason="another rank could not resolve")
-        if agreed == -1:
-            if mine != -1:  # a step committed between this rank's resolve and another's
-                raise NoValidCopyError(f"{self.model}: the ranks saw different committed steps; restore again",
-                                       model=self.model, reason="ranks disagree")
-            return None
-        if agreed != mine:
-            log.warning("restore of %s: rank %d resolved step %d, another rank only step %d: all restore %d",
-                        self.model, self.rank, mine, agreed, agreed)
-            res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=agreed,
-                                     **({"verify": verify} if verify else {}))
-        return res
+        while True:  # each turn one collective; the agreed step only falls, so it ends
+            err: NoValidCopyError | None = None
+            if res is None or res.step != at_most:
+                try:
+                    res = self.store.resolve(self.model, max_staleness=self.policy.max_staleness, step=step,
+                                             **kw, **({} if at_most is None else {"at_most": at_most}))
+                    mine = res.step
+                except NoValidCopyError as e:
+                    res = None
+                    fresh = step is None and at_most is None and "reason" not in e.fields
+                    mine, err = (-1, None) if fresh else (-2, e)
+            agreed, alike = agreed_step(self, mine, err, step)  # collective, with ``step`` too: every rank agrees
+            if err is not None:
+                raise err
+            if agreed == -2:
+                raise NoValidCopyError(f"{self.model}: another rank found no committed step it can restore",
+                                       model=self.model, reason="another rank could not resolve")
+            if agreed == -1:
+                if mine != -1:  # a step committed between this rank's resolve and another's
+                    raise NoValidCopyError(f"{self.model}: the ranks saw different committed steps; restore again",
+                                           model=self.model, reason="ranks disagree")
+                return None
+            if alike:
+                return res
+            if first and agreed != mine:
+                log.warning("restore of %s: rank %d resolved step %d, another rank only step %d: all restore "
+                            "step %d or older", self.model, self.rank, mine, agreed, agreed)
+            first = False
+            at_most = agreed
 
     def _begin(self, step: int, layout: dict[str, Any]) -> bool:
         """Begin ``step``; ``False``: the save is skipped (nothing is written), with a warning saying until when.

@@ -231,9 +231,10 @@ def agree(ck: Any, err: BaseException | None, step: int | None, *, lost_retry: b
     raise _peer_error(ck, step, failed)
 
 
-def agreed_step(ck: Any, mine: int, err: BaseException | None, step: int | None) -> int:
+def agreed_step(ck: Any, mine: int, err: BaseException | None, step: int | None) -> tuple[int, bool]:
     """The step every rank restores: the oldest each resolved (``mine``; ``-1``: nothing committed, ``-2``: it
-    could not resolve, raising ``err``). Collective, with ``step`` given too (each rank resolved that step).
+    could not resolve, raising ``err``), and whether every rank resolved that one. Collective, with ``step``
+    given too (each rank resolved that step).
 
     Raises:
         PeerRestoreError: (on the ranks that resolved) another rank could not resolve; the kind of its error.
@@ -242,7 +243,8 @@ def agreed_step(ck: Any, mine: int, err: BaseException | None, step: int | None)
     failed = [(r, _LOST, w) for r, v, w in verdicts if v == -2]  # a resolve fails with NoValidCopyError
     if failed and err is None:
         raise _peer_error(ck, step, failed)
-    return min(v for _r, v, _w in verdicts)
+    oldest = min(v for _r, v, _w in verdicts)
+    return oldest, all(v == oldest for _r, v, _w in verdicts)
 
 
 def prepare_agreed(ck: Any, res: Any, shards: Callable[[], dict[str, Any]], doc: dict[str, Any],

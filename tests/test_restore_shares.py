@@ -1,0 +1,77 @@
+"""Two gloo ranks restore with each rank checking its share of the copies, and still agree on a step every
+share verified.
+
+The resolve of a collective restore checks on each rank only the copies of its own saved rank (together the
+ranks check every copy once; each checking every rank's copies cost ranks x objects checks per rank). The
+attack: steps 0-3 saved, then rank 0's copy of step 3 and rank 1's copy of step 2 deleted from every tier. Rank
+0's share verifies up to step 2, rank 1's up to step 3 but not 2: the oldest of the newest each resolved (2)
+is not one every share verified. The ranks must go on down, together, to step 1, and restore it bitwise; each
+rank's resolve must have checked its own copies alone; the next save commits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import tierstore
+from tests._ranks import run_ranks
+from tests._tiers import live_name
+from tests.test_restore_verify import _model, _same, _snapshot, _step
+from tierstore.keys import ShardKey
+from tierstore.train.checkpointer import Checkpointer
+
+
+def worker(rank: int, port: int, home: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = tierstore.open(home=home, durable="none")
+    m, opt = _model(rank)
+    ck = Checkpointer(store, "shares", m, opt, keep_last=None)
+    saved = {}
+    for s in range(4):
+        _step(m, opt, s)
+        ck.save(s)
+        assert ck.wait() == "committed"
+        saved[s] = _snapshot(m, opt)
+    ck.close()
+    dist.barrier()
+    gone = {0: 3, 1: 2}[rank]  # each rank loses its own copy of one step: rank 0 of step 3, rank 1 of step 2
+    key = next(k for k in store.list("shares", step=gone) if k.layer != "_state" and k.rank == rank)
+    assert store.host.delete(live_name(store, key))
+    dist.barrier()
+
+    checked: list[str] = []
+    tail, get = store.host.tail, store.host.get
+    store.host.tail = lambda name, n: (checked.append(name), tail(name, n))[1]  # type: ignore[method-assign]
+    m2, o2 = _model(5)
+    ck2 = Checkpointer(store, "shares", m2, o2)
+    result: dict = {"restored": ck2.restore().step}
+    store.host.tail, store.host.get = tail, get  # type: ignore[method-assign]
+    result["state"] = _same(_snapshot(m2, o2), saved[result["restored"]])
+    ranks = {ShardKey.parse(n.split(".")[0]).rank for n in checked}
+    result["checked"] = sorted(ranks)
+    _step(m2, o2, 2)
+    ck2.save(2)
+    result["next"] = ck2.wait()
+    ck2.close()
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    store.close()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_check_their_own_shares_and_go_down_together_to_a_step_every_share_verified(tmp_path):
+    job = run_ranks("tests.test_restore_shares",
+                    lambda r, port: [str(r), str(port), str(tmp_path / "home"), str(tmp_path / "out")], torchrun=False)
+    assert job.codes == [0, 0], job.tail()
+    res = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    for r, got in enumerate(res):
+        assert got == {"restored": 1, "state": True, "checked": [r], "next": "committed"}, (r, got)
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    worker(int(a[0]), int(a[1]), a[2], a[3])

@@ -1,4 +1,4 @@
-"""Two gloo ranks restore with each rank checking its share of the copies, and still agree on a step every
+"""Gloo ranks restore with each rank checking its share of the copies, and still agree on a step every
 share verified.
 
 The resolve of a collective restore checks on each rank only the copies of its own saved rank (together the
@@ -63,6 +63,60 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def elastic_worker(mode: str, rank: int, port: int, home: str, out: str) -> None:
+    """``save``: 2 ranks save steps 0-3 (each its own model), then saved rank 1's copy of step 3 is deleted.
+    ``load``: 3 ranks restore: restoring rank r checks the saved ranks s % 3 == r (rank 2 none)."""
+    import torch
+    import torch.distributed as dist
+
+    world = 2 if mode == "save" else 3
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = tierstore.open(home=home, durable="none")
+    if mode == "save":
+        m, opt = _model(rank)
+        ck = Checkpointer(store, "elastic", m, opt, keep_last=None)
+        saved = {}
+        for s in range(4):
+            _step(m, opt, s)
+            ck.save(s)
+            assert ck.wait() == "committed"
+            saved[s] = _snapshot(m, opt)
+        ck.close()
+        torch.save(saved[2], f"{out}.saved2.{rank}.pt")
+        dist.barrier()
+        if rank == 1:
+            key = next(k for k in store.list("elastic", step=3) if k.layer != "_state" and k.rank == 1)
+            assert store.host.delete(live_name(store, key))
+    else:
+        checked: list[str] = []
+        tail = store.host.tail
+        store.host.tail = lambda name, n: (checked.append(name), tail(name, n))[1]  # type: ignore[method-assign]
+        m2, o2 = _model(5)
+        ck2 = Checkpointer(store, "elastic", m2, o2)
+        result: dict = {"restored": ck2.restore().step}
+        store.host.tail = tail  # type: ignore[method-assign]
+        result["state"] = _same(_snapshot(m2, o2), torch.load(f"{out}.saved2.{rank % 2}.pt", weights_only=True))
+        result["checked"] = sorted({ShardKey.parse(n.split(".")[0]).rank for n in checked})
+        ck2.close()
+        with open(f"{out}.{rank}.json", "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    store.close()
+    dist.destroy_process_group()
+
+
+def test_three_ranks_restoring_two_ranks_checkpoint_share_the_checks_and_fall_back_together(tmp_path):
+    """Another world size: restoring rank r checks the saved ranks s % 3 == r, so saved rank 1's copies are
+    rank 1's share alone, and its lost copy of step 3 takes every rank to step 2."""
+    home, out = str(tmp_path / "home"), str(tmp_path / "out")
+    for mode, world in (("save", 2), ("load", 3)):
+        job = run_ranks("tests.test_restore_shares", lambda r, port, mode=mode: [mode, str(r), str(port), home, out],
+                        world=world, torchrun=False)
+        assert job.codes == [0] * world, job.tail()
+    res = [json.loads(open(f"{out}.{r}.json").read()) for r in range(3)]
+    assert res == [{"restored": 2, "state": True, "checked": c} for c in ([0], [1], [])], res
+
+
 def test_two_ranks_check_their_own_shares_and_go_down_together_to_a_step_every_share_verified(tmp_path):
     job = run_ranks("tests.test_restore_shares",
                     lambda r, port: [str(r), str(port), str(tmp_path / "home"), str(tmp_path / "out")], torchrun=False)
@@ -74,4 +128,7 @@ def test_two_ranks_check_their_own_shares_and_go_down_together_to_a_step_every_s
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    worker(int(a[0]), int(a[1]), a[2], a[3])
+    if a[0] in ("save", "load"):
+        elastic_worker(a[0], int(a[1]), int(a[2]), a[3], a[4])
+    else:
+        worker(int(a[0]), int(a[1]), a[2], a[3])

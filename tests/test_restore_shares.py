@@ -6,7 +6,9 @@ ranks check every copy once; each checking every rank's copies cost ranks x obje
 attack: steps 0-3 saved, then rank 0's copy of step 3 and rank 1's copy of step 2 deleted from every tier. Rank
 0's share verifies up to step 2, rank 1's up to step 3 but not 2: the oldest of the newest each resolved (2)
 is not one every share verified. The ranks must go on down, together, to step 1, and restore it bitwise; each
-rank's resolve must have checked its own copies alone; the next save commits.
+rank's resolve must have checked its own copies alone; the next save commits. On another world size (3 ranks
+restoring a 2-rank checkpoint) restoring rank r checks the saved ranks s % 3 == r, and a copy lost from one
+share still takes every rank to the older step.
 """
 
 from __future__ import annotations

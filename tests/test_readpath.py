@@ -18,6 +18,13 @@ def check(store, res):
         assert all(torch.equal(got.tensors[n], t) for n, t in want.items()), info.key
 
 
+def _lose(store, key: ShardKey) -> None:
+    """Delete the copy of ``key`` from the host and the durable tier: gone everywhere."""
+    name = live_name(store, key)
+    store.host.delete(name)
+    store.durable.delete(name)
+
+
 def test_newest_committed_step_exactly(store):
     save_step(store, 1, 2)
     save_step(store, 2, 2)
@@ -41,14 +48,11 @@ def test_falls_back_to_an_older_step_when_a_shard_is_gone_everywhere(store):
     save_step(store, 1, 2)
     save_step(store, 2, 2)
     store.flush()
-    lost = ShardKey(M, "b", 2, 1)
-    store.host.delete(live_name(store, lost))
-    store.durable.delete(live_name(store, lost))
+    _lose(store, ShardKey(M, "b", 2, 1))
     res = store.resolve(M)
     assert res.step == 1
     check(store, res)
-    store.host.delete(live_name(store, ShardKey(M, "a", 1, 0)))
-    store.durable.delete(live_name(store, ShardKey(M, "a", 1, 0)))
+    _lose(store, ShardKey(M, "a", 1, 0))
     with pytest.raises(NoValidCopyError) as ei:
         store.resolve(M)
     assert "gpt/b/2/1" in str(ei.value)
@@ -168,9 +172,7 @@ def test_a_share_checks_its_saved_ranks_copies_alone(store, monkeypatch):
     save_step(store, 1, 2)
     save_step(store, 2, 2)
     store.flush()
-    lost = ShardKey(M, "b", 2, 1)
-    store.host.delete(live_name(store, lost))
-    store.durable.delete(live_name(store, lost))
+    _lose(store, ShardKey(M, "b", 2, 1))
     checked: list[str] = []
     tail, get = store.host.tail, store.host.get
     monkeypatch.setattr(store.host, "tail", lambda name, n: (checked.append(name), tail(name, n))[1])

@@ -115,15 +115,7 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     store = tierstore.open(home=home, durable="none")
-    m, opt = _model(rank)
-    ck = Checkpointer(store, "two", m, opt, keep_last=None)
-    saved = {}
-    for s in range(2):
-        _step(m, opt, s)
-        ck.save(s)
-        assert ck.wait() == "committed"
-        saved[s] = _snapshot(m, opt)
-    ck.close()
+    saved = _train_and_save(store, "two", 2, seed=rank)
     dist.barrier()
     if rank == 0:
         _flip_key(store, next(k for k in store.list("two", step=1) if k.layer != "_state" and k.rank == 0))

@@ -19,9 +19,30 @@ import sys
 import tierstore
 from tests._ranks import run_ranks
 from tests._tiers import live_name
-from tests.test_restore_verify import _model, _same, _snapshot, _step
+from tests.test_restore_verify import _model, _same, _snapshot, _step, _train_and_save
 from tierstore.keys import ShardKey
 from tierstore.train.checkpointer import Checkpointer
+
+
+def _lose_own_copy(store, name: str, step: int, rank: int) -> None:
+    """Delete ``rank``'s copy of a layer of ``step`` (host only: the store has no other tier)."""
+    key = next(k for k in store.list(name, step=step) if k.layer != "_state" and k.rank == rank)
+    assert store.host.delete(live_name(store, key))
+
+
+def _restore_counting_checks(store, name: str):
+    """A writer's restore of ``name`` into a fresh model; returns the Checkpointer, the model and optimizer,
+    the step restored, and the saved ranks whose copies this rank's resolve checked (the trailer reads)."""
+    checked: list[str] = []
+    tail = store.host.tail
+    store.host.tail = lambda obj, n: (checked.append(obj), tail(obj, n))[1]
+    try:
+        m, opt = _model(5)
+        ck = Checkpointer(store, name, m, opt)
+        step = ck.restore().step
+    finally:
+        store.host.tail = tail
+    return ck, m, opt, step, sorted({ShardKey.parse(n.split(".")[0]).rank for n in checked})
 
 
 def worker(rank: int, port: int, home: str, out: str) -> None:
@@ -29,31 +50,12 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     store = tierstore.open(home=home, durable="none")
-    m, opt = _model(rank)
-    ck = Checkpointer(store, "shares", m, opt, keep_last=None)
-    saved = {}
-    for s in range(4):
-        _step(m, opt, s)
-        ck.save(s)
-        assert ck.wait() == "committed"
-        saved[s] = _snapshot(m, opt)
-    ck.close()
+    saved = _train_and_save(store, "shares", 4, seed=rank)
     dist.barrier()
-    gone = {0: 3, 1: 2}[rank]  # each rank loses its own copy of one step: rank 0 of step 3, rank 1 of step 2
-    key = next(k for k in store.list("shares", step=gone) if k.layer != "_state" and k.rank == rank)
-    assert store.host.delete(live_name(store, key))
+    _lose_own_copy(store, "shares", {0: 3, 1: 2}[rank], rank)  # rank 0 its copy of step 3, rank 1 of step 2
     dist.barrier()
-
-    checked: list[str] = []
-    tail, get = store.host.tail, store.host.get
-    store.host.tail = lambda name, n: (checked.append(name), tail(name, n))[1]  # type: ignore[method-assign]
-    m2, o2 = _model(5)
-    ck2 = Checkpointer(store, "shares", m2, o2)
-    result: dict = {"restored": ck2.restore().step}
-    store.host.tail, store.host.get = tail, get  # type: ignore[method-assign]
-    result["state"] = _same(_snapshot(m2, o2), saved[result["restored"]])
-    ranks = {ShardKey.parse(n.split(".")[0]).rank for n in checked}
-    result["checked"] = sorted(ranks)
+    ck2, m2, o2, step, checked = _restore_counting_checks(store, "shares")
+    result: dict = {"restored": step, "state": _same(_snapshot(m2, o2), saved[step]), "checked": checked}
     _step(m2, o2, 2)
     ck2.save(2)
     result["next"] = ck2.wait()
@@ -75,30 +77,15 @@ def elastic_worker(mode: str, rank: int, port: int, home: str, out: str) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     store = tierstore.open(home=home, durable="none")
     if mode == "save":
-        m, opt = _model(rank)
-        ck = Checkpointer(store, "elastic", m, opt, keep_last=None)
-        saved = {}
-        for s in range(4):
-            _step(m, opt, s)
-            ck.save(s)
-            assert ck.wait() == "committed"
-            saved[s] = _snapshot(m, opt)
-        ck.close()
+        saved = _train_and_save(store, "elastic", 4, seed=rank)
         torch.save(saved[2], f"{out}.saved2.{rank}.pt")
         dist.barrier()
         if rank == 1:
-            key = next(k for k in store.list("elastic", step=3) if k.layer != "_state" and k.rank == 1)
-            assert store.host.delete(live_name(store, key))
+            _lose_own_copy(store, "elastic", 3, 1)
     else:
-        checked: list[str] = []
-        tail = store.host.tail
-        store.host.tail = lambda name, n: (checked.append(name), tail(name, n))[1]  # type: ignore[method-assign]
-        m2, o2 = _model(5)
-        ck2 = Checkpointer(store, "elastic", m2, o2)
-        result: dict = {"restored": ck2.restore().step}
-        store.host.tail = tail  # type: ignore[method-assign]
-        result["state"] = _same(_snapshot(m2, o2), torch.load(f"{out}.saved2.{rank % 2}.pt", weights_only=True))
-        result["checked"] = sorted({ShardKey.parse(n.split(".")[0]).rank for n in checked})
+        ck2, m2, o2, step, checked = _restore_counting_checks(store, "elastic")
+        want = torch.load(f"{out}.saved2.{rank % 2}.pt", weights_only=True)
+        result = {"restored": step, "state": _same(_snapshot(m2, o2), want), "checked": checked}
         ck2.close()
         with open(f"{out}.{rank}.json", "w") as f:
             json.dump(result, f)

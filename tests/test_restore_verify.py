@@ -49,8 +49,8 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _train_and_save(store, name: str, steps: int, device: str = "cpu") -> dict[int, dict]:
-    m, opt = _model(0, device)
+def _train_and_save(store, name: str, steps: int, device: str = "cpu", seed: int = 0) -> dict[int, dict]:
+    m, opt = _model(seed, device)
     ck = Checkpointer(store, name, m, opt, keep_last=None)
     saved = {}
     for s in range(steps):

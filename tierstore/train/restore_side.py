@@ -294,7 +294,6 @@ class RestoreSide:
         if self.ranks.group is not None and self.world_size > 1:  # shares only where the ranks agree after
             kw["part"] = (self.rank, self.world_size)
         at_most: int | None = None
-        first = True
         res = None
         while True:  # each turn one collective; the agreed step only falls, so it ends
             err: NoValidCopyError | None = None
@@ -320,10 +319,9 @@ class RestoreSide:
                 return None
             if alike:
                 return res
-            if first and agreed != mine:
+            if at_most is None and agreed != mine:  # said once, at the first turn
                 log.warning("restore of %s: rank %d resolved step %d, another rank only step %d: all restore "
                             "step %d or older", self.model, self.rank, mine, agreed, agreed)
-            first = False
             at_most = agreed
 
     def _begin(self, step: int, layout: dict[str, Any]) -> bool:

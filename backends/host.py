@@ -67,6 +67,7 @@ _POOL = ".pool"
 _TMPDIR = ".tmp"  # reservations are written here, then renamed into place by commit
 _TMP = ".tmp-"
 _OPEN_RETRIES = 8
+_MAPS_PER_SEGMENT = 4  # kept mappings per pooled segment of the budget (HostBackend's pool_segments)
 
 
 def default_pin_bytes() -> int:
@@ -218,8 +219,10 @@ class HostBackend(Backend):
         root: the directory (created if missing), e.g. ``/dev/shm/tierstore/node0``.
         capacity_bytes: the tier's budget; ``None`` means unbounded.
         pool_bytes: at most this many bytes of freed segments are kept for reuse (node-wide).
-        pool_segments: at most this many freed segments wait in the pool (node-wide), and at most this
-            many mappings are kept by this process (default 1024). Neither holds a file descriptor.
+        pool_segments: at most this many freed segments wait in the pool (node-wide; default 4096), and
+            this process keeps mappings of at most four times as many segments (a checkpoint's two live
+            generations and the pooled one of a state of that many objects, each written and reread with no
+            page faults). Neither holds a file descriptor.
         recycle_grace_s: a deleted segment is reused only after this many seconds (readers are protected
             by their locks whatever this is; a grace only spreads reuse).
         populate: pre-fault new segments' pages when mapping them (faster writes).
@@ -264,7 +267,7 @@ class HostBackend(Backend):
         self._tmpdir = str(self.root / _TMPDIR)
         self._tmp_pid, self._tmp_token, self._tmp_count = 0, "", itertools.count()
         self._pool = SegmentPool(self.root / _POOL, max_bytes=pool_bytes, max_segments=pool_segments,
-                                 max_maps=pool_segments, grace_s=recycle_grace_s, populate=populate)
+                                 max_maps=_MAPS_PER_SEGMENT * pool_segments, grace_s=recycle_grace_s, populate=populate)
         self._lock = threading.Lock()
         self._reserved = 0
         self._closed = False

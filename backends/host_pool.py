@@ -20,15 +20,22 @@ within 1/8 of a power of two share a class): it is truncated or grown to the
 new object's exact size (objects are files of their exact length).
 
 Budget: the pool holds at most ``max_segments`` segments and ``max_bytes``
-bytes (node-wide; oldest entries are freed first; concurrent deleters may
-overshoot by one segment each), and each process keeps at most ``max_maps``
+bytes (node-wide; oldest entries are freed first). A delete checks it against
+a listing of the pool at most a second old while that listing leaves an
+eighth of the budget to spare, and against a fresh listing otherwise, so
+deleting a step of thousands of objects does not list the pool once per
+object; what other processes pool within that second can overshoot the
+budget by at most that eighth (concurrent deleters near the budget, by one
+segment each). A claim tries the segments this process pooled first (no
+listing); each process keeps at most ``max_maps``
 mappings (least recently used first to go; one still in use is unmapped when
 its last view goes). Neither holds a file descriptor: pooled segments are
 files in a directory, and kept mappings are :class:`backends.shm_mapping.Mapping`
 (the descriptor is closed once mapped). A kept mapping of a segment that
 another process freed would keep its memory alive unseen, so mappings whose
 file is no longer where this process left it are dropped every
-``_SWEEP_EVERY`` new mappings.
+``_SWEEP_EVERY`` new mappings, or every quarter as many new mappings as are
+kept where that is more (a sweep stats each kept mapping).
 
 Page-locked mappings (:mod:`backends.pinning`): a kept mapping stays
 registered while its segment waits in the pool and is reused by this
@@ -60,8 +67,10 @@ from backends.shm_mapping import Mapping
 
 __all__ = ["DEFAULT_SEGMENTS", "SegmentPool", "size_class"]
 
-DEFAULT_SEGMENTS = 1024
+DEFAULT_SEGMENTS = 4096
 _SWEEP_EVERY = 64
+_OWN_TRIES = 8  # a claim tries at most this many of this process's pooled segments of a size before listing
+_RECOUNT_S = 1.0  # a delete lists the pool again once its last listing is this old (budget: SegmentPool.give)
 
 _CLASS_BITS = 3  # 8 classes per power of two: a reused segment is within 12.5% of the object's size
 
@@ -139,8 +148,11 @@ class SegmentPool:
         # (dev, ino) -> (the kept mapping, a writer's key, its views over that mapping): one per kept mapping,
         # forgotten with it (the views hold the mapping: unmapped once both are gone)
         self._views: dict[tuple[int, int], tuple[Mapping, Any, Any]] = {}
-        # pool entries this process put there (their mapping is likely kept): size -> names
+        # pool entries this process put there, oldest first (claimed first: no listing, and their mapping is
+        # likely kept): size -> names
         self._own: dict[int, list[str]] = {}
+        # (monotonic time, count, bytes) of the pool at its last listing, plus this process's gives since
+        self._tally: tuple[float, int, int] | None = None
 
     # -- naming ------------------------------------------------------------------
     def _new_name(self, size: int, t_ns: int | None = None) -> str:
@@ -184,7 +196,8 @@ class SegmentPool:
             self._forget(key)
             self._maps[key] = (m, path)
             self._new_maps += 1
-            if self._new_maps % _SWEEP_EVERY == 0:
+            if self._new_maps >= max(_SWEEP_EVERY, len(self._maps) // 4):  # a sweep stats every kept mapping
+                self._new_maps = 0
                 self._drop_stale()
             while len(self._maps) > self.max_maps:
                 old, _ = self._maps.popitem(last=False)  # unmapped when its last view goes
@@ -306,10 +319,11 @@ class SegmentPool:
     def _candidates(self, exact: int | None, cls: int) -> Iterator[str]:
         """Names of pooled segments that fit: this process's first (their mappings are kept), then anyone's."""
         with self._lock:
+            # a few of the oldest: a claim that fails them all (taken by another process, still read) lists the pool
             if exact is not None:
-                own = list(self._own.get(exact, ()))
+                own = self._own.get(exact, [])[:_OWN_TRIES]
             else:
-                own = [n for s, names in self._own.items() if size_class(s) == cls for n in names]
+                own = [n for s, names in self._own.items() if size_class(s) == cls for n in names[:_OWN_TRIES]]
         yield from own
         for e in self.entries():
             if (e.size == exact) if exact is not None else (size_class(e.size) == cls):
@@ -338,21 +352,26 @@ class SegmentPool:
     def give(self, path: Path, size: int) -> bool:
         """Move the deleted object at ``path`` into the pool; ``False`` if it does not fit (caller unlinks).
 
-        Older entries are freed to make room within the budget.
+        Older entries are freed to make room within the budget. The pool is listed (its count and bytes)
+        only when the last listing is over ``_RECOUNT_S`` old or shows less than an eighth of the budget to
+        spare: deleting a step of thousands of objects lists it a few times, not once per object.
         """
         if size <= 0 or size > self.max_bytes or self.max_segments <= 0:
             return False
-        entries = self.entries()
-        total = sum(e.size for e in entries)
-        count = len(entries)
-        for e in entries:  # oldest first
-            if count < self.max_segments and total + size <= self.max_bytes:
-                break
-            if self._drop(e):
-                count -= 1
-                total -= e.size
-        if count >= self.max_segments or total + size > self.max_bytes:
-            return False
+        if not self._roomy(size):
+            entries = self.entries()
+            total = sum(e.size for e in entries)
+            count = len(entries)
+            for e in entries:  # oldest first
+                if count < self.max_segments and total + size <= self.max_bytes:
+                    break
+                if self._drop(e):
+                    count -= 1
+                    total -= e.size
+            with self._lock:
+                self._tally = (time.monotonic(), count, total)
+            if count >= self.max_segments or total + size > self.max_bytes:
+                return False
         name = self._new_name(size)
         try:
             st = os.stat(path)
@@ -360,10 +379,25 @@ class SegmentPool:
         except FileNotFoundError:
             return False
         with self._lock:
-            if (st.st_dev, st.st_ino) in self._maps:
-                self._own.setdefault(size, []).append(name)
+            self._own.setdefault(size, []).append(name)  # a claim takes it without listing the pool
+            if self._tally is not None:
+                t, count, total = self._tally
+                self._tally = (t, count + 1, total + size)
         self.moved(st.st_dev, st.st_ino, str(self.dir / name))
         return True
+
+    def _roomy(self, size: int) -> bool:
+        """Whether the last listing (at most ``_RECOUNT_S`` old, with this process's gives since added) leaves
+        an eighth of both budgets to spare after ``size`` more bytes: then the pool need not be listed."""
+        with self._lock:
+            tally = self._tally
+        if tally is None:
+            return False
+        t, count, total = tally
+        if time.monotonic() - t > _RECOUNT_S:
+            return False
+        return (count + 1 <= self.max_segments - self.max_segments // 8 - 1
+                and total + size <= self.max_bytes - self.max_bytes // 8)
 
     def _drop(self, e: _Entry) -> bool:
         path = self.dir / e.name

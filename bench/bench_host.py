@@ -89,10 +89,10 @@ def _rank(rank: int, a: argparse.Namespace, port: int, tmp: str, shm: str, out: 
         finally:
             spent["reserve"] += time.perf_counter() - t0
 
-    def write(self: Any, buf: memoryview) -> None:
+    def write(self: Any, buf: memoryview, **kwargs: Any) -> None:
         t0 = time.perf_counter()
         try:
-            plan_write(self, buf)
+            plan_write(self, buf, **kwargs)
         finally:
             spent["write"] += time.perf_counter() - t0
 

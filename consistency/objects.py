@@ -12,6 +12,7 @@ object across the project.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -147,6 +148,28 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 return redis.call('DEL', KEYS[2])
 """
 
+# _DELETE for many records of one model at once. KEYS: objs, obj_1..obj_n. ARGV: objname_1, name_1, ...,
+# objname_n, name_n. Returns a list: 1 where that record was deleted.
+_DELETE_MANY = """
+local out = {}
+for i = 2, #KEYS do
+  local objname, want = ARGV[2 * i - 3], ARGV[2 * i - 2]
+  local keep = false
+  if want ~= '' then
+    local name = redis.call('HGET', KEYS[i], 'name') or ''
+    keep = redis.call('EXISTS', KEYS[i]) == 1 and name ~= '' and name ~= want
+  end
+  if keep then
+    out[#out + 1] = 0
+  else
+    redis.call('ZREM', KEYS[1], objname)
+    out[#out + 1] = redis.call('DEL', KEYS[i])
+  end
+end
+return out
+"""
+_DELETE_BATCH = 256  # records per _DELETE_MANY script
+
 
 @dataclass(frozen=True)
 class ObjectRecord:
@@ -224,6 +247,10 @@ class ObjectIndex(IndexClient):
     @cached_property
     def _delete(self) -> Any:
         return self._r.register_script(_DELETE)
+
+    @cached_property
+    def _delete_many(self) -> Any:
+        return self._r.register_script(_DELETE_MANY)
 
     @cached_property
     def _pin(self) -> Any:
@@ -395,6 +422,27 @@ class ObjectIndex(IndexClient):
         with translate_redis_errors(f"delete record of {key}", self.url):
             return bool(self._delete(keys=[self._k(key.model, "objs"), self._k(key.model, "obj", self._objname(key))],
                                      args=[self._objname(key), name or ""]))
+
+    def delete_objects(self, items: Sequence[tuple[ShardKey, str | None]]) -> list[bool]:
+        """:meth:`delete_object` of each ``(key, name)``, in order, a script per model and up to
+        ``_DELETE_BATCH`` records (one round trip each, not one per record). Returns whether each went."""
+        out: list[bool] = [False] * len(items)
+        by_model: dict[str, list[int]] = {}
+        for i, (key, _name) in enumerate(items):
+            by_model.setdefault(key.model, []).append(i)
+        with translate_redis_errors(f"delete {len(items)} records", self.url):
+            for model, idx in by_model.items():  # one model's keys share a slot
+                for lo in range(0, len(idx), _DELETE_BATCH):
+                    part = idx[lo:lo + _DELETE_BATCH]
+                    keys, args = [self._k(model, "objs")], []
+                    for i in part:
+                        key, name = items[i]
+                        objname = self._objname(key)
+                        keys.append(self._k(model, "obj", objname))
+                        args += [objname, name or ""]
+                    for i, went in zip(part, self._delete_many(keys=keys, args=args)):
+                        out[i] = bool(went)
+        return out
 
     def pin_objects(self, keys: list[ShardKey], step: int, attempt: int = 1) -> None:
         """Mark records as read by ``attempt`` of committed ``step`` (they cannot be replaced while it stands;

@@ -97,6 +97,40 @@ def test_dry_run_deletes_nothing(store):
     assert all(store.durable.exists(durable_manifest_name(M, s)) for s in (1, 2, 3))
 
 
+def test_retention_deletes_a_steps_objects_in_batches_not_one_round_trip_each(store, monkeypatch):
+    """gc deletes the collected objects through the index's batch delete, in scripts of at most
+    ``_DELETE_BATCH`` records: 8 objects in batches of 3 are 3 scripts, none deleted one by one."""
+    import consistency.objects as objects
+
+    saved(store, range(1, 4))  # steps 1 and 2 go under keep_last=1: 8 objects
+    monkeypatch.setattr(objects, "_DELETE_BATCH", 3)
+    scripts, singles = [], []
+    many = store.index._delete_many
+    monkeypatch.setattr(type(store.index), "_delete_many", property(
+        lambda self: lambda **kw: scripts.append(len(kw["keys"]) - 1) or many(**kw)))
+    one = store.index.delete_object
+    monkeypatch.setattr(store.index, "delete_object", lambda *a, **kw: singles.append(a) or one(*a, **kw))
+    report = store.gc(M, Retention(keep_last=1), dry_run=False)
+    assert report.dropped_steps == [1, 2] and len(report.deleted) == 8
+    assert scripts == [3, 3, 2] and singles == []
+    assert all(gone(store, k) for s in (1, 2) for k in step_keys(s))
+    assert all(present(store, k) for k in step_keys(3))
+
+
+def test_a_batched_delete_leaves_a_record_that_names_another_copy(store):
+    """The batch delete removes a record only while it names the copy asked for, as the single one does: a
+    record replaced meanwhile (it names a newer copy) stays, and so does that copy; an absent one is False."""
+    saved(store, [1])
+    a, b = step_keys(1)[:2]
+    rec_a, rec_b = store.info(a), store.info(b)
+    absent = ShardKey(M, "nope", 1, 0)
+    got = store._collect_many([(a, rec_a.name), (b, rec_b.name + "-other"), (absent, "x")])
+    assert got == [True, False, False]
+    assert gone(store, a)
+    assert present(store, b) and store.info(b).name == rec_b.name
+    assert decode(store.host.get(rec_b.name)) is not None
+
+
 def put_delta(store, key: ShardKey, base: ShardKey, new: dict, old: dict):
     layout = {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in old.items()}
     return store.put(key, {n: xor_delta(new[n], old[n]) for n in old}, {"_delta": layout}, kind="delta", base=base)

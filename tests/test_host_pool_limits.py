@@ -270,3 +270,39 @@ def test_commit_with_an_array_still_over_the_buffer(shm_root):
     assert bytes(b.get("k")) == b"\x07" * 64
     del t
     b.close()
+
+
+def test_deleting_and_rewriting_many_objects_lists_the_pool_a_few_times(shm_root, monkeypatch):
+    """Deleting a step of many objects, then writing the next one, lists the pool a few times, not once per
+    object (listing a pool of n segments n times made both quadratic), and the rewrite reuses every segment."""
+    from backends.host_pool import SegmentPool
+
+    b = HostBackend(shm_root / "h", recycle_grace_s=0.0)
+    n = 300
+    for i in range(n):
+        b.put(f"s1/o{i}", bytes([i % 256]) * 4096)
+    inodes = {(shm_root / "h" / "s1" / f"o{i}").stat().st_ino for i in range(n)}
+    listings = []
+    entries = SegmentPool.entries
+    monkeypatch.setattr(SegmentPool, "entries", lambda self: listings.append(1) or entries(self))
+    for i in range(n):
+        assert b.delete(f"s1/o{i}")
+    for i in range(n):
+        b.put(f"s2/o{i}", bytes([i % 256]) * 4096)
+    assert len(listings) <= 4, len(listings)
+    assert {(shm_root / "h" / "s2" / f"o{i}").stat().st_ino for i in range(n)} == inodes
+    assert all(bytes(b.get(f"s2/o{i}")) == bytes([i % 256]) * 4096 for i in range(n))
+    b.close()
+
+
+def test_a_large_segment_budget_still_holds_when_deletes_skip_the_listing(shm_root):
+    """Deletes that trust a recent listing still keep the pool within its segment and byte budgets."""
+    b = HostBackend(shm_root / "h", pool_segments=64, pool_bytes=48 * 8192, recycle_grace_s=0.0)
+    for i in range(200):
+        b.put(f"o{i}", bytes(4096 * (1 + i % 2)))
+    for i in range(200):
+        b.delete(f"o{i}")
+    pooled = list((shm_root / "h" / ".pool").iterdir())
+    assert 0 < len(pooled) <= 64
+    assert sum(p.stat().st_size for p in pooled) <= 48 * 8192
+    b.close()

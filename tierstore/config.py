@@ -96,8 +96,9 @@ class StoreConfig:
         host_capacity_bytes: host tier budget; ``None`` is unbounded.
         host_pool_bytes: freed segments kept for reuse (fast snapshots), node-wide.
         host_pool_segments: at most this many freed segments wait in the pool
-            (node-wide), and at most this many mappings are kept per process;
-            neither holds a file descriptor.
+            (node-wide), and mappings of at most four times as many segments are
+            kept per process (so a checkpoint of thousands of layers reuses its
+            segments and their mappings); neither holds a file descriptor.
         node_id: this node's name (agents, peer placement).
         migrate: migrate every put to the durable tier in the background.
         migration_queue: at most this many objects wait for migration; a put
@@ -195,7 +196,7 @@ class StoreConfig:
     host_root: str | None = None
     host_capacity_bytes: int | None = None
     host_pool_bytes: int = 8 << 30
-    host_pool_segments: int = 1024
+    host_pool_segments: int = 4096
     node_id: str = ""
     migrate: bool = True
     migration_queue: int = 1024

@@ -169,6 +169,15 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
         self._drop_copy(name)
         return True
 
+    def _collect_many(self, items: list[tuple[ShardKey, str]]) -> list[bool]:
+        """:meth:`_collect` of each ``(key, name)``: the records in a few index scripts, then the copies whose
+        record went (a record replaced meanwhile is left alone, and so is its copy)."""
+        gone = self.index.delete_objects(items)
+        for (_key, name), went in zip(items, gone):
+            if went:
+                self._drop_copy(name)
+        return gone
+
     def release(self, key: ShardKey, rec: ObjectRecord) -> bool:
         """Drop the memory tiers' copies of ``key`` (the copy ``rec`` names), keeping its durable copy.
 
@@ -330,7 +339,8 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
         a later pass (their objects reported as deferred). A local durable directory's temp files older
         than an hour (interrupted writes) are removed too (``temp_removed``).
         """
-        report = collect(self.steps, model, retention or Retention(), delete=self._collect, release=self.release,
+        report = collect(self.steps, model, retention or Retention(), delete=self._collect,
+                         delete_many=self._collect_many, release=self.release,
                          drop=self._drop_copy, dry_run=dry_run, max_staleness=max_staleness,
                          migrating=self.durable is not None and self.config.migrate)
         sweep = getattr(self.durable, "cleanup_temp", None)  # a local durable directory's interrupted writes

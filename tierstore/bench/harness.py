@@ -149,7 +149,8 @@ def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
     if device != "cpu":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         set_step_device(device)
-    work = make_workload(rank, int(cfg["size_gib"] * 2**30), cfg["tensors"], device=device)
+    work = make_workload(rank, int(cfg["size_gib"] * 2**30), cfg["tensors"], device=device,
+                         per_layer=cfg.get("tensors_per_layer", 4))
     rss_workload = rss_bytes()
     ctx = S.BenchContext(
         rank=rank, world=world, work=work, shm_dir=cfg["shm_dir"], disk_dir=cfg["disk_dir"], pg=pg,

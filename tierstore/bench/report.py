@@ -137,7 +137,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         f"# tierstore bench, {res['date']}",
         "",
         (f"{cfg['ranks']} ranks (gloo), {gib:.3f} GiB fp32 params + AdamW state per rank in "
-         f"{cfg['tensors']} tensors, {cfg['repeats']} rounds (systems alternate), "
+         f"{cfg['tensors']} tensors ({cfg.get('tensors_per_layer', 4)} per layer), {cfg['repeats']} rounds "
+         f"(systems alternate), "
          f"{cfg['threads']} torch thread(s) per rank; torch {res['machine']['torch']}, "
          f"{res['machine']['cpus']} CPUs ({res['machine']['cpu_model']}), load at start "
          f"{res['machine']['loadavg'][0]:.2f}, at end {res['loadavg_end'][0]:.2f}."),

@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="small state (64 MiB/rank), 2 rounds, short slowdown pass (default: the full run)")
     p.add_argument("--size-gib", type=float, default=None, help="params + AdamW state per rank (default: 1, quick 1/16)")
-    p.add_argument("--tensors", type=int, default=200, help="tensors per rank (4 per layer)")
+    p.add_argument("--tensors", type=int, default=200, help="tensors per rank (--tensors-per-layer per layer)")
+    p.add_argument("--tensors-per-layer", type=int, default=4,
+                   help="tensors per layer (one checkpoint object): a multiple of 4, a parameter and its AdamW state "
+                        "(default: %(default)s, one parameter per object; a transformer block of 9 is 36)")
     p.add_argument("--ranks", type=int, default=2, help="ranks (processes, gloo on loopback)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default: 3, quick 2)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
@@ -147,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.tensors_per_layer < 4 or args.tensors_per_layer % 4:
+        print(f"bench: --tensors-per-layer must be a positive multiple of 4 (a parameter and its AdamW state), "
+              f"got {args.tensors_per_layer}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch  # lazy: the CLI starts without it
 
@@ -184,6 +191,7 @@ def _main(argv: list[str] | None) -> int:
         "pg_timeout_s": 600,
         "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"],
         "command": command,
+        "tensors_per_layer": args.tensors_per_layer,
     }
     systems = [s for s in args.systems.split(",") if s]
     rc = _one_run(args, base, out, ranks=args.ranks, tensors=args.tensors, systems=systems, slowdown=True)
@@ -267,7 +275,8 @@ def _one_run(args: argparse.Namespace, base: dict[str, Any], out: str, *, ranks:
     }
     size = base["size_gib"]
     print(f"bench: {ranks} rank(s), {len(systems)} system(s), {base['repeats']} round(s), "
-          f"{size * 1024:g} MiB of state per rank in {tensors} tensors; scratch {shm_dir} and {disk_dir}; "
+          f"{size * 1024:g} MiB of state per rank in {tensors} tensors ({base['tensors_per_layer']} per layer); "
+          f"scratch {shm_dir} and {disk_dir}; "
           f"results in {out}", file=sys.stderr, flush=True)
     try:
         _spawn(cfg, ranks, args.stop_ranks_s)

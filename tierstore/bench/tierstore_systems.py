@@ -263,7 +263,8 @@ if _open is not None:
             }
 
     def _as_module(layers: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """The workload as a module (one submodule per layer, its ``param``) and AdamW holding its state.
+        """The workload as a module (one submodule per layer, its ``param``, ``param1``, ...) and AdamW holding
+        their state.
 
         Parameters and optimizer state share the workload's tensors: what the harness changes, they see.
         """
@@ -271,12 +272,15 @@ if _open is not None:
         params = []
         for name, group in layers.items():
             sub = nn.Module()
-            sub.param = nn.Parameter(group["param"], requires_grad=True)
+            for pname in [n for n in group if n.startswith("param")]:
+                tag = pname[len("param"):]
+                p = nn.Parameter(group[pname], requires_grad=True)
+                sub.register_parameter(pname, p)
+                params.append((p, {k: group[k + tag] for k in ("step", "exp_avg", "exp_avg_sq")}))
             root.add_module(name.split(".", 1)[-1], sub)
-            params.append((sub.param, group))
         opt = torch.optim.AdamW([p for p, _ in params], lr=1e-3)
-        for p, group in params:
-            opt.state[p] = {"step": group["step"], "exp_avg": group["exp_avg"], "exp_avg_sq": group["exp_avg_sq"]}
+        for p, state in params:
+            opt.state[p] = state
         return root, opt
 
     @register("tierstore_lazy")

@@ -44,7 +44,9 @@ class Workload:
     Attributes:
         rank: this rank.
         layers: layer name -> tensor name -> tensor (``param``, ``exp_avg``,
-            ``exp_avg_sq``, ``step``), the live training state.
+            ``exp_avg_sq``, ``step``; with more parameters per layer, the next
+            ones' names end in their index: ``param1``, ``exp_avg1``, ...), the
+            live training state.
         flat: ``"<layer>.<tensor>"`` -> tensor, the same tensors, flat.
         nbytes: total bytes of the state.
     """
@@ -61,23 +63,32 @@ class Workload:
     def perturb(self) -> None:
         """Stand in for an optimizer step: change every tensor a little, in place."""
         for group in self.layers.values():
-            group["step"].add_(1)
-            group["param"].add_(1e-3)
+            for name, t in group.items():
+                if name.startswith("step"):
+                    t.add_(1)
+                elif name.startswith("param"):
+                    t.add_(1e-3)
 
 
 def make_workload(rank: int, total_bytes: int, n_tensors: int = 200, seed: int = 0,
-                  device: str = "cpu") -> Workload:
+                  device: str = "cpu", per_layer: int = 4) -> Workload:
     """Build a state of about ``total_bytes`` in ``n_tensors`` tensors.
 
-    Each layer holds four tensors (param, exp_avg, exp_avg_sq, a scalar step),
-    so there are ``n_tensors // 4`` layers; the three large tensors of a layer
+    Each parameter comes with three tensors of AdamW state (exp_avg, exp_avg_sq,
+    a scalar step); a layer (one checkpoint object) holds ``per_layer // 4``
+    parameters and their state (``per_layer`` tensors: 4, one parameter, by
+    default; a transformer block of 9 parameters is 36), so there are
+    ``n_tensors // per_layer`` layers; the three large tensors of each parameter
     are ``[rows, 1024]`` fp32, sized so the total comes to ``total_bytes``.
     Every element is written (random data), so the pages are resident.
     ``device``: where the state lives (``"cuda"``: the three large tensors of
     each layer on the GPU, the ``step`` scalar on the CPU, as AdamW keeps it).
     """
-    n_layers = max(1, n_tensors // 4)
-    per_tensor = total_bytes / (n_layers * 3)
+    if per_layer < 4 or per_layer % 4:
+        raise ValueError(f"per_layer must be a positive multiple of 4 (a parameter and its AdamW state), got {per_layer}")
+    n_params = per_layer // 4
+    n_layers = max(1, n_tensors // per_layer)
+    per_tensor = total_bytes / (n_layers * n_params * 3)
     rows = max(1, int(per_tensor // (_COLS * 4)))
     gen = torch.Generator().manual_seed(seed + rank)
     layers: dict[str, dict[str, torch.Tensor]] = {}
@@ -85,13 +96,13 @@ def make_workload(rank: int, total_bytes: int, n_tensors: int = 200, seed: int =
     nbytes = 0
     for i in range(n_layers):
         name = f"r{rank}.h{i:03d}"
-        p = torch.randn(rows, _COLS, generator=gen)
-        group = {
-            "param": p.to(device),
-            "exp_avg": (torch.randn(rows, _COLS, generator=gen) * 1e-3).to(device),
-            "exp_avg_sq": (torch.rand(rows, _COLS, generator=gen) * 1e-6).to(device),
-            "step": torch.tensor(float(i)),
-        }
+        group: dict[str, torch.Tensor] = {}
+        for j in range(n_params):
+            tag = str(j) if j else ""
+            group[f"param{tag}"] = torch.randn(rows, _COLS, generator=gen).to(device)
+            group[f"exp_avg{tag}"] = (torch.randn(rows, _COLS, generator=gen) * 1e-3).to(device)
+            group[f"exp_avg_sq{tag}"] = (torch.rand(rows, _COLS, generator=gen) * 1e-6).to(device)
+            group[f"step{tag}"] = torch.tensor(float(i))
         layers[name] = group
         for tname, t in group.items():
             flat[f"{name}.{tname}"] = t

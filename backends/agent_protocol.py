@@ -54,6 +54,14 @@ A connection is one UCX endpoint from the agent's listener; it carries one
    request), and the reply is a ``GET``'s for those bytes (fewer where the
    object is shorter). An agent from before ``TAIL`` answers ``UNKNOWN_OP``;
    the client then reads the whole object with ``GET``.
+   ``RANGE``: a ``GET`` of the bytes ``[offset, offset + length)`` alone (a
+   ranged read: a resharded restore reads the slices it needs, not whole
+   copies). ``payload_len`` in the request is the length; the first 8 bytes
+   of its ``checksum`` field are the offset (little-endian, :func:`range_field`;
+   the other 8 are zero), so the token binds it. No payload follows the
+   request; the reply is a ``GET``'s for those bytes (fewer where the object
+   ends sooner, none past its end). An agent from before ``RANGE`` answers
+   ``UNKNOWN_OP``; the client then reads the whole object with ``GET``.
 4. ``LANE`` (same host only: equal :func:`host_id`): a ``PUT``-shaped
    request whose payload is the client's UCX worker address, answered ``OK``.
    From then on the agent sends every reply and payload of the session
@@ -143,6 +151,8 @@ __all__ = [
     "pack_challenge",
     "pack_reply",
     "pack_request",
+    "range_field",
+    "range_offset",
     "session_base",
     "sign",
     "tag",
@@ -194,10 +204,12 @@ MAX_CHUNKS = _SLOT_MASK - 1
 
 
 class Op:
-    PUT, GET, DELETE, EXISTS, LIST, PING, LANE, TAIL = 1, 2, 3, 4, 5, 6, 7, 8
-    ALL = frozenset({1, 2, 3, 4, 5, 6, 7, 8})
+    PUT, GET, DELETE, EXISTS, LIST, PING, LANE, TAIL, RANGE = 1, 2, 3, 4, 5, 6, 7, 8, 9
+    ALL = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 9})
     NAMES: ClassVar[dict[int, str]] = {1: "PUT", 2: "GET", 3: "DELETE", 4: "EXISTS", 5: "LIST", 6: "PING", 7: "LANE",
-                                       8: "TAIL"}
+                                       8: "TAIL", 9: "RANGE"}
+    #: the reads: their ``OK`` reply is followed by a payload
+    READS = frozenset({2, 5, 8, 9})
 
 
 class Status:
@@ -227,6 +239,21 @@ class Request:
     @property
     def chunk(self) -> int:
         return 1 << self.chunk_shift
+
+    @property
+    def offset(self) -> int:
+        """Where a ``RANGE`` starts (:func:`range_offset` of its checksum field)."""
+        return range_offset(self.checksum)
+
+
+def range_field(offset: int) -> bytes:
+    """The ``checksum`` field of a ``RANGE`` request starting at ``offset``."""
+    return offset.to_bytes(8, "little") + bytes(8)
+
+
+def range_offset(field: bytes) -> int:
+    """The offset a ``RANGE`` request's ``checksum`` field carries (:func:`range_field`)."""
+    return int.from_bytes(field[:8], "little")
 
 
 @dataclass(frozen=True)
@@ -398,7 +425,9 @@ def unpack_request(frame: bytes | bytearray | memoryview, secret: bytes, nonce: 
         raise reject(Status.TOO_LARGE, f"payload of {payload_len} bytes needs more than {MAX_CHUNKS} chunks")
     if op == Op.TAIL and payload_len > MAX_TAIL:
         raise reject(Status.TOO_LARGE, f"a tail of {payload_len} bytes exceeds the limit of {MAX_TAIL}")
-    if op not in (Op.PUT, Op.LANE, Op.TAIL) and payload_len != 0:
+    if op == Op.RANGE and digest[8:] != _ZERO16[8:]:
+        raise reject(Status.BAD_FRAME, "a range's offset field has bytes past its 8")
+    if op not in (Op.PUT, Op.LANE, Op.TAIL, Op.RANGE) and payload_len != 0:
         raise reject(Status.BAD_FRAME, "payload length must be 0 for this op")
     return Request(op, flags, shift, key, payload_len, digest, rid)
 

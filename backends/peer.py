@@ -52,7 +52,7 @@ from typing import Any
 import xxhash
 
 from backends import agent_protocol as P
-from backends.base import Backend, Buffer, as_buffers, validate_object_name
+from backends.base import Backend, Buffer, as_buffers, check_range, validate_object_name
 from backends.peer_conn import PeerConn, connect, disable_lanes
 from backends.ucx_util import import_ucxx, ucx_loop
 from tierstore.errors import ConfigError, CorruptObjectError, InvalidValueError, ProtocolError, TierUnavailableError
@@ -104,6 +104,7 @@ class PeerBackend(Backend):
     zero_copy_get = False
     reservable = False
     atomic_create_once = False
+    ranged_get = True  # RANGE: the bytes asked for alone
 
     def __init__(self, peers: Sequence[PeerAddress] | Discovery, *, secret: bytes, replication: int = 1,
                  local_node_id: str | None = None, timeout_s: float = 60.0, connect_timeout_s: float = 5.0,
@@ -163,7 +164,7 @@ class PeerBackend(Backend):
 
     async def _request(self, peer: PeerAddress, op: int, key: str, parts: Sequence[memoryview] = (),
                        flags: int = 0, digest: bytes = bytes(16), out: memoryview | None = None,
-                       length: int = 0) -> tuple[P.Reply, memoryview | None]:
+                       length: int = 0, offset: int = 0) -> tuple[P.Reply, memoryview | None]:
         """One request to one peer; a transport failure on a cached connection is retried once."""
         for attempt in (0, 1):
             try:
@@ -174,7 +175,7 @@ class PeerBackend(Backend):
                 try:
                     return await asyncio.wait_for(
                         conn.exchange(op, key, parts, flags=flags, digest=digest, chunk_shift=self.chunk_shift,
-                                      out=out, length=length), self.timeout_s)
+                                      out=out, length=length, offset=offset), self.timeout_s)
                 except (*self._transport_errors, ProtocolError) as e:
                     if conn.lane and isinstance(e, asyncio.TimeoutError) and not conn.closed:
                         # the agent is alive (its endpoint has error handling) yet its lane went silent
@@ -255,18 +256,27 @@ class PeerBackend(Backend):
         data = self._call(self._first(name, P.Op.TAIL, self._ranked(name), length=nbytes))
         return None if data is None else bytes(data)
 
+    def get_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        """The bytes ``[offset, offset + length)`` of the object (fewer where it ends sooner), or ``None``: one
+        ``RANGE`` exchange that moves those bytes alone, checksummed as a ``GET``; from an agent that predates
+        ``RANGE``, the whole object by ``GET``, sliced."""
+        validate_object_name(name)
+        check_range(offset, length)
+        return self._call(self._first(name, P.Op.RANGE, self._ranked(name), length=length, offset=offset))
+
     async def _first(self, name: str, op: int, peers: list[PeerAddress], out: memoryview | None = None,
-                     length: int = 0) -> Any:
-        flags = P.FLAG_CHECKSUM if (self.verify and op in (P.Op.GET, P.Op.TAIL)) else 0
+                     length: int = 0, offset: int = 0) -> Any:
+        flags = P.FLAG_CHECKSUM if (self.verify and op in (P.Op.GET, P.Op.TAIL, P.Op.RANGE)) else 0
         failures: list[_Unreachable] = []
         corrupt: CorruptObjectError | None = None
         for peer in peers:
             try:
-                reply, data = await self._request(peer, op, name, flags=flags, out=out, length=length)
-                if op == P.Op.TAIL and reply.status == P.Status.UNKNOWN_OP:  # an agent from before TAIL
+                reply, data = await self._request(peer, op, name, flags=flags, out=out, length=length,
+                                                  offset=offset)
+                if op in (P.Op.TAIL, P.Op.RANGE) and reply.status == P.Status.UNKNOWN_OP:  # an older agent
                     reply, data = await self._request(peer, P.Op.GET, name, flags=flags)
                     if data is not None:
-                        data = data[max(0, data.nbytes - length):]
+                        data = data[max(0, data.nbytes - length):] if op == P.Op.TAIL else data[offset:offset + length]
             except _Unreachable as e:
                 failures.append(e)
                 continue
@@ -274,7 +284,7 @@ class PeerBackend(Backend):
                 corrupt = e
                 continue
             if reply.status == P.Status.OK:
-                return data if op in (P.Op.GET, P.Op.TAIL) else True
+                return data if op in (P.Op.GET, P.Op.TAIL, P.Op.RANGE) else True
             if reply.status != P.Status.NOT_FOUND:
                 raise P.error_for_status(reply, key=name, tier="peer", node=peer.node_id)
         if corrupt is not None:

@@ -117,20 +117,24 @@ class PeerConn:
 
     async def exchange(self, op: int, key: str, parts: Sequence[memoryview] = (), *, flags: int = 0,
                        digest: bytes = bytes(16), chunk_shift: int = P.DEFAULT_CHUNK_SHIFT,
-                       out: memoryview | None = None, length: int = 0) -> tuple[P.Reply, memoryview | None]:
-        """Run one request; return the final reply and the payload of an ``OK`` GET/LIST/TAIL.
+                       out: memoryview | None = None, length: int = 0,
+                       offset: int = 0) -> tuple[P.Reply, memoryview | None]:
+        """Run one request; return the final reply and the payload of an ``OK`` GET/LIST/TAIL/RANGE.
 
-        ``length`` is the number of bytes a TAIL asks for (its request's ``payload_len``; nothing is sent).
+        ``length`` is the number of bytes a TAIL or a RANGE asks for (its request's ``payload_len``; nothing is
+        sent); ``offset`` is where a RANGE starts (carried in its request's checksum field).
 
         Raises:
             CorruptObjectError: a payload does not match the checksum in its reply.
             InvalidValueError: ``out`` is smaller than the object.
             ProtocolError: a malformed or out-of-order reply.
         """
-        if self.lane and op in (P.Op.GET, P.Op.LIST):
+        if self.lane and op in (P.Op.GET, P.Op.LIST, P.Op.RANGE):
             chunk_shift = max(chunk_shift, LANE_CHUNK_SHIFT)
         chunk = 1 << chunk_shift
-        nbytes = length if op == P.Op.TAIL else sum(p.nbytes for p in parts)
+        nbytes = length if op in (P.Op.TAIL, P.Op.RANGE) else sum(p.nbytes for p in parts)
+        if op == P.Op.RANGE:
+            digest = P.range_field(offset)
         rid, frame = self.session.request(op, key, flags=flags, payload_len=nbytes, digest=digest,
                                           chunk_shift=chunk_shift)
         await self._send(frame, 0)
@@ -139,7 +143,7 @@ class PeerConn:
             views = chunk_views(parts, chunk)
             await asyncio.gather(*(self._send(v, i + 1) for i, v in enumerate(views)))
             reply = await self._reply(rid)
-        if op not in (P.Op.GET, P.Op.LIST, P.Op.TAIL) or reply.status != P.Status.OK:
+        if op not in P.Op.READS or reply.status != P.Status.OK:
             return reply, None
         n = reply.payload_len
         if out is not None and n > out.nbytes:

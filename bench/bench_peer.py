@@ -23,6 +23,10 @@ Run: ``python bench/bench_peer.py [--mib 256] [--reps 5] [--snap-mib 512]``
 * trailer check: :meth:`backends.peer.PeerBackend.tail` of the last 16 bytes
   (one ``TAIL`` exchange), against the whole-object ``GET`` it did before
   (``Backend.tail``), in the same rounds.
+* ranged read: :meth:`backends.peer.PeerBackend.get_range` of 1 MiB from the
+  middle of the copy (one ``RANGE`` exchange: a resharded restore's slice),
+  against the whole-object ``GET`` and slice it did before
+  (``Backend.get_range``), in the same rounds.
 * device snapshot: :meth:`backends.device.DeviceBackend.snapshot` against a
   bare ``copy_`` into pre-allocated tensors of the same sizes (the bound).
 
@@ -161,6 +165,7 @@ def bench_peer(mib: int, reps: int) -> None:
     has_shm = "shm" in inspect.signature(PeerBackend.__init__).parameters
     has_out = "out" in inspect.signature(PeerBackend.get).parameters
     has_tail = "tail" in PeerBackend.__dict__  # an older checkout's peer tier read the whole object
+    has_range = "get_range" in PeerBackend.__dict__  # likewise for a range
     modes = ["tcp", "shm"] if has_shm else ["tcp"]
     raws = {m: _Raw(nbytes, m, run) for m in modes}
     cluster = AgentCluster(1)
@@ -203,6 +208,11 @@ def bench_peer(mib: int, reps: int) -> None:
                     name = f"bench/{m}True/{i}"
                     timed(f"tail_{m}", lambda m=m, name=name: peers[m, True].tail(name, 16), keep)
                     timed(f"tailget_{m}", lambda m=m, name=name: Backend.tail(peers[m, True], name, 16), keep)
+                if has_range:  # a resharded restore's slice of a copy held by a peer: RANGE, and the GET it was
+                    name, mid = f"bench/{m}True/{i}", nbytes // 2
+                    timed(f"range_{m}", lambda m=m, name=name: peers[m, True].get_range(name, mid, 1 << 20), keep)
+                    timed(f"rangeget_{m}", lambda m=m, name=name: Backend.get_range(peers[m, True], name, mid, 1 << 20),
+                          keep)
                 if has_out:
                     def into_host(m=m, name=f"bench/{m}True/{i}"):
                         res = host.reserve(f"local/{m}/{i}", nbytes)
@@ -239,6 +249,13 @@ def bench_peer(mib: int, reps: int) -> None:
                 before, now = t[f"tailget_{m}"], t[f"tail_{m}"]
                 print(f"{'whole object by GET (before TAIL) ' + m:44s} {_stats(before)}")
                 print(f"{'PeerBackend.tail (TAIL) ' + m:44s} {_stats(now)}  "
+                      f"{statistics.median(before) / statistics.median(now):7.0f}x faster")
+        if has_range:
+            print(f"\n== 1 MiB from the middle of a {mib} MiB copy on a peer (a ranged read), the same rounds ==")
+            for m in modes:
+                before, now = t[f"rangeget_{m}"], t[f"range_{m}"]
+                print(f"{'whole object by GET, sliced (before RANGE) ' + m:44s} {_stats(before)}")
+                print(f"{'PeerBackend.get_range (RANGE) ' + m:44s} {_stats(now)}  "
                       f"{statistics.median(before) / statistics.median(now):7.0f}x faster")
         for p in peers.values():
             p.close()

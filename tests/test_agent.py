@@ -135,6 +135,15 @@ def test_unpack_rejects_semantics():
     assert rejected(req(P.Op.TAIL, "a", payload_len=P.MAX_TAIL + 1)) == P.Status.TOO_LARGE
     assert rejected(req(P.Op.TAIL, "../etc/passwd", payload_len=16)) == P.Status.BAD_KEY
     assert P.unpack_request(req(P.Op.TAIL, "a/b", payload_len=16), SECRET, NONCE, 10).payload_len == 16
+    got = P.unpack_request(req(P.Op.RANGE, "a/b", payload_len=1 << 40, digest=P.range_field((1 << 50) + 3)),
+                           SECRET, NONCE, 10)
+    assert (got.offset, got.payload_len) == ((1 << 50) + 3, 1 << 40)  # a read's length is not a payload's
+    assert rejected(req(P.Op.RANGE, "a", payload_len=8, digest=P.range_field(0)[:8] + b"\x01" * 8)) == \
+        P.Status.BAD_FRAME
+    assert rejected(req(P.Op.RANGE, "../etc/passwd", payload_len=8)) == P.Status.BAD_KEY
+    tampered = req(P.Op.RANGE, "a", payload_len=8, digest=P.range_field(64))
+    tampered[P.REQUEST.size - 32 - 8 - 16] ^= 1  # the offset, changed after signing
+    assert rejected(tampered) == P.Status.AUTH
     assert rejected(req(P.Op.GET, "a", chunk_shift=31)) == P.Status.BAD_FRAME
     assert rejected(req(P.Op.GET, "a", flags=0x80)) == P.Status.BAD_FRAME
     assert rejected(b"short") == P.Status.BAD_FRAME

@@ -58,6 +58,46 @@ def test_restore_on_a_new_node_from_peer_replicas(cluster, redis_url, tmp_path):
         shutil.rmtree(tmp_path / "node3-shm", ignore_errors=True)
 
 
+def test_a_ranged_read_on_a_new_node_moves_the_slice_from_a_peer(cluster, redis_url, tmp_path, monkeypatch):
+    """A node that lost its host tier reads a slice of a shard (what a resharded restore asks) from a peer's
+    replica: verified, and the bytes that cross the network are the header, tables and the chunks of the
+    slice, not the copy."""
+    from backends.peer_conn import PeerConn
+
+    moved: list[int] = []
+    real = PeerConn.exchange
+
+    async def counted(self, *a, **kw):
+        reply, data = await real(self, *a, **kw)
+        moved.append(0 if data is None else data.nbytes)
+        return reply, data
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(4096, 1024, generator=g)  # 16 MiB
+    key = ShardKey("gpt", "block0", 7, 0)
+    s0 = _open(cluster, redis_url, tmp_path, "node0", cluster.base / "node0")
+    try:
+        info = s0.put(key, {"w": w})
+        s0.begin_step("gpt", 7, 1, layout={"layers": ["block0"]})
+        assert s0.vote("gpt", 7, 0, [info]) == "committed"
+        s0.flush()
+        assert "peer" in s0.info(key).tiers
+    finally:
+        s0.close()
+    cluster.agents[0].kill()
+    shutil.rmtree(cluster.base / "node0")
+    s3 = _open(cluster, redis_url, tmp_path, "node3", tmp_path / "node3-shm")
+    monkeypatch.setattr(PeerConn, "exchange", counted)
+    try:
+        shard = s3.open_ranged(key)
+        got = shard.read_box("w", offsets=(1024, 0), sizes=(16, 1024))
+        assert torch.equal(got, w[1024:1040])
+        assert 0 < sum(moved) < info.size // 4, (moved, info.size)
+    finally:
+        s3.close()
+        shutil.rmtree(tmp_path / "node3-shm", ignore_errors=True)
+
+
 def test_replication_failure_is_not_recorded_as_peer_copy(cluster, redis_url, tmp_path):
     s0 = _open(cluster, redis_url, tmp_path, "node0", cluster.base / "node0")
     try:

@@ -240,6 +240,8 @@ class Connection:
                 await self._get(req)
             elif req.op == P.Op.TAIL:
                 await self._tail(req)
+            elif req.op == P.Op.RANGE:
+                await self._range(req)
             elif req.op == P.Op.LANE:
                 await self._open_lane(req)
             elif req.op == P.Op.LIST:
@@ -310,6 +312,23 @@ class Connection:
     async def _tail(self, req: P.Request) -> None:
         """The object's last ``req.payload_len`` bytes (a trailer check): a GET's reply for them alone."""
         data = self.agent.backend.tail(req.key, req.payload_len)
+        if data is None:
+            await self.out.reply(P.Reply(P.Status.NOT_FOUND, "", request_id=req.request_id))
+            return
+        view = memoryview(data).cast("B")
+        digest = P.checksum([view]) if req.flags & P.FLAG_CHECKSUM else bytes(16)
+        await self._send_payload(P.Reply(P.Status.OK, "", view.nbytes, digest, req.request_id,
+                                         req.flags & P.FLAG_CHECKSUM), view, req.chunk)
+
+    async def _range(self, req: P.Request) -> None:
+        """The object's bytes ``[req.offset, req.offset + req.payload_len)`` (a ranged read): a GET's reply for
+        them alone."""
+        backend = self.agent.backend
+        if backend.ranged_get:
+            data = backend.get_range(req.key, req.offset, req.payload_len)
+        else:
+            whole = backend.get(req.key)
+            data = None if whole is None else memoryview(whole).cast("B")[req.offset:req.offset + req.payload_len]
         if data is None:
             await self.out.reply(P.Reply(P.Status.NOT_FOUND, "", request_id=req.request_id))
             return

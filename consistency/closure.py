@@ -25,7 +25,7 @@ from tierstore.keys import ShardKey
 if TYPE_CHECKING:
     from consistency.index import Index
 
-__all__ = ["closure", "reachable", "read_keys", "read_steps", "readers_of", "required_steps"]
+__all__ = ["closure", "is_closed", "reachable", "read_keys", "read_steps", "readers_of", "required_steps"]
 
 
 def read_keys(m: Mapping[str, Any]) -> set[ShardKey]:
@@ -92,15 +92,31 @@ def required_steps(steps: Any, model: str, step_numbers: list[int], *,
     return out
 
 
+def is_closed(m: Mapping[str, Any]) -> bool:
+    """Whether a manifest's complete set is closed under links: written by a commit point that records
+    ``inherited``, ``deps`` (every delta base and ref target, transitively), ``requires`` and ``missing``.
+    Older manifests (``ranks`` alone, or a durable copy's ``deps``) are not: their links are the index's."""
+    return all(isinstance(m.get(f), list) for f in ("inherited", "deps", "requires", "missing"))
+
+
 def reachable(steps: Any, model: str, step_numbers: list[int], *,
               cache: dict[int, dict] | None = None) -> set[ShardKey]:
     """Every object a restore of one of ``step_numbers`` reads: the complete sets their manifests (and the
     manifests of the steps they require) record, with any delta base or ref target the index links beyond.
-    Each manifest is read once (``cache``: see :func:`required_steps`)."""
+    Each manifest is read once (``cache``: see :func:`required_steps`).
+
+    A complete set the commit point closed (:func:`is_closed`) is taken as it is: every link of its objects
+    was followed when the step committed, and the records it names keep their links while the step stands
+    (a record's base and target are those of its write; the inherited and dep records are pinned; a
+    superseded step's records move to the retired set before its keys are written again). So retention
+    reads no object record for it: before, each rank read the record of every rank's objects of every kept
+    step at every save (about 1.7 x world x layers records per rank per save). Only an older manifest's
+    objects are followed through the index's records."""
     cache = {} if cache is None else cache
+    closed: set[ShardKey] = set()
     roots: set[ShardKey] = set()
     for s in sorted(required_steps(steps, model, step_numbers, cache=cache)):
         m = _manifest(steps, model, s, cache)
         if m is not None:
-            roots.update(read_keys(m))
-    return closure(steps.index, roots)
+            (closed if is_closed(m) else roots).update(read_keys(m))
+    return closed | closure(steps.index, roots - closed) if roots - closed else closed

@@ -136,7 +136,8 @@ def put_delta(store, key: ShardKey, base: ShardKey, new: dict, old: dict):
     return store.put(key, {n: xor_delta(new[n], old[n]) for n in old}, {"_delta": layout}, kind="delta", base=base)
 
 
-def test_delta_chains_and_refs_keep_what_they_reach(store):
+def _chains_and_refs(store) -> None:
+    """Steps 1-3 of two ranks with delta chains and a ref across ranks (see the comment)."""
     # step 1: a full on both ranks; step 2: rank 0 delta on step 1, rank 1 a ref to rank 0's step-1 shard;
     # step 3: rank 0 delta on step 2, rank 1 delta on its own step 1. Layer b is full every step.
     infos = {}
@@ -155,6 +156,10 @@ def test_delta_chains_and_refs_keep_what_they_reach(store):
             kb = ShardKey(M, "b", s, r)
             infos[kb] = store.put(kb, shard("b", s, r))
             assert store.vote(M, s, r, [infos[k], infos[kb]]) in ("preparing", "committed")
+
+
+def test_delta_chains_and_refs_keep_what_they_reach(store):
+    _chains_and_refs(store)
     store.flush()
     store.gc(M, Retention(keep_last=1), dry_run=False)
     for k in [ShardKey(M, "a", 1, 0), ShardKey(M, "a", 1, 1), ShardKey(M, "a", 2, 0), ShardKey(M, "a", 3, 0),
@@ -170,6 +175,47 @@ def test_delta_chains_and_refs_keep_what_they_reach(store):
         assert torch.equal(store.get(info.key).tensors["w"], shard(layer, 3, r)["w"])
     # a second pass finds nothing more to delete: the kept chain is stable
     assert store.gc(M, Retention(keep_last=1), dry_run=False).deleted == []
+
+
+def _index_closure(store, step: int) -> set:
+    """What a restore of ``step`` reads, with every link followed through the index's records (as retention
+    did before it trusted a closed complete set)."""
+    from consistency.closure import closure, read_keys, required_steps
+
+    roots = set()
+    for s in required_steps(store.steps, M, [step]):
+        roots |= read_keys(store.steps.manifest(M, s))
+    return closure(store.index, roots)
+
+
+def test_a_closed_complete_set_is_what_the_index_links_reach(store, monkeypatch):
+    """Retention takes a committed manifest's complete set as closed, reading no object record: for delta chains
+    and a ref across ranks it is exactly what following every link through the index reaches. A manifest from
+    before complete sets (no ``inherited``, ``deps``, ``requires``, ``missing``) is followed through the index."""
+    from consistency.closure import is_closed, reachable
+
+    _chains_and_refs(store)
+    store.flush()
+    for step in (1, 2, 3):
+        assert is_closed(store.steps.manifest(M, step))
+        reads = []
+        real = store.index.get_objects
+        monkeypatch.setattr(store.index, "get_objects", lambda keys: reads.append(len(keys)) or real(keys))
+        got = reachable(store.steps, M, [step])
+        monkeypatch.undo()
+        assert reads == [] and got == _index_closure(store, step), step
+    assert ShardKey(M, "a", 1, 0) in reachable(store.steps, M, [2])  # rank 1's ref at step 2 reaches it
+
+    real_manifest = store.steps.manifest
+
+    def older(model, step):  # as a manifest written before complete sets: its own objects alone
+        m = real_manifest(model, step)
+        return m and {k: v for k, v in m.items() if k not in ("inherited", "deps", "requires", "missing")}
+
+    monkeypatch.setattr(store.steps, "manifest", older)
+    assert not is_closed(older(M, 3))
+    assert reachable(store.steps, M, [3]) == _index_closure(store, 3) >= {ShardKey(M, "a", 1, 1),
+                                                                          ShardKey(M, "a", 2, 0)}
 
 
 def test_a_lagging_step_is_retired_once_its_migration_gave_up(store):

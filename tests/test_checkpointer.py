@@ -233,3 +233,26 @@ def test_the_report_says_where_a_restore_spent_its_time(store, verify):
     assert set(phases) == want, phases
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= total
     ck.close()
+
+
+@pytest.mark.parametrize("name, policy", [("cl-lw", layerwise(tau=0.05, max_staleness=3)),
+                                          ("cl-diff", differential(base_every=3))])
+def test_every_committed_complete_set_is_closed_under_the_index_links(store, name, policy):
+    """A Checkpointer's manifests (layers inherited from older steps, delta chains) record complete sets that the
+    index's links do not reach beyond: what retention keeps without reading a record is what it kept reading
+    them (the equality is what makes skipping the reads safe)."""
+    from consistency.closure import closure, is_closed, reachable, read_keys, required_steps
+
+    _run(store, name, policy, 8)
+    committed = [s for s, st in store.steps.steps(name) if st in ("committed", "durable")]
+    assert len(committed) >= 3
+    for step in committed:
+        assert is_closed(store.steps.manifest(name, step))
+        roots = set()
+        for s in required_steps(store.steps, name, [step]):
+            roots |= read_keys(store.steps.manifest(name, s))
+        assert reachable(store.steps, name, [step]) == closure(store.index, roots), step
+    kinds = {store.info(k).kind for s in committed for k in read_keys(store.steps.manifest(name, s))}
+    steps_read = {k.step for s in committed for k in read_keys(store.steps.manifest(name, s)) if k.step != s}
+    assert steps_read, "no step reads an older one: the test would not exercise the links"
+    assert name != "cl-diff" or "delta" in kinds

@@ -251,6 +251,7 @@ class HostBackend(Backend):
         pin_calls: Any = None,
     ) -> None:
         self.root = Path(root)
+        self._root_s = str(self.root)
         if pin_bytes is None:
             pin_bytes = default_pin_bytes()
         self.pinner = Pinner(pin_bytes, pin_calls)
@@ -276,6 +277,11 @@ class HostBackend(Backend):
     def _path(self, name: str) -> Path:
         validate_object_name(name)
         return self.root / name
+
+    def _spath(self, name: str) -> str:
+        """:meth:`_path` as a str: the read paths' (pathlib costs more than their syscalls)."""
+        validate_object_name(name)
+        return f"{self._root_s}/{name}"
 
     def _tmp_path(self) -> str:
         # unique among every process sharing the tier: this backend's random token (a fork keeps it, so the pid
@@ -402,7 +408,7 @@ class HostBackend(Backend):
 
     def get(self, name: str) -> memoryview | bytes | None:
         """A read-only view of the object, holding a shared lock on it while alive; ``None`` if absent."""
-        path = self._path(name)
+        path = self._spath(name)
         for _ in range(_OPEN_RETRIES):
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -459,7 +465,7 @@ class HostBackend(Backend):
         (no page faults); any other has only the pages of the range mapped, their page tables filled at once
         (``MAP_POPULATE``: a fault per page costs more than the copy of it)."""
         check_range(offset, length)
-        path = self._path(name)
+        path = self._spath(name)
         for _ in range(_OPEN_RETRIES):
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -505,7 +511,7 @@ class HostBackend(Backend):
 
         Under a shared lock, as :meth:`get`: a segment being recycled is never read.
         """
-        path = self._path(name)
+        path = self._spath(name)
         for _ in range(_OPEN_RETRIES):
             try:
                 fd = os.open(path, os.O_RDONLY)

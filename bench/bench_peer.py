@@ -243,19 +243,20 @@ def bench_peer(mib: int, reps: int) -> None:
                     ratio = statistics.median(bound) / statistics.median(t[key])
                     label2 = f"PeerBackend.{label} {m} ({'xxh3' if v == 'v' else 'no verify'})"
                     print(f"{label2:44s} {_stats(t[key])}  {_gbps(nbytes, t[key]):5.2f} GB/s  x raw {ratio:4.2f}")
-        if has_tail:
-            print(f"\n== trailer check of a {mib} MiB copy on a peer (16 bytes), the same rounds ==")
+        partial = [  # the partial reads against the whole-object GET each did before, same rounds
+            (has_tail, f"trailer check of a {mib} MiB copy on a peer (16 bytes)", "tail",
+             "whole object by GET (before TAIL)", "PeerBackend.tail (TAIL)"),
+            (has_range, f"1 MiB from the middle of a {mib} MiB copy on a peer (a ranged read)", "range",
+             "whole object by GET, sliced (before RANGE)", "PeerBackend.get_range (RANGE)"),
+        ]
+        for present, title, key, old_label, new_label in partial:
+            if not present:
+                continue
+            print(f"\n== {title}, the same rounds ==")
             for m in modes:
-                before, now = t[f"tailget_{m}"], t[f"tail_{m}"]
-                print(f"{'whole object by GET (before TAIL) ' + m:44s} {_stats(before)}")
-                print(f"{'PeerBackend.tail (TAIL) ' + m:44s} {_stats(now)}  "
-                      f"{statistics.median(before) / statistics.median(now):7.0f}x faster")
-        if has_range:
-            print(f"\n== 1 MiB from the middle of a {mib} MiB copy on a peer (a ranged read), the same rounds ==")
-            for m in modes:
-                before, now = t[f"rangeget_{m}"], t[f"range_{m}"]
-                print(f"{'whole object by GET, sliced (before RANGE) ' + m:44s} {_stats(before)}")
-                print(f"{'PeerBackend.get_range (RANGE) ' + m:44s} {_stats(now)}  "
+                before, now = t[f"{key}get_{m}"], t[f"{key}_{m}"]
+                print(f"{old_label + ' ' + m:44s} {_stats(before)}")
+                print(f"{new_label + ' ' + m:44s} {_stats(now)}  "
                       f"{statistics.median(before) / statistics.median(now):7.0f}x faster")
         for p in peers.values():
             p.close()

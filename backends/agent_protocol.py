@@ -209,7 +209,7 @@ class Op:
     NAMES: ClassVar[dict[int, str]] = {1: "PUT", 2: "GET", 3: "DELETE", 4: "EXISTS", 5: "LIST", 6: "PING", 7: "LANE",
                                        8: "TAIL", 9: "RANGE"}
     #: the reads: their ``OK`` reply is followed by a payload
-    READS = frozenset({2, 5, 8, 9})
+    READS = frozenset({GET, LIST, TAIL, RANGE})
 
 
 class Status:

@@ -274,14 +274,13 @@ class HostBackend(Backend):
         self._closed = False
 
     # -- paths -------------------------------------------------------------------
-    def _path(self, name: str) -> Path:
-        validate_object_name(name)
-        return self.root / name
-
     def _spath(self, name: str) -> str:
-        """:meth:`_path` as a str: the read paths' (pathlib costs more than their syscalls)."""
+        """The object's file, a str: the read paths' (pathlib costs more than their syscalls)."""
         validate_object_name(name)
         return f"{self._root_s}/{name}"
+
+    def _path(self, name: str) -> Path:
+        return Path(self._spath(name))
 
     def _tmp_path(self) -> str:
         # unique among every process sharing the tier: this backend's random token (a fork keeps it, so the pid

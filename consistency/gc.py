@@ -280,10 +280,10 @@ def _expired(recs: list, kept: set[int]) -> list[int]:
 
 
 def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[ShardKey], *,
-           delete: Callable[[ShardKey, str], object], release: Callable[[ShardKey, ObjectRecord], bool],
-           drop: Callable[[str], object], retired_ok: Callable[[RetiredCopy], bool] | None = None,
-           report: GCReport | None = None, dry_run: bool = False,
-           delete_many: Callable[[list[tuple[ShardKey, str]]], object] | None = None) -> GCReport:
+           delete: Callable[[list[tuple[ShardKey, str]]], object],
+           release: Callable[[ShardKey, ObjectRecord], bool], drop: Callable[[str], object],
+           retired_ok: Callable[[RetiredCopy], bool] | None = None, report: GCReport | None = None,
+           dry_run: bool = False) -> GCReport:
     """Carry out ``plan`` on ``keys`` (the objects considered: a writer's own, or every object of ``model``).
 
     In this order: the records of the retired and collected steps (so no step is reported, or restored,
@@ -291,10 +291,9 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     it; the retired ones are counted in the model's retention note, which ``tierstore admin steps`` shows); their
     durable manifests (so an index rebuild can never resurrect a step whose objects are going); the
     memory copies of what only the durable tier keeps (``release``, only where the index records a
-    durable copy); the objects no kept step reaches (``delete``: from every tier and the index, while
-    the record still names the copy; with ``delete_many``, the same for a list of ``(key, name)`` at
-    once, after the releases: a step of thousands of objects in a few index round trips); then the
-    retired steps' durable manifests once more (one a migration wrote meanwhile).
+    durable copy); the objects no kept step reaches (``delete``, one call for all of them after the
+    releases, given ``(key, name)`` pairs: from every tier and the index, each while its record still names
+    that copy); then the retired steps' durable manifests once more (one a migration wrote meanwhile).
     Before all that, the copies of superseded steps older than the newest durable step of the live
     line (:mod:`consistency.retired`; those ``retired_ok`` accepts) go: ``drop(name)`` from every tier.
     """
@@ -335,12 +334,9 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
         report.deleted.append(str(key))
         report.bytes_freed += rec.size if rec else 0
         if not dry_run:
-            if delete_many is not None:
-                batch.append((key, rec.name if rec is not None else str(key)))
-            else:
-                delete(key, rec.name if rec is not None else str(key))
+            batch.append((key, rec.name if rec is not None else str(key)))
     if batch:
-        delete_many(batch)  # type: ignore[misc]
+        delete(batch)
     if not dry_run:
         # a migration that finished meanwhile may have written a durable manifest before the records went
         # (once they are gone, its own mark fails and it deletes what it wrote): delete it again
@@ -349,10 +345,9 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
 
 
 def collect(steps: StepProtocol, model: str, retention: Retention = Retention(), *,
-            delete: Callable[[ShardKey, str], object], release: Callable[[ShardKey, ObjectRecord], bool],
-            drop: Callable[[str], object], dry_run: bool = True, max_staleness: int = 0,
-            migrating: bool = False,
-            delete_many: Callable[[list[tuple[ShardKey, str]]], object] | None = None) -> GCReport:
+            delete: Callable[[list[tuple[ShardKey, str]]], object],
+            release: Callable[[ShardKey, ObjectRecord], bool], drop: Callable[[str], object],
+            dry_run: bool = True, max_staleness: int = 0, migrating: bool = False) -> GCReport:
     """Apply ``retention`` to every object of ``model`` (``tierstore admin gc``); see the module docstring.
 
     Steps still preparing past their timeout are aborted first. Decisions are taken on states the
@@ -360,9 +355,8 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
 
     Args:
         steps: the commit protocol (index, manifests, durable tier).
-        delete: ``delete(key, name)`` deletes the record of ``key`` if it still names the copy ``name``, then
-            that copy from every tier (a record replaced meanwhile is left alone).
-        delete_many: the same for a list of ``(key, name)`` at once (used instead of ``delete`` if given).
+        delete: ``delete([(key, name), ...])`` deletes the record of each ``key`` if it still names the copy
+            ``name``, then that copy from every tier (a record replaced meanwhile is left alone).
         release: ``release(key, record)`` drops the memory tiers' copies of ``key`` (its durable copy stays).
         drop: ``drop(name)`` deletes the copy ``name`` from every tier (a superseded step's).
         migrating: a migration to the durable tier runs: a committed step newer than the newest durable
@@ -377,8 +371,7 @@ def collect(steps: StepProtocol, model: str, retention: Retention = Retention(),
     keys = steps.index.list_objects(model)
     plan = plan_retention(steps, model, retention, max_staleness=max_staleness, objects=keys,
                           hold=(lambda r: r.memory_only is None) if migrating else None)
-    report = retire(steps, model, plan, keys, delete=delete, release=release, drop=drop, dry_run=dry_run,
-                    delete_many=delete_many)
+    report = retire(steps, model, plan, keys, delete=delete, release=release, drop=drop, dry_run=dry_run)
     held = set(plan.held)
     report.deferred = [str(k) for k in keys if k.step in held and plan.fate(k) == "keep"
                        and k not in plan.keep_memory and k not in plan.protected]

@@ -137,19 +137,9 @@ end
 return #KEYS
 """
 
-# Delete a record (and its member of objs), only while it names the copy ARGV[2] ('' : whatever it names).
-# KEYS: objs, obj. ARGV: objname, name. Returns 1 if deleted.
-_DELETE = """
-if ARGV[2] ~= '' then
-  local name = redis.call('HGET', KEYS[2], 'name') or ''
-  if redis.call('EXISTS', KEYS[2]) == 1 and name ~= '' and name ~= ARGV[2] then return 0 end
-end
-redis.call('ZREM', KEYS[1], ARGV[1])
-return redis.call('DEL', KEYS[2])
-"""
-
-# _DELETE for many records of one model at once. KEYS: objs, obj_1..obj_n. ARGV: objname_1, name_1, ...,
-# objname_n, name_n. Returns a list: 1 where that record was deleted.
+# Delete records (and their members of objs) of one model, each only while it names the copy asked for ('': whatever
+# it names). KEYS: objs, obj_1..obj_n. ARGV: objname_1, name_1, ..., objname_n, name_n. Returns a list: 1 where that
+# record was deleted.
 _DELETE_MANY = """
 local out = {}
 for i = 2, #KEYS do
@@ -243,10 +233,6 @@ class ObjectIndex(IndexClient):
     @cached_property
     def _tier(self) -> Any:
         return self._r.register_script(_TIER)
-
-    @cached_property
-    def _delete(self) -> Any:
-        return self._r.register_script(_DELETE)
 
     @cached_property
     def _delete_many(self) -> Any:
@@ -419,9 +405,7 @@ class ObjectIndex(IndexClient):
 
     def delete_object(self, key: ShardKey, *, name: str | None = None) -> bool:
         """Delete the record of ``key``; with ``name``, only while it names that copy. Returns whether it went."""
-        with translate_redis_errors(f"delete record of {key}", self.url):
-            return bool(self._delete(keys=[self._k(key.model, "objs"), self._k(key.model, "obj", self._objname(key))],
-                                     args=[self._objname(key), name or ""]))
+        return self.delete_objects([(key, name)])[0]
 
     def delete_objects(self, items: Sequence[tuple[ShardKey, str | None]]) -> list[bool]:
         """:meth:`delete_object` of each ``(key, name)``, in order, a script per model and up to

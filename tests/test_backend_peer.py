@@ -209,82 +209,71 @@ def _exchanges(monkeypatch) -> list[tuple[str, int, int]]:
     return seen
 
 
-def test_tail_moves_the_trailer_alone(cluster3, monkeypatch):
+@pytest.fixture
+def reader(cluster3):
+    """A client of cluster3's agents (replication 1, on node0); everything on the agents is wiped after."""
+    b = PeerBackend(cluster3.addresses, secret=cluster3.secret, replication=1, local_node_id="node0")
+    yield b
+    b.close()
+    _wipe(cluster3)
+
+
+def test_tail_moves_the_trailer_alone(reader, monkeypatch):
     """A trailer check on the peer tier (what resolve asks of every copy it does not read) moves the bytes it
     asks for, not the object: one TAIL exchange whose payload is 16 bytes, checksummed like a GET's."""
-    b = PeerBackend(cluster3.addresses, secret=cluster3.secret, replication=1, local_node_id="node0")
-    try:
-        data = os.urandom(2 << 20)
-        b.put("tail/x", data)
-        seen = _exchanges(monkeypatch)
-        assert b.tail("tail/x", 16) == data[-16:]
-        assert [e for e in seen if e[0] != "LANE"] == [("TAIL", 0, 16)]
-        assert b.tail("tail/missing", 16) is None
-        asked = [e for e in seen[1:] if e[0] != "LANE"]  # a new connection's lane opens with its first request
-        assert asked and all(op == "TAIL" and status == 1 and n == 0 for op, status, n in asked), seen
-    finally:
-        b.close()
-        _wipe(cluster3)
+    data = os.urandom(2 << 20)
+    reader.put("tail/x", data)
+    seen = _exchanges(monkeypatch)
+    assert reader.tail("tail/x", 16) == data[-16:]
+    assert [e for e in seen if e[0] != "LANE"] == [("TAIL", 0, 16)]
+    assert reader.tail("tail/missing", 16) is None
+    asked = [e for e in seen[1:] if e[0] != "LANE"]  # a new connection's lane opens with its first request
+    assert asked and all(op == "TAIL" and status == 1 and n == 0 for op, status, n in asked), seen
 
 
-def test_range_moves_the_slice_alone(cluster3, monkeypatch):
+def test_range_moves_the_slice_alone(reader, monkeypatch):
     """A ranged read on the peer tier (a resharded restore's slices) moves the bytes it asks for, not the object:
     one RANGE exchange each, checksummed like a GET's; short where the object ends sooner, empty past its end."""
-    b = PeerBackend(cluster3.addresses, secret=cluster3.secret, replication=1, local_node_id="node0")
-    try:
-        data = os.urandom(2 << 20)
-        b.put("range/x", data)
-        seen = _exchanges(monkeypatch)
-        assert bytes(b.get_range("range/x", 1000, 5000)) == data[1000:6000]
-        assert [e for e in seen if e[0] != "LANE"] == [("RANGE", 0, 5000)]
-        assert bytes(b.get_range("range/x", len(data) - 10, 100)) == data[-10:]
-        assert bytes(b.get_range("range/x", len(data) + 5, 10)) == b""
-        assert bytes(b.get_range("range/x", 0, len(data))) == data
-        assert b.get_range("range/missing", 0, 16) is None
-        asked = [(op, status, n) for op, status, n in seen if op != "LANE"]
-        assert asked[:4] == [("RANGE", 0, 5000), ("RANGE", 0, 10), ("RANGE", 0, 0), ("RANGE", 0, len(data))]
-        assert asked[4:] and all(e == ("RANGE", 1, 0) for e in asked[4:]), seen  # the miss: NOT_FOUND each
-    finally:
-        b.close()
-        _wipe(cluster3)
+    data = os.urandom(2 << 20)
+    reader.put("range/x", data)
+    seen = _exchanges(monkeypatch)
+    assert bytes(reader.get_range("range/x", 1000, 5000)) == data[1000:6000]
+    assert [e for e in seen if e[0] != "LANE"] == [("RANGE", 0, 5000)]
+    assert bytes(reader.get_range("range/x", len(data) - 10, 100)) == data[-10:]
+    assert bytes(reader.get_range("range/x", len(data) + 5, 10)) == b""
+    assert bytes(reader.get_range("range/x", 0, len(data))) == data
+    assert reader.get_range("range/missing", 0, 16) is None
+    asked = [(op, status, n) for op, status, n in seen if op != "LANE"]
+    assert asked[:4] == [("RANGE", 0, 5000), ("RANGE", 0, 10), ("RANGE", 0, 0), ("RANGE", 0, len(data))]
+    assert asked[4:] and all(e == ("RANGE", 1, 0) for e in asked[4:]), seen  # the miss: NOT_FOUND each
 
 
-def test_range_from_an_agent_without_it_reads_the_object(cluster3, monkeypatch):
+def test_range_from_an_agent_without_it_reads_the_object(reader, monkeypatch):
     """An agent from before RANGE answers UNKNOWN_OP (the client asks with an op number no agent knows); the
     client then reads the whole object by GET and returns the slice: the same answers."""
     from backends import agent_protocol as P
 
-    b = PeerBackend(cluster3.addresses, secret=cluster3.secret, replication=1, local_node_id="node0")
-    try:
-        data = os.urandom(100_000)
-        b.put("range/old", data)
-        monkeypatch.setattr(P.Op, "RANGE", 99)
-        seen = _exchanges(monkeypatch)
-        assert bytes(b.get_range("range/old", 10, 20)) == data[10:30]
-        assert [(op, status) for op, status, _ in seen if op != "LANE"] == [("99", P.Status.UNKNOWN_OP),
-                                                                            ("GET", P.Status.OK)]
-        assert b.get_range("range/gone", 0, 16) is None
-    finally:
-        b.close()
-        _wipe(cluster3)
+    data = os.urandom(100_000)
+    reader.put("range/old", data)
+    monkeypatch.setattr(P.Op, "RANGE", 99)
+    seen = _exchanges(monkeypatch)
+    assert bytes(reader.get_range("range/old", 10, 20)) == data[10:30]
+    assert [(op, status) for op, status, _ in seen if op != "LANE"] == [("99", P.Status.UNKNOWN_OP),
+                                                                        ("GET", P.Status.OK)]
+    assert reader.get_range("range/gone", 0, 16) is None
 
 
-def test_tail_from_an_agent_without_it_reads_the_object(cluster3, monkeypatch):
+def test_tail_from_an_agent_without_it_reads_the_object(reader, monkeypatch):
     """An agent from before TAIL answers UNKNOWN_OP (here: the client asks with an op number no agent knows);
     the client then reads the whole object by GET and returns its last bytes: the same answers."""
     from backends import agent_protocol as P
 
-    b = PeerBackend(cluster3.addresses, secret=cluster3.secret, replication=1, local_node_id="node0")
-    try:
-        data = os.urandom(100_000)
-        b.put("tail/old", data)
-        monkeypatch.setattr(P.Op, "TAIL", 99)
-        seen = _exchanges(monkeypatch)
-        assert b.tail("tail/old", 16) == data[-16:]
-        assert [(op, status) for op, status, _ in seen if op != "LANE"] == [("99", P.Status.UNKNOWN_OP),
-                                                                            ("GET", P.Status.OK)]
-        assert b.tail("tail/old", 0) == b""
-        assert b.tail("tail/gone", 16) is None
-    finally:
-        b.close()
-        _wipe(cluster3)
+    data = os.urandom(100_000)
+    reader.put("tail/old", data)
+    monkeypatch.setattr(P.Op, "TAIL", 99)
+    seen = _exchanges(monkeypatch)
+    assert reader.tail("tail/old", 16) == data[-16:]
+    assert [(op, status) for op, status, _ in seen if op != "LANE"] == [("99", P.Status.UNKNOWN_OP),
+                                                                        ("GET", P.Status.OK)]
+    assert reader.tail("tail/old", 0) == b""
+    assert reader.tail("tail/gone", 16) is None

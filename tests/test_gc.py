@@ -124,7 +124,7 @@ def test_a_batched_delete_leaves_a_record_that_names_another_copy(store):
     a, b = step_keys(1)[:2]
     rec_a, rec_b = store.info(a), store.info(b)
     absent = ShardKey(M, "nope", 1, 0)
-    got = store._collect_many([(a, rec_a.name), (b, rec_b.name + "-other"), (absent, "x")])
+    got = store._collect([(a, rec_a.name), (b, rec_b.name + "-other"), (absent, "x")])
     assert got == [True, False, False]
     assert gone(store, a)
     assert present(store, b) and store.info(b).name == rec_b.name

@@ -20,7 +20,7 @@ import torch
 
 import tierstore
 from tests._ranks import run_ranks
-from tests.test_restore_verify import _flip_key, _model, _same, _snapshot, _step, _train_and_save
+from tests.test_restore_verify import _flip_key, _model, _same, _save_next_and_part, _snapshot, _step, _train_and_save
 from tierstore import codec
 from tierstore.train.checkpointer import Checkpointer
 
@@ -124,15 +124,7 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     ck2 = Checkpointer(store, "two", m2, o2)
     result = {"restored": ck2.restore(verify="in_pass").step}
     result["state"] = _same(_snapshot(m2, o2), saved[result["restored"]])
-    _step(m2, o2, 2)
-    ck2.save(2)
-    result["next"] = ck2.wait()
-    ck2.close()
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    store.close()
-    dist.destroy_process_group()
+    _save_next_and_part(store, ck2, m2, o2, result, out, rank)
 
 
 def test_two_gloo_ranks_one_bad_copy_every_rank_resolves_again_and_restores_the_older_step(tmp_path):

@@ -19,7 +19,7 @@ import sys
 import tierstore
 from tests._ranks import run_ranks
 from tests._tiers import live_name
-from tests.test_restore_verify import _model, _same, _snapshot, _step, _train_and_save
+from tests.test_restore_verify import _model, _part, _same, _save_next_and_part, _snapshot, _train_and_save
 from tierstore.keys import ShardKey
 from tierstore.train.checkpointer import Checkpointer
 
@@ -56,15 +56,7 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     dist.barrier()
     ck2, m2, o2, step, checked = _restore_counting_checks(store, "shares")
     result: dict = {"restored": step, "state": _same(_snapshot(m2, o2), saved[step]), "checked": checked}
-    _step(m2, o2, 2)
-    ck2.save(2)
-    result["next"] = ck2.wait()
-    ck2.close()
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    store.close()
-    dist.destroy_process_group()
+    _save_next_and_part(store, ck2, m2, o2, result, out, rank)
 
 
 def elastic_worker(mode: str, rank: int, port: int, home: str, out: str) -> None:
@@ -76,6 +68,7 @@ def elastic_worker(mode: str, rank: int, port: int, home: str, out: str) -> None
     world = 2 if mode == "save" else 3
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     store = tierstore.open(home=home, durable="none")
+    result = None
     if mode == "save":
         saved = _train_and_save(store, "elastic", 4, seed=rank)
         torch.save(saved[2], f"{out}.saved2.{rank}.pt")
@@ -87,11 +80,7 @@ def elastic_worker(mode: str, rank: int, port: int, home: str, out: str) -> None
         want = torch.load(f"{out}.saved2.{rank % 2}.pt", weights_only=True)
         result = {"restored": step, "state": _same(_snapshot(m2, o2), want), "checked": checked}
         ck2.close()
-        with open(f"{out}.{rank}.json", "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    store.close()
-    dist.destroy_process_group()
+    _part(store, out, rank, result)
 
 
 def test_three_ranks_restoring_two_ranks_checkpoint_share_the_checks_and_fall_back_together(tmp_path):

@@ -63,6 +63,30 @@ def _train_and_save(store, name: str, steps: int, device: str = "cpu", seed: int
     return saved
 
 
+def _part(store, out: str, rank: int, result: dict | None = None) -> None:
+    """A rank worker's end: its ``result`` written to ``out.<rank>.json`` (if any), then every rank parts."""
+    import json
+
+    import torch.distributed as dist
+
+    if result is not None:
+        with open(f"{out}.{rank}.json", "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    store.close()
+    dist.destroy_process_group()
+
+
+def _save_next_and_part(store, ck, m: nn.Module, opt: torch.optim.Optimizer, result: dict, out: str,
+                        rank: int) -> None:
+    """The step after a restore run and saved by ``ck`` (its verdict: ``result["next"]``), then :func:`_part`."""
+    _step(m, opt, 2)
+    ck.save(2)
+    result["next"] = ck.wait()
+    ck.close()
+    _part(store, out, rank, result)
+
+
 def _flip_key(store, key) -> None:
     """Flip one byte in the middle of the largest tensor's data in ``key``'s host copy (trailer and table
     intact: only the checksum over the whole copy can tell)."""
@@ -266,8 +290,6 @@ def test_cuda_a_flipped_host_byte_never_reaches_an_update(store):
 
 
 def worker(rank: int, port: int, home: str, out: str) -> None:
-    import json
-
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -297,15 +319,7 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
         result["refused"] = True
         result["again"] = e.fields["step"]
     result["verified_state"] = _same(_snapshot(m2, o2), saved)
-    _step(m2, o2, 2)  # the step run again goes through on both ranks
-    ck2.save(2)
-    result["next"] = ck2.wait()
-    ck2.close()
-    with open(f"{out}.{rank}.json", "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    store.close()
-    dist.destroy_process_group()
+    _save_next_and_part(store, ck2, m2, o2, result, out, rank)  # the step run again goes through on both ranks
 
 
 def test_two_gloo_ranks_one_bad_copy_every_rank_refuses_the_update(tmp_path):

@@ -159,19 +159,10 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
                 return True
         return True  # every record read was deleted, but puts of the key keep replacing it
 
-    def _collect(self, key: ShardKey, name: str) -> bool:
-        """Delete the record of ``key`` if it still names the copy ``name``, then that copy (garbage collection).
-
-        A record replaced meanwhile (a new write of the key) is left alone, and so is its copy.
-        """
-        if not self.index.delete_object(key, name=name):
-            return False
-        self._drop_copy(name)
-        return True
-
-    def _collect_many(self, items: list[tuple[ShardKey, str]]) -> list[bool]:
-        """:meth:`_collect` of each ``(key, name)``: the records in a few index scripts, then the copies whose
-        record went (a record replaced meanwhile is left alone, and so is its copy)."""
+    def _collect(self, items: builtins.list[tuple[ShardKey, str]]) -> builtins.list[bool]:
+        """For each ``(key, name)``: delete the record of ``key`` if it still names the copy ``name``, then that
+        copy (garbage collection); the records in a few index scripts. A record replaced meanwhile (a new
+        write of the key) is left alone, and so is its copy. Returns whether each record went."""
         gone = self.index.delete_objects(items)
         for (_key, name), went in zip(items, gone):
             if went:
@@ -339,8 +330,7 @@ class TierStore(WritePath, ReadPath, RangedReadPath):
         a later pass (their objects reported as deferred). A local durable directory's temp files older
         than an hour (interrupted writes) are removed too (``temp_removed``).
         """
-        report = collect(self.steps, model, retention or Retention(), delete=self._collect,
-                         delete_many=self._collect_many, release=self.release,
+        report = collect(self.steps, model, retention or Retention(), delete=self._collect, release=self.release,
                          drop=self._drop_copy, dry_run=dry_run, max_staleness=max_staleness,
                          migrating=self.durable is not None and self.config.migrate)
         sweep = getattr(self.durable, "cleanup_temp", None)  # a local durable directory's interrupted writes

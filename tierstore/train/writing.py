@@ -195,6 +195,6 @@ def _retain(store: Any, model: str, rank: int, keep_last: int, max_staleness: in
         for s in [s for s in manifests if s < plan.kept[0]]:
             del manifests[s]
     retire(store.steps, model, plan, [k for k in objects if k.rank == rank], delete=store._collect,
-           delete_many=store._collect_many, release=store.release, drop=store._drop_copy,
+           release=store.release, drop=store._drop_copy,
            retired_ok=lambda c: c.key.rank == rank if c.key is not None else rank == 0)
     return signature

@@ -17,6 +17,7 @@ record script refuses to replace an object a standing reader pins (``READERS`` i
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from consistency.manifest import complete_entries
@@ -28,8 +29,20 @@ if TYPE_CHECKING:
 __all__ = ["closure", "is_closed", "reachable", "read_keys", "read_steps", "readers_of", "required_steps"]
 
 
-def read_keys(m: Mapping[str, Any]) -> set[ShardKey]:
+class _Cached(dict):
+    """A parsed manifest kept in a caller's cache (see :func:`required_steps`), its complete set parsed once:
+    the set holds every rank's objects, so parsing it at every retention pass cost each rank time
+    proportional to the world."""
+
+    read: frozenset[ShardKey] | None = None
+
+
+def read_keys(m: Mapping[str, Any]) -> AbstractSet[ShardKey]:
     """The objects a restore of a manifest's step reads, from the manifest alone (its complete set)."""
+    if isinstance(m, _Cached):
+        if m.read is None:
+            m.read = frozenset(ShardKey.parse(o["key"]) for o in complete_entries(m))
+        return m.read
     return {ShardKey.parse(o["key"]) for o in complete_entries(dict(m))}
 
 
@@ -68,7 +81,7 @@ def _manifest(steps: Any, model: str, step: int, cache: dict[int, dict] | None) 
     if m is None:
         m = steps.manifest(model, step)
         if m is not None:  # a committed step's manifest never changes while its writer's epoch lasts
-            cache[step] = m
+            m = cache[step] = _Cached(m)
     return m
 
 

@@ -219,7 +219,10 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
         hold: ``hold(record)`` for a committed step newer than the newest durable step: its migration may
             still finish, so it is not retired by this pass.
         cache: parsed manifests by step (see :func:`required_steps`).
-        objects: every object of ``model`` in the index (default: list them).
+        objects: every object of ``model`` in the index (default: list them); or one rank's own, where every
+            link of ``model`` is rank-local (:meth:`~consistency.objects.ObjectIndex.list_rank_objects`): the
+            objects of its steps in flight, and what they reach, are what the plan protects, and only that
+            rank's objects may be retired with it.
     """
     recs = steps.records(model) if records is None else records
     state = {r.step: r.state for r in recs}

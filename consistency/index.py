@@ -7,6 +7,11 @@ several of them stay atomic there. The schema (``m`` is the model name)::
     ts:models                      SET    model names
     ts:{m}:epoch                   STRING the job's current epoch (fencing)
     ts:{m}:objs                    ZSET   "layer/step/rank" scored by step
+    ts:{m}:byrank                  ZSET   "<rank>/layer/step/rank", all scored 0: the same objects, one
+                                          rank's a ZRANGEBYLEX (retention lists its own rank's alone)
+    ts:{m}:xlinks                  STRING "1" once a record links otherwise than rank-locally (a ref to
+                                          another step, a delta on another rank or on a ref): retention
+                                          then lists every rank's objects (ObjectIndex.list_rank_objects)
     ts:{m}:obj:<layer>/<step>/<rank>
                                    HASH   kind, size, checksum, base, target, epoch,
                                           created, name (the live copy's physical name),

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from consistency.client import MODELS, IndexClient, _s, translate_redis_errors
-from consistency.scripts import OWNER_CHECK, READERS
+from consistency.scripts import BYRANK, OWNER_CHECK, READERS
 from tierstore.errors import InvalidValueError, TierStoreError
 from tierstore.keys import ShardKey, object_name, validate_name
 
@@ -33,11 +33,11 @@ KINDS = ("full", "delta", "ref")
 # create-once; and refuse a
 # write for a step another writer's attempt holds (see CLAIM in consistency.scripts). The copy of a record
 # replaced in a superseded step, or one a superseded step read, is moved to the retired set (consistency.retired),
-# not returned. KEYS: epoch,
-# objs, obj, step (the key's step record), retired. ARGV: epoch, objname, step, kind, size, checksum, base, target, created, name,
-# restore ("1": re-recording what a durable manifest proves), attempt token ('' for none), tier... Returns the
+# not returned. The rank listing and the mark of links are kept with it (BYRANK). KEYS: epoch, objs, obj, step (the
+# key's step record), retired, byrank, xlinks. ARGV: epoch, objname, step, kind, size, checksum, base, target,
+# created, name, restore ("1": re-recording what a durable manifest proves), attempt token ('' for none), tier... Returns the
 # physical name of the copy the old record named ('' if none, '=' if that is the same copy).
-_RECORD = OWNER_CHECK + READERS + """
+_RECORD = OWNER_CHECK + READERS + BYRANK + """
 local superseded_reader = false
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ep = tonumber(ARGV[1])
@@ -77,8 +77,17 @@ if old ~= '' and old ~= '=' and old ~= '-' and (superseded_reader or redis.call(
              size = tonumber(redis.call('HGET', KEYS[3], 'size') or '0'), what = 'object'}))
   old = ''
 end
+local was = redis.call('HGET', KEYS[3], 'kind')
 redis.call('DEL', KEYS[3])
 redis.call('ZADD', KEYS[2], tonumber(ARGV[3]), ARGV[2])
+redis.call('ZADD', KEYS[6], 0, byrank(ARGV[2]))
+local prefix = string.sub(KEYS[3], 1, #KEYS[3] - #ARGV[2])
+local model = string.match(KEYS[1], '^ts:{(.*)}:epoch$')
+-- a ref replacing a copy that was not one: a delta recorded on that copy now rests on a ref
+if not links_local(prefix, model, ARGV[2], ARGV[3], ARGV[4], ARGV[7], ARGV[8])
+    or (ARGV[4] == 'ref' and was and was ~= 'ref') then
+  redis.call('SET', KEYS[7], '1')
+end
 redis.call('HSET', KEYS[3], 'kind', ARGV[4], 'size', ARGV[5], 'checksum', ARGV[6], 'base', ARGV[7],
            'target', ARGV[8], 'epoch', ARGV[1], 'created', ARGV[9], 'name', ARGV[10])
 if old == '=' and #pins > 0 then redis.call('HSET', KEYS[3], unpack(pins)) end
@@ -88,7 +97,7 @@ return old
 
 # Several records in one call, in order, each exactly as _RECORD would record it alone, stopping at the first
 # it refuses (those before it stay recorded: a script's writes before an error reply are kept, as n calls of
-# _RECORD would have left them). KEYS: _RECORD's five per record. ARGV: n, then per record its count of
+# _RECORD would have left them). KEYS: _RECORD's seven per record. ARGV: n, then per record its count of
 # arguments and _RECORD's arguments. Returns {'ok', old...} or {'err', reply, old...} (the olds of those recorded).
 _RECORD_MANY = "local function record_one(KEYS, ARGV)\n" + _RECORD + """
 end
@@ -100,7 +109,9 @@ for i = 0, n - 1 do
   local args = {}
   for j = 1, c do args[j] = ARGV[a + j] end
   a = a + c + 1
-  local r = record_one({KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3], KEYS[5 * i + 4], KEYS[5 * i + 5]}, args)
+  local ks = {}
+  for j = 1, 7 do ks[j] = KEYS[7 * i + j] end
+  local r = record_one(ks, args)
   if type(r) == 'table' and r.err then return {'err', r.err, unpack(out)} end
   out[#out + 1] = r
 end
@@ -137,13 +148,13 @@ end
 return #KEYS
 """
 
-# Delete records (and their members of objs) of one model, each only while it names the copy asked for ('': whatever
-# it names). KEYS: objs, obj_1..obj_n. ARGV: objname_1, name_1, ..., objname_n, name_n. Returns a list: 1 where that
-# record was deleted.
-_DELETE_MANY = """
+# Delete records (and their members of objs and byrank) of one model, each only while it names the copy asked for
+# ('': whatever it names). KEYS: objs, byrank, obj_1..obj_n. ARGV: objname_1, name_1, ..., objname_n, name_n.
+# Returns a list: 1 where that record was deleted.
+_DELETE_MANY = BYRANK + """
 local out = {}
-for i = 2, #KEYS do
-  local objname, want = ARGV[2 * i - 3], ARGV[2 * i - 2]
+for i = 3, #KEYS do
+  local objname, want = ARGV[2 * i - 5], ARGV[2 * i - 4]
   local keep = false
   if want ~= '' then
     local name = redis.call('HGET', KEYS[i], 'name') or ''
@@ -153,12 +164,41 @@ for i = 2, #KEYS do
     out[#out + 1] = 0
   else
     redis.call('ZREM', KEYS[1], objname)
+    redis.call('ZREM', KEYS[2], byrank(objname))
     out[#out + 1] = redis.call('DEL', KEYS[i])
   end
 end
 return out
 """
 _DELETE_BATCH = 256  # records per _DELETE_MANY script
+
+# One rank's objects: {xlinks, member...} from byrank while it holds as many members as objs, else {'stale'}.
+# KEYS: objs, byrank, xlinks. ARGV: min, max (ZRANGEBYLEX).
+_LIST_RANK = """
+if redis.call('ZCARD', KEYS[1]) ~= redis.call('ZCARD', KEYS[2]) then return {'stale'} end
+local out = {redis.call('GET', KEYS[3]) or '0'}
+for _, m in ipairs(redis.call('ZRANGEBYLEX', KEYS[2], ARGV[1], ARGV[2])) do out[#out + 1] = m end
+return out
+"""
+
+# Rebuild byrank from objs, and the xlinks mark from every record (an index written before byrank existed, or
+# one another version of tierstore wrote to). KEYS: objs, byrank, xlinks. ARGV: the model's key prefix
+# ("ts:{m}:obj:"), the model.
+_BYRANK_REBUILD = BYRANK + """
+redis.call('DEL', KEYS[2])
+local mark = false
+local names = redis.call('ZRANGE', KEYS[1], 0, -1)
+for _, n in ipairs(names) do
+  redis.call('ZADD', KEYS[2], 0, byrank(n))
+  if not mark then
+    local h = redis.call('HMGET', ARGV[1] .. n, 'kind', 'base', 'target')
+    local step = string.match(n, '/([^/]+)/[^/]+$')
+    if h[1] and not links_local(ARGV[1], ARGV[2], n, step, h[1], h[2], h[3]) then mark = true end
+  end
+end
+if mark then redis.call('SET', KEYS[3], '1') end
+return #names
+"""
 
 
 @dataclass(frozen=True)
@@ -239,6 +279,14 @@ class ObjectIndex(IndexClient):
         return self._r.register_script(_DELETE_MANY)
 
     @cached_property
+    def _list_rank(self) -> Any:
+        return self._r.register_script(_LIST_RANK)
+
+    @cached_property
+    def _byrank_rebuild(self) -> Any:
+        return self._r.register_script(_BYRANK_REBUILD)
+
+    @cached_property
     def _pin(self) -> Any:
         return self._r.register_script(_PIN)
 
@@ -285,7 +333,8 @@ class ObjectIndex(IndexClient):
                 self._listed.add(m)
             old = _s(self._record(
                 keys=[self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
-                      self._k(m, "step", key.step), self._k(m, "retired")],
+                      self._k(m, "step", key.step), self._k(m, "retired"), self._k(m, "byrank"),
+                      self._k(m, "xlinks")],
                 args=[
                     -1 if epoch is None else epoch,
                     self._objname(key),
@@ -330,7 +379,8 @@ class ObjectIndex(IndexClient):
             base, target = entry.get("base"), entry.get("target")
             epoch, attempt = entry.get("epoch"), entry.get("attempt")
             keys += [self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
-                     self._k(m, "step", key.step), self._k(m, "retired")]
+                     self._k(m, "step", key.step), self._k(m, "retired"), self._k(m, "byrank"),
+                     self._k(m, "xlinks")]
             one = [-1 if epoch is None else epoch, self._objname(key), key.step, entry["kind"], entry["size"],
                    entry["checksum"], str(base) if base else "", str(target) if target else "",
                    repr(time.time()), entry.get("name") or str(key), "1" if entry.get("restore") else "0",
@@ -418,7 +468,7 @@ class ObjectIndex(IndexClient):
             for model, idx in by_model.items():  # one model's keys share a slot
                 for lo in range(0, len(idx), _DELETE_BATCH):
                     part = idx[lo:lo + _DELETE_BATCH]
-                    keys, args = [self._k(model, "objs")], []
+                    keys, args = [self._k(model, "objs"), self._k(model, "byrank")], []
                     for i in part:
                         key, name = items[i]
                         objname = self._objname(key)
@@ -459,3 +509,33 @@ class ObjectIndex(IndexClient):
                 continue
             out.append(ShardKey(model, lay, int(st), int(rk)))
         return sorted(out, key=lambda k: (k.layer, k.step, k.rank))
+
+    def list_rank_objects(self, model: str, rank: int) -> tuple[list[ShardKey], bool]:
+        """The keys of ``rank``'s objects of ``model`` (sorted as :meth:`list_objects`), read from the rank
+        listing (``ts:{m}:byrank``) in one round trip whatever the world size, and whether every link recorded
+        for ``model`` is *rank-local*: a ref names an object of its own step, a delta one of its own rank that
+        is not a ref.
+
+        Where they are, an object of another rank reaches one of ``rank``'s only through a ref within a step,
+        so retention may protect what the steps in flight read from ``rank``'s own objects of those steps (see
+        :func:`consistency.gc.plan_retention`). A record linking otherwise marks the model for good (the mark
+        is never cleared: the cost is a listing of every rank's objects, never a deleted object).
+
+        A rank listing that does not hold as many members as the model's (an index written before it existed,
+        or by another version) is rebuilt from it first, with the mark, in one script.
+        """
+        validate_name(model, "model")
+        keys = [self._k(model, "objs"), self._k(model, "byrank"), self._k(model, "xlinks")]
+        lo, hi = f"[{rank}/", f"({rank}0"  # "<rank>/..." sorts below "<rank>0": ord("/") + 1 == ord("0")
+        with translate_redis_errors(f"list rank {rank}'s objects of {model}", self.url):
+            reply = [_s(v) for v in self._list_rank(keys=keys, args=[lo, hi])]
+            if reply == ["stale"]:
+                self._byrank_rebuild(keys=keys, args=[self._k(model, "obj", ""), model])
+                reply = [_s(v) for v in self._list_rank(keys=keys, args=[lo, hi])]
+        if reply == ["stale"]:  # written to between the two scripts, by a writer that keeps no rank listing
+            return [k for k in self.list_objects(model) if k.rank == rank], False
+        out = []
+        for n in reply[1:]:
+            _rk, lay, st, rk = n.split("/")  # type: ignore[union-attr]
+            out.append(ShardKey(model, lay, int(st), int(rk)))
+        return sorted(out, key=lambda k: (k.layer, k.step, k.rank)), reply[0] != "1"

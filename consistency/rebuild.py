@@ -172,7 +172,9 @@ def rebuild_index(steps: StepProtocol, model: str | None = None, *, host: Backen
             report.skipped[name] = f"{len(missing)} object(s) missing from the durable tier, e.g. {missing[0]}"
             steps.record_unrebuildable(m_name, step, report.skipped[name])
             continue
-        for o in entries:
+        # oldest first: a delta's base is recorded before it (see BYRANK in consistency.scripts: a delta on a
+        # record not there yet marks the model's links as leaving a rank)
+        for o in sorted(entries, key=lambda o: ShardKey.parse(o["key"]).step):
             _record(steps, durable, host, o)
         report.objects += len(entries)
         steps.restore_durable(m_name, m)

@@ -27,16 +27,17 @@ from typing import Any
 
 from consistency.client import _s, translate_redis_errors
 from consistency.objects import ObjectIndex
+from consistency.scripts import BYRANK
 from tierstore.keys import ShardKey
 
 __all__ = ["RetiredCopy", "RetiredIndex"]
 
 # Move records of one step into the retired set, each only while it names the copy given. KEYS: objs,
-# retired, obj... ARGV: step, then per obj key: objname, name. Returns how many moved.
-_RETIRE = """
+# retired, byrank, obj... ARGV: step, then per obj key: objname, name. Returns how many moved.
+_RETIRE = BYRANK + """
 local moved = 0
-for i = 3, #KEYS do
-  local objname, name = ARGV[2 * (i - 2)], ARGV[2 * (i - 2) + 1]
+for i = 4, #KEYS do
+  local objname, name = ARGV[2 * (i - 3)], ARGV[2 * (i - 3) + 1]
   if redis.call('HGET', KEYS[i], 'name') == name then
     local tiers = {}
     for _, f in ipairs(redis.call('HKEYS', KEYS[i])) do
@@ -47,6 +48,7 @@ for i = 3, #KEYS do
                                                     size = size, what = 'object'}))
     redis.call('DEL', KEYS[i])
     redis.call('ZREM', KEYS[1], objname)
+    redis.call('ZREM', KEYS[3], byrank(objname))
     moved = moved + 1
   end
 end
@@ -78,7 +80,7 @@ class RetiredIndex(ObjectIndex):
         while its record still names that copy. Returns how many moved."""
         if not copies:
             return 0
-        keys = [self._k(model, "objs"), self._k(model, "retired")]
+        keys = [self._k(model, "objs"), self._k(model, "retired"), self._k(model, "byrank")]
         args: list[Any] = [step]
         for key, name in copies:
             keys.append(self._k(model, "obj", self._objname(key)))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from consistency.manifest import MANIFEST_VERSION
 
-__all__ = ["BEGIN", "CLAIM", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED", "OWNER_CHECK",
-           "READERS", "RENEW", "SUPERSEDE", "VOTE"]
+__all__ = ["BEGIN", "BYRANK", "CLAIM", "DURABLE", "EXPIRE", "JOIN_EPOCH", "MEMORY_ONLY", "MIGRATED",
+           "OWNER_CHECK", "READERS", "RENEW", "SUPERSEDE", "VOTE"]
 
 # Time is the server's (TIME) unless the caller injects its own clock: every script takes "now" as its
 # last ARGV, a negative value meaning "ask the server".
@@ -366,6 +366,30 @@ local function readers(obj, stepkey)
     end
   end
   return nil, aside
+end
+"""
+
+# The rank listing (ts:{m}:byrank, members "<rank>/<layer>/<step>/<rank>", all scored 0, so that one rank's
+# objects are a ZRANGEBYLEX) and the mark (ts:{m}:xlinks) of a link that retention's rank-local pass cannot see
+# through (see consistency.objects.ObjectIndex.list_rank_objects). links_local reads the base record of a delta,
+# a key no script declares: it is in the model's slot (its prefix is the record's own).
+BYRANK = """
+local function byrank(objname)
+  return string.match(objname, '([^/]+)$') .. '/' .. objname
+end
+-- whether a record of objname (at step) links only as retention's rank-local pass assumes: a ref names the
+-- same step of this model, a delta the same rank of this model, on a recorded copy that is not a ref
+local function links_local(prefix, model, objname, step, kind, base, target)
+  if kind == 'ref' then
+    local m, _, s = string.match(target or '', '^(.+)/([^/]+)/([^/]+)/([^/]+)$')
+    return m == model and s == tostring(step)
+  elseif kind == 'delta' then
+    local m, l, s, r = string.match(base or '', '^(.+)/([^/]+)/([^/]+)/([^/]+)$')
+    if m ~= model or r ~= string.match(objname, '([^/]+)$') then return false end
+    local bk = redis.call('HGET', prefix .. l .. '/' .. s .. '/' .. r, 'kind')
+    return bk ~= false and bk ~= 'ref'
+  end
+  return true
 end
 """
 

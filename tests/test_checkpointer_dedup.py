@@ -51,6 +51,8 @@ def worker(rank: int, port: int, home: str, out: str) -> None:
     train(model, opt, 0, 5, rank=rank, world_size=2, batch_size=4, on_step=lambda s, _l: ck.save(s))
     result["dp_outcome"] = ck.wait()
     result["dp_objects"] = ck.stats.objects
+    # refs within a step and deltas on the rank's own copies: retention keeps to this rank's listing
+    result["dp_rank_local"] = store.index.list_rank_objects("dp", rank)[1]
     ck.close()
     m2, o2 = make_model(cfg, seed=3)
     ck2 = Checkpointer(store, "dp", m2, o2, pol)
@@ -95,7 +97,7 @@ def test_dedup_two_ranks(tmp_path):
     assert [p.wait(timeout=240) for p in procs] == [0, 0]
     res = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
     for r in res:
-        assert r["dp_outcome"] == "committed" and r["dp_restored"] == 4 and r["dp_equal"]
+        assert r["dp_outcome"] == "committed" and r["dp_restored"] == 4 and r["dp_equal"] and r["dp_rank_local"]
         assert r["zero_outcome"] == "committed" and r["zero_restored"] == 2 and r["zero_equal"]
     # data parallel: every layer written once (owners balanced across ranks), the other rank refs it
     refs = sum(r["dp_objects"]["ref"] for r in res)

@@ -179,6 +179,8 @@ def test_models_on_every_primary_commit_restore_collect_and_rebuild(redis_cluste
             report = store.gc(model, dry_run=False)
             assert report.dropped_steps == [1] and all(k.split("/")[2] == "1" for k in report.deleted)
             assert [s for s, _ in store.steps.steps(model)] == [2, 3]
+            for r in range(2):  # retention's rank listing, kept by the record and delete scripts in the slot
+                assert store.index.list_rank_objects(model, r) == ([k for k in store.list(model) if k.rank == r], True)
         assert set(stores[0].models()) == set(models)  # ts:models lives outside every model slot
         # lose the index (every primary), rebuild it from the durable manifests
         stores[0].index._r.flushall()
@@ -187,6 +189,12 @@ def test_models_on_every_primary_commit_restore_collect_and_rebuild(redis_cluste
             assert report.restored[model] == [2, 3]
             store.open_epoch(model)
             check_restore(store, model, 3)
+            # rebuilt in step order: no delta recorded before its base, so the model stays unmarked; a delta's
+            # base record (a key its script reads undeclared, in the model's slot) is read on the cluster
+            store.index.record_object(ShardKey(model, "emb", 4, 1), kind="delta", base=ShardKey(model, "emb", 3, 1),
+                                      size=1, checksum="c", tiers=["host"])
+            for r in range(2):
+                assert store.index.list_rank_objects(model, r) == ([k for k in store.list(model) if k.rank == r], True)
         assert all(slots_seen[m] == {key_slot(f"{{{m}}}".encode())} for m in models)
         after = errorstats(cl)
         for kind in ("errorstat_CROSSSLOT", "errorstat_MOVED", "errorstat_ASK"):

@@ -185,7 +185,11 @@ def _retain(store: Any, model: str, rank: int, keep_last: int, max_staleness: in
         # now made it never durable; held only until a newer step is durable)
         return rec.step in busy or (0 < rec.migrated and rec.memory_only is None)
 
-    objects = store.list(model)
+    # this rank's objects alone (one listing whatever the world size), unless a record links otherwise than
+    # rank-locally: then what every rank's steps in flight read is protected (ObjectIndex.list_rank_objects)
+    objects, local = store.index.list_rank_objects(model, rank)
+    if not local:
+        objects = store.list(model)
     plan = plan_retention(store.steps, model, Retention(keep_last=max(1, keep_last)), max_staleness=max_staleness,
                           floor=floor, hold=hold, cache=manifests, objects=objects)
     signature = (tuple(plan.memory), tuple(plan.durable), tuple(plan.retired), tuple(plan.aborted))

@@ -84,8 +84,8 @@ def sample() -> tuple[int, int]:
 
 def rank_main(a: argparse.Namespace) -> dict[str, Any]:
     from tierstore.errors import TierStoreError
-    from tierstore.testing.faults import FaultPlan, FaultRule, install, plan_from_env
     from tierstore.keys import ShardKey
+    from tierstore.testing.faults import FaultPlan, FaultRule, install, plan_from_env
 
     home = Path(a.home)
     tensors(0, a.rank, LAYERS[0])  # torch imported and warm before the clock starts (the store imports it lazily)

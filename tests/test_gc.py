@@ -12,8 +12,8 @@ from consistency.manifest import durable_manifest_name
 from tests._tiers import copies
 from tests.test_twophase import M, save_step, shard
 from tierstore import ShardKey
-from tierstore.delta import xor_delta
 from tierstore.codec import decode
+from tierstore.delta import xor_delta
 from tierstore.readpath import resolve
 
 

@@ -162,17 +162,13 @@ class _HostReservation(Reservation):
     def commit(self, *, if_absent: bool = False) -> None:
         if self._done:
             raise RuntimeError(f"reservation for {self.name!r} already finished")
-        final = self._backend._path(self.name)
+        final = self._backend._spath(self.name)
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)  # here, not in reserve: off the snapshot's path
-            if if_absent:
-                try:
-                    os.link(self._tmp, final)
-                except FileExistsError as e:
-                    raise KeyExistsError(f"host object {self.name!r} exists", key=self.name, tier="host") from e
-                os.unlink(self._tmp)
-            else:
-                os.replace(self._tmp, final)
+            try:
+                self._publish(final, if_absent)
+            except FileNotFoundError:  # its directory's first object: made here, not in reserve (the stall)
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                self._publish(final, if_absent)
         except KeyExistsError:
             self.abort()
             raise
@@ -181,8 +177,18 @@ class _HostReservation(Reservation):
             raise TierUnavailableError(f"cannot publish host object {self.name!r}: {e}", key=self.name) from e
         self._done = True
         self._release_buffer()
-        self._backend._pool.moved(*self._ident, str(final))
+        self._backend._pool.moved(*self._ident, final)
         self._backend._release_reservation(self.nbytes)
+
+    def _publish(self, final: str, if_absent: bool) -> None:
+        if if_absent:
+            try:
+                os.link(self._tmp, final)
+            except FileExistsError as e:
+                raise KeyExistsError(f"host object {self.name!r} exists", key=self.name, tier="host") from e
+            os.unlink(self._tmp)
+        else:
+            os.replace(self._tmp, final)
 
     def abort(self) -> None:
         if self._done:

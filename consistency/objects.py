@@ -97,7 +97,8 @@ return old
 
 # Several records in one call, in order, each exactly as _RECORD would record it alone, stopping at the first
 # it refuses (those before it stay recorded: a script's writes before an error reply are kept, as n calls of
-# _RECORD would have left them). KEYS: _RECORD's seven per record. ARGV: n, then per record its count of
+# _RECORD would have left them). KEYS: epoch, objs, retired, byrank, xlinks (the model's, shared), then per record
+# its obj and step (_RECORD's others). ARGV: n, then per record its count of
 # arguments and _RECORD's arguments. Returns {'ok', old...} or {'err', reply, old...} (the olds of those recorded).
 _RECORD_MANY = "local function record_one(KEYS, ARGV)\n" + _RECORD + """
 end
@@ -109,9 +110,7 @@ for i = 0, n - 1 do
   local args = {}
   for j = 1, c do args[j] = ARGV[a + j] end
   a = a + c + 1
-  local ks = {}
-  for j = 1, 7 do ks[j] = KEYS[7 * i + j] end
-  local r = record_one(ks, args)
+  local r = record_one({KEYS[1], KEYS[2], KEYS[6 + 2 * i], KEYS[7 + 2 * i], KEYS[3], KEYS[4], KEYS[5]}, args)
   if type(r) == 'table' and r.err then return {'err', r.err, unpack(out)} end
   out[#out + 1] = r
 end
@@ -372,15 +371,14 @@ class ObjectIndex(IndexClient):
         if len(models) != 1:
             raise InvalidValueError(f"record_objects records one model's objects at a time, got {sorted(models)}")
         m = entries[0]["key"].model
-        keys: list[str] = []
+        keys = [self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "retired"), self._k(m, "byrank"),
+                self._k(m, "xlinks")]
         args: list[Any] = [len(entries)]
         for entry in entries:
             key = entry["key"]
             base, target = entry.get("base"), entry.get("target")
             epoch, attempt = entry.get("epoch"), entry.get("attempt")
-            keys += [self._k(m, "epoch"), self._k(m, "objs"), self._k(m, "obj", self._objname(key)),
-                     self._k(m, "step", key.step), self._k(m, "retired"), self._k(m, "byrank"),
-                     self._k(m, "xlinks")]
+            keys += [self._k(m, "obj", self._objname(key)), self._k(m, "step", key.step)]
             one = [-1 if epoch is None else epoch, self._objname(key), key.step, entry["kind"], entry["size"],
                    entry["checksum"], str(base) if base else "", str(target) if target else "",
                    repr(time.time()), entry.get("name") or str(key), "1" if entry.get("restore") else "0",

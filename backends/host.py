@@ -148,6 +148,17 @@ class _ReadPin:
         _Held.give()
 
 
+def _make_dir(path: str) -> None:
+    """``path`` as a directory: one ``mkdir`` where its parent exists (a step's directory under its layer's, the
+    usual case), else every missing level."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path, exist_ok=True)
+
+
 class _HostReservation(Reservation):
     def __init__(self, backend: HostBackend, name: str, tmp: str, view: memoryview | None, nbytes: int,
                  ident: tuple[int, int]):
@@ -167,7 +178,7 @@ class _HostReservation(Reservation):
             try:
                 self._publish(final, if_absent)
             except FileNotFoundError:  # its directory's first object: made here, not in reserve (the stall)
-                os.makedirs(os.path.dirname(final), exist_ok=True)
+                _make_dir(os.path.dirname(final))
                 self._publish(final, if_absent)
         except KeyExistsError:
             self.abort()

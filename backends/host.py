@@ -66,6 +66,7 @@ __all__ = ["HostBackend", "default_pin_bytes"]
 _POOL = ".pool"
 _TMPDIR = ".tmp"  # reservations are written here, then renamed into place by commit
 _TMP = ".tmp-"
+_POOL_TALLY = "pool-tally"  # in _TMPDIR (not listed, never cleaned up): the pool's count and bytes (host_pool)
 _OPEN_RETRIES = 8
 _MAPS_PER_SEGMENT = 4  # kept mappings per pooled segment of the budget (HostBackend's pool_segments)
 
@@ -285,7 +286,8 @@ class HostBackend(Backend):
         self._tmpdir = str(self.root / _TMPDIR)
         self._tmp_pid, self._tmp_token, self._tmp_count = 0, "", itertools.count()
         self._pool = SegmentPool(self.root / _POOL, max_bytes=pool_bytes, max_segments=pool_segments,
-                                 max_maps=_MAPS_PER_SEGMENT * pool_segments, grace_s=recycle_grace_s, populate=populate)
+                                 max_maps=_MAPS_PER_SEGMENT * pool_segments, grace_s=recycle_grace_s, populate=populate,
+                                 tally=self.root / _TMPDIR / _POOL_TALLY)
         self._lock = threading.Lock()
         self._reserved = 0
         self._closed = False
@@ -577,16 +579,16 @@ class HostBackend(Backend):
         return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
     def delete(self, name: str) -> bool:
-        path = self._path(name)
+        path = self._spath(name)
         try:
-            size = path.stat().st_size
+            st = os.stat(path)
         except FileNotFoundError:
             return False
-        if self._pool.give(path, size):
+        if self._pool.give(path, st.st_size, (st.st_dev, st.st_ino)):
             return True
         try:
-            st = path.stat()
-            path.unlink()
+            st = os.stat(path)
+            os.unlink(path)
         except FileNotFoundError:
             return False
         self._pool.discard(st.st_dev, st.st_ino)

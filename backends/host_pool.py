@@ -20,14 +20,22 @@ within 1/8 of a power of two share a class): it is truncated or grown to the
 new object's exact size (objects are files of their exact length).
 
 Budget: the pool holds at most ``max_segments`` segments and ``max_bytes``
-bytes (node-wide; oldest entries are freed first). A delete checks it against
-a listing of the pool at most a second old while that listing leaves an
-eighth of the budget to spare, and against a fresh listing otherwise, so
-deleting a step of thousands of objects does not list the pool once per
-object; what other processes pool within that second can overshoot the
-budget by at most that eighth (concurrent deleters near the budget, by one
-segment each). A claim tries the segments this process pooled first (no
-listing); each process keeps at most ``max_maps``
+bytes, node-wide (oldest entries are freed first). Every process of the node
+checks it against one tally, the pool's count and bytes in ``.tmp/pool-tally``
+(16 bytes, read and written under an exclusive ``flock``), so deleting a step
+of thousands of objects does not list the pool once per object, and ranks
+deleting at the same moment cannot each fill it. Whatever adds an entry (a
+delete, :meth:`SegmentPool.preallocate`) adds it to the tally and renames it
+in while holding the lock; a claim or a drop takes an entry out without
+touching the tally (the stall stays lock-free), so the tally can only count
+more than the pool holds, never less. When it says the budget is reached, the
+pool is listed under the lock; if it is full, its oldest entries are freed
+until an eighth of the budget is left beside the new one (a pool kept full is
+listed once per eighth, not at every delete); the tally is set to what is
+left. A crash can leave it counting more, never less. A lock not had within ``_TALLY_WAIT_S`` (its holder
+stopped) frees the segment instead of pooling it, and so do this process's
+deletes for ``_TALLY_SKIP_S`` after, without waiting. A claim tries the segments this process pooled
+first (no listing); each process keeps at most ``max_maps``
 mappings (least recently used first to go; one still in use is unmapped when
 its last view goes). Neither holds a file descriptor: pooled segments are
 files in a directory, and kept mappings are :class:`backends.shm_mapping.Mapping`
@@ -53,24 +61,30 @@ deleted, and :meth:`SegmentPool.close` at the end.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import struct
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from backends.shm_mapping import Mapping
 
+log = logging.getLogger(__name__)
+
 __all__ = ["DEFAULT_SEGMENTS", "SegmentPool", "size_class"]
 
 DEFAULT_SEGMENTS = 4096
 _SWEEP_EVERY = 64
 _OWN_TRIES = 8  # a claim tries at most this many of this process's pooled segments of a size before listing
-_RECOUNT_S = 1.0  # a delete lists the pool again once its last listing is this old (budget: SegmentPool.give)
+_TALLY_WAIT_S = 5.0  # a delete that waits this long for the tally's lock frees its segment instead of pooling it
+_TALLY_SKIP_S = 30.0  # after such a wait, this process's deletes free their segments without waiting, this long
 
 _CLASS_BITS = 3  # 8 classes per power of two: a reused segment is within 12.5% of the object's size
 
@@ -120,6 +134,74 @@ def try_lock_exclusive(fd: int) -> bool:
     return True
 
 
+class _Tally:
+    """The pool's count and bytes, node-wide: 16 bytes in ``path``, read and written under an exclusive ``flock``
+    (see the module docstring: it counts at least what the pool holds)."""
+
+    _ROW = struct.Struct("<qq")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()  # the threads of this process, one at a time
+        self.why = ""  # why the last locked() gave no descriptor
+        self._skip_until = 0.0  # after a wait that ended unlocked (a holder stopped): no wait until then
+
+    @contextmanager
+    def locked(self, wait_s: float | None = None) -> Iterator[int | None]:
+        """A descriptor of the file, under the lock, closed after (the pool holds no descriptor between
+        calls); ``None`` if the lock was not had within ``wait_s`` (then, without waiting, for ``_TALLY_SKIP_S``)
+        or the file cannot be opened: :attr:`why` says which, where it is news (empty in the skip)."""
+        wait_s = _TALLY_WAIT_S if wait_s is None else wait_s
+        now = time.monotonic()
+        self.why = ""
+        if now < self._skip_until:  # one wait in vain (said once), not one per delete of a step of thousands
+            yield None
+            return
+        deadline = now + wait_s
+        stuck = f"its lock was not free within {wait_s:g} s (not waited for again for {_TALLY_SKIP_S:g} s)"
+        if not self._lock.acquire(timeout=wait_s):
+            self._skip_until, self.why = time.monotonic() + _TALLY_SKIP_S, stuck
+            yield None
+            return
+        try:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as e:
+                self._skip_until = time.monotonic() + _TALLY_SKIP_S
+                self.why = f"it cannot be opened ({e}; not tried again for {_TALLY_SKIP_S:g} s)"
+                yield None
+                return
+            try:
+                delay = 0.0005
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            self._skip_until, self.why = time.monotonic() + _TALLY_SKIP_S, stuck
+                            yield None
+                            return
+                        time.sleep(delay)
+                        delay = min(delay * 2, 0.02)
+                yield fd
+            finally:
+                os.close(fd)  # the lock goes with it
+        finally:
+            self._lock.release()
+
+    def read(self, fd: int) -> tuple[int, int] | None:
+        """``(count, bytes)``, or ``None`` where the file holds none (new, or cut short)."""
+        raw = os.pread(fd, self._ROW.size, 0)
+        if len(raw) < self._ROW.size:
+            return None
+        count, nbytes = self._ROW.unpack(raw)
+        return (count, nbytes) if count >= 0 and nbytes >= 0 else None
+
+    def write(self, fd: int, count: int, nbytes: int) -> None:
+        os.pwrite(fd, self._ROW.pack(max(0, count), max(0, nbytes)), 0)
+
+
 class SegmentPool:
     """The ``.pool`` directory of one host tier root plus this process's kept mappings.
 
@@ -130,10 +212,11 @@ class SegmentPool:
         max_maps: at most this many mappings kept by this process.
         grace_s: a segment is reused only this long after it entered the pool.
         populate: pre-fault the pages of new mappings (faster writes).
+        tally: the file of the pool's count and bytes, shared by every process (see the module docstring).
     """
 
     def __init__(self, directory: Path, *, max_bytes: int, max_segments: int, max_maps: int, grace_s: float,
-                 populate: bool) -> None:
+                 populate: bool, tally: Path) -> None:
         self.dir = directory
         self._dir_s = str(directory)
         self.max_bytes = max_bytes
@@ -151,8 +234,7 @@ class SegmentPool:
         # pool entries this process put there, oldest first (claimed first: no listing, and their mapping is
         # likely kept): size -> names
         self._own: dict[int, list[str]] = {}
-        # (monotonic time, count, bytes) of the pool at its last listing, plus this process's gives since
-        self._tally: tuple[float, int, int] | None = None
+        self._tally = _Tally(str(tally))
 
     # -- naming ------------------------------------------------------------------
     def _new_name(self, size: int, t_ns: int | None = None) -> str:
@@ -349,55 +431,66 @@ class SegmentPool:
         if m is not None and m.pinned and m.pinner is not None:
             m.pinner.unpin(m)
 
-    def give(self, path: Path, size: int) -> bool:
-        """Move the deleted object at ``path`` into the pool; ``False`` if it does not fit (caller unlinks).
+    def give(self, path: str, size: int, ident: tuple[int, int]) -> bool:
+        """Move the deleted object at ``path`` (``size`` bytes, file ``ident``: its (st_dev, st_ino)) into the
+        pool; ``False`` if it does not fit, or is no longer there (the caller unlinks what is).
 
-        Older entries are freed to make room within the budget. The pool is listed (its count and bytes)
-        only when the last listing is over ``_RECOUNT_S`` old or shows less than an eighth of the budget to
-        spare: deleting a step of thousands of objects lists it a few times, not once per object.
+        Checked against the node's tally, under its lock (see the module docstring); where the tally says the
+        budget is reached, the pool is listed and its oldest entries are freed to make room.
         """
         if size <= 0 or size > self.max_bytes or self.max_segments <= 0:
             return False
-        if not self._roomy(size):
-            entries = self.entries()
-            total = sum(e.size for e in entries)
-            count = len(entries)
-            for e in entries:  # oldest first
-                if count < self.max_segments and total + size <= self.max_bytes:
-                    break
-                if self._drop(e):
-                    count -= 1
-                    total -= e.size
-            with self._lock:
-                self._tally = (time.monotonic(), count, total)
-            if count >= self.max_segments or total + size > self.max_bytes:
+        with self._tally.locked() as fd:
+            if fd is None:
+                if self._tally.why:
+                    log.warning("the host pool's tally %s: %s; deleted segments are freed, not pooled",
+                                self._tally.path, self._tally.why)
                 return False
-        name = self._new_name(size)
-        try:
-            st = os.stat(path)
-            os.rename(path, self.dir / name)
-        except FileNotFoundError:
-            return False
+            tally = self._tally.read(fd)
+            if tally is None or tally[0] + 1 > self.max_segments or tally[1] + size > self.max_bytes:
+                tally, fits = self._fit(1, size)
+                if not fits:
+                    self._tally.write(fd, *tally)
+                    return False
+            count, total = tally
+            name = self._new_name(size)
+            dest = f"{self._dir_s}/{name}"
+            self._tally.write(fd, count + 1, total + size)  # first: a crash after it counts one too many
+            try:
+                os.rename(path, dest)
+            except FileNotFoundError:
+                self._tally.write(fd, count, total)
+                return False
         with self._lock:
             self._own.setdefault(size, []).append(name)  # a claim takes it without listing the pool
-            if self._tally is not None:
-                t, count, total = self._tally
-                self._tally = (t, count + 1, total + size)
-        self.moved(st.st_dev, st.st_ino, str(self.dir / name))
+        self.moved(*ident, dest)
         return True
 
-    def _roomy(self, size: int) -> bool:
-        """Whether the last listing (at most ``_RECOUNT_S`` old, with this process's gives since added) leaves
-        an eighth of both budgets to spare after ``size`` more bytes: then the pool need not be listed."""
-        with self._lock:
-            tally = self._tally
-        if tally is None:
-            return False
-        t, count, total = tally
-        if time.monotonic() - t > _RECOUNT_S:
-            return False
-        return (count + 1 <= self.max_segments - self.max_segments // 8 - 1
-                and total + size <= self.max_bytes - self.max_bytes // 8)
+    def _listed(self) -> tuple[int, int]:
+        """The pool's count and bytes, listed."""
+        entries = self.entries()
+        return len(entries), sum(e.size for e in entries)
+
+    def _fit(self, count: int, size: int) -> tuple[tuple[int, int], bool]:
+        """List the pool and free its oldest entries until ``count`` more segments of ``size`` bytes in all
+        fit (called under the tally's lock); the pool's count and bytes after, and whether they fit.
+
+        Where some must go, they go until an eighth of both budgets is left beside the new ones: a pool that
+        stays full (a step's deletes larger than the budget) is then listed once per eighth of its budget,
+        not at every delete."""
+        entries = self.entries()
+        total = sum(e.size for e in entries)
+        held = len(entries)
+        seg_cap, byte_cap = self.max_segments, self.max_bytes
+        if held + count > seg_cap or total + size > byte_cap:
+            seg_cap, byte_cap = seg_cap - seg_cap // 8, byte_cap - byte_cap // 8
+        for e in entries:  # oldest first
+            if held + count <= seg_cap and total + size <= byte_cap:
+                break
+            if self._drop(e):
+                held -= 1
+                total -= e.size
+        return (held, total), held + count <= self.max_segments and total + size <= self.max_bytes
 
     def _drop(self, e: _Entry) -> bool:
         path = self.dir / e.name
@@ -429,24 +522,41 @@ class SegmentPool:
         """
         with self._lock:
             have = {s: len(n) for s, n in self._own.items()}
-        entries = self.entries()
-        count, total = len(entries), sum(e.size for e in entries)
-        added = 0
+        todo = []
         for nbytes in sizes:
             if nbytes <= 0:
                 continue
             if have.get(nbytes, 0) > 0:
                 have[nbytes] -= 1
                 continue
-            if count + 1 > self.max_segments or total + nbytes > self.max_bytes:
-                break
-            name = self._new_name(nbytes, time.time_ns() - self.grace_ns)  # reusable at once
-            make(self.dir / name, nbytes)
-            with self._lock:
-                self._own.setdefault(nbytes, []).append(name)
-            count += 1
-            total += nbytes
-            added += 1
+            todo.append(nbytes)
+        if not todo:
+            return 0
+        added = 0
+        with self._tally.locked() as fd:  # under the lock: ranks starting together share the budget
+            if fd is None:
+                log.warning("the host pool's tally %s: %s; nothing preallocated", self._tally.path,
+                            self._tally.why or "its lock was not free lately")
+                return 0
+            count, total = self._listed()
+            fits, c, t = [], count, total
+            for nbytes in todo:
+                if c + 1 > self.max_segments or t + nbytes > self.max_bytes:
+                    break
+                fits.append(nbytes)
+                c, t = c + 1, t + nbytes
+            self._tally.write(fd, c, t)  # first: a crash while they are made counts too many, never too few
+            try:
+                for nbytes in fits:
+                    name = self._new_name(nbytes, time.time_ns() - self.grace_ns)  # reusable at once
+                    make(self.dir / name, nbytes)
+                    with self._lock:
+                        self._own.setdefault(nbytes, []).append(name)
+                    count += 1
+                    total += nbytes
+                    added += 1
+            finally:
+                self._tally.write(fd, count, total)
         return added
 
     def close(self) -> None:

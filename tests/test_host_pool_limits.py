@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from backends.host import HostBackend
+from backends.host_pool import SegmentPool
 
 from tests import _warm
 
@@ -295,14 +296,115 @@ def test_deleting_and_rewriting_many_objects_lists_the_pool_a_few_times(shm_root
     b.close()
 
 
-def test_a_large_segment_budget_still_holds_when_deletes_skip_the_listing(shm_root):
-    """Deletes that trust a recent listing still keep the pool within its segment and byte budgets."""
+def test_a_large_segment_budget_still_holds_when_deletes_skip_the_listing(shm_root, monkeypatch):
+    """Deletes checked against the tally keep the pool within its segment and byte budgets; past them (200
+    deletes into 64 segments), the pool is listed once per eighth of its budget, not at every delete."""
     b = HostBackend(shm_root / "h", pool_segments=64, pool_bytes=48 * 8192, recycle_grace_s=0.0)
     for i in range(200):
         b.put(f"o{i}", bytes(4096 * (1 + i % 2)))
+    listings = []
+    entries = SegmentPool.entries
+    monkeypatch.setattr(SegmentPool, "entries", lambda self: listings.append(1) or entries(self))
     for i in range(200):
         b.delete(f"o{i}")
+    assert len(listings) <= 1 + (200 - 48) // 6 + 1, len(listings)  # an eighth of 48 segments' bytes: 6
     pooled = list((shm_root / "h" / ".pool").iterdir())
     assert 0 < len(pooled) <= 64
     assert sum(p.stat().st_size for p in pooled) <= 48 * 8192
+    b.close()
+
+
+_RANK_DELETES = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from backends.host import HostBackend
+    root, rank, n, segments, size, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \\
+        int(sys.argv[5]), float(sys.argv[6])
+    b = HostBackend(Path(root), pool_segments=segments, pool_bytes=segments * size, recycle_grace_s=0.0)
+    for i in range(n):
+        b.put(f"r{rank}/o{i}", bytes(size))
+    while time.time() < start:  # every rank deletes at once, as ranks collect a step together
+        time.sleep(0.001)
+    for i in range(n):
+        b.delete(f"r{rank}/o{i}")
+    b.close()
+    print("OK", flush=True)
+    """
+)
+
+
+def test_ranks_deleting_at_once_share_one_budget(shm_root):
+    """Four processes (ranks of a node) delete 20 objects each at the same moment into a pool of 32 segments:
+    the pool holds at most 32, its budget, and at least 28. Each process used to trust its own listing of the pool for a second while
+    an eighth of the budget was left, so together they pooled up to 4 x 27 segments until a later delete
+    listed it again (the stop-43 pool left 80 here)."""
+    root, segments, size = shm_root / "h", 32, 8192
+    HostBackend(root, pool_segments=segments, pool_bytes=segments * size).close()  # the directories, once
+    start = __import__("time").time() + 3.0
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_DELETES, str(root), str(r), "20", str(segments), str(size),
+                               repr(start)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 and "OK" in o for p, (o, _e) in zip(procs, outs)), outs
+    pooled = list((root / ".pool").iterdir())
+    # full, less what a full pool frees at once (an eighth of it, so that it is not listed at every delete)
+    assert segments - segments // 8 <= len(pooled) <= segments, len(pooled)
+    assert sum(p.stat().st_size for p in pooled) <= segments * size
+    b = HostBackend(root, pool_segments=segments, pool_bytes=segments * size, recycle_grace_s=0.0)
+    b.put("again", bytes(size))  # a claim takes one out without the tally (which now counts one too many)
+    b.delete("again")  # the tally may say full: then the pool is listed and this one pooled all the same
+    assert len(pooled) <= len(list((root / ".pool").iterdir())) <= segments
+    b.close()
+
+
+def test_two_ranks_interleaving_deletes_share_one_budget(shm_root):
+    """Two backends on one root (two ranks of a node), their deletes interleaved one by one, 20 each into a pool
+    of 32 segments: at most 32 are pooled (at least 28: a full pool frees an eighth at once). Each used to count the pool from its own listing plus its own deletes, so
+    neither listed again before its count reached 27, and together they pooled 40 (the stop-43 mutant)."""
+    root, segments, size = shm_root / "h", 32, 8192
+    ranks = [HostBackend(root, pool_segments=segments, pool_bytes=segments * size, recycle_grace_s=0.0)
+             for _ in range(2)]
+    for r, b in enumerate(ranks):
+        for i in range(20):
+            b.put(f"r{r}/o{i}", bytes(size))
+    for i in range(20):
+        for r, b in enumerate(ranks):
+            assert b.delete(f"r{r}/o{i}")
+    assert segments - segments // 8 <= len(list((root / ".pool").iterdir())) <= segments
+    for b in ranks:
+        b.close()
+
+
+def test_a_stopped_holder_of_the_tally_costs_one_bounded_wait(shm_root, monkeypatch, caplog):
+    """Another process holds the tally's lock and does not let go (stopped while deleting): a delete waits
+    ``_TALLY_WAIT_S`` once, then frees its segment instead of pooling it, and so do the next deletes, without
+    waiting and with one warning; once the holder is gone, deletes pool again."""
+    import fcntl
+    import logging
+    import time
+
+    import backends.host_pool as host_pool
+
+    monkeypatch.setattr(host_pool, "_TALLY_WAIT_S", 0.3)
+    monkeypatch.setattr(host_pool, "_TALLY_SKIP_S", 1.0)
+    b = HostBackend(shm_root / "h", recycle_grace_s=0.0)
+    for i in range(20):
+        b.put(f"o{i}", bytes(4096))
+    holder = os.open(shm_root / "h" / ".tmp" / "pool-tally", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="backends.host_pool"):
+        for i in range(10):
+            assert b.delete(f"o{i}")
+    assert time.monotonic() - t0 < 0.3 + 0.5, "one wait, not one per delete"
+    assert not list((shm_root / "h" / ".pool").iterdir()), "freed, not pooled"
+    assert not any((shm_root / "h" / f"o{i}").exists() for i in range(10))
+    assert len([r for r in caplog.records if "not free within" in r.getMessage()]) == 1
+    os.close(holder)
+    time.sleep(1.1)
+    for i in range(10, 20):
+        assert b.delete(f"o{i}")
+    assert len(list((shm_root / "h" / ".pool").iterdir())) == 10
     b.close()

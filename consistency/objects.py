@@ -508,6 +508,13 @@ class ObjectIndex(IndexClient):
             out.append(ShardKey(model, lay, int(st), int(rk)))
         return sorted(out, key=lambda k: (k.layer, k.step, k.rank))
 
+    def links_rank_local(self, model: str) -> bool:
+        """Whether no record of ``model`` has marked it as linking across ranks (read-only; see
+        :meth:`list_rank_objects`: the Checkpointer's retention then reads one rank's objects)."""
+        validate_name(model, "model")
+        with translate_redis_errors(f"read the links mark of {model}", self.url):
+            return _s(self._r.get(self._k(model, "xlinks"))) != "1"
+
     def list_rank_objects(self, model: str, rank: int) -> tuple[list[ShardKey], bool]:
         """The keys of ``rank``'s objects of ``model`` (sorted as :meth:`list_objects`), read from the rank
         listing (``ts:{m}:byrank``) in one round trip whatever the world size, and whether every link recorded

@@ -94,8 +94,13 @@ def test_models(populated, conn, capsys):
     assert row["bytes"] == sum(i.size for i in infos.values())
     assert row["newest_committed"] == 2 and row["newest_durable"] == 2
     assert row["states"] == {"durable": 2, "preparing": 1, "aborted": 1}
+    assert row["retention"] == "by rank"  # full copies only
     rc, text, _ = run(capsys, conn, "models", json_out=False)
     assert rc == 0 and M in text and "durable 2" in text
+    # a delta on another rank's copy: a writer's retention pass reads every rank's objects from now on
+    store.index.record_object(ShardKey(M, "x", 9, 1), kind="delta", base=ShardKey(M, "x", 8, 0), size=1,
+                              checksum="c", tiers=["host"])
+    assert run(capsys, conn, "models")[1][0]["retention"] == "every rank"
 
 
 def test_steps(populated, conn, capsys):

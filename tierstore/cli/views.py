@@ -53,7 +53,8 @@ def _records(store: TierStore, keys: list[ShardKey]) -> list[ObjectRecord]:
 def models_view(store: TierStore) -> list[dict[str, Any]]:
     """One row per model: epoch, steps by state, newest committed/durable step, the durable lag (committed
     steps newer than the newest durable one, and seconds: :func:`consistency.steprecords.durable_lag`),
-    objects, bytes."""
+    objects, bytes, and whose objects a writer's retention pass reads: its own rank's (``by rank``), or every
+    rank's where a record links across ranks otherwise than a ref within a step (``every rank``)."""
     rows = []
     for model in store.models():
         records = store.steps.records(model)
@@ -76,6 +77,8 @@ def models_view(store: TierStore) -> list[dict[str, Any]]:
             "durable_lag_s": lag["durable_lag_s"],
             "objects": len(recs),
             "bytes": sum(r.size for r in recs),
+            # what a writer's retention pass reads after each save (see consistency.objects.list_rank_objects)
+            "retention": "by rank" if store.index.links_rank_local(model) else "every rank",
         })
     return rows
 

@@ -32,12 +32,13 @@ more than the pool holds, never less. When it says the budget is reached, the
 pool is listed under the lock; if it is full, its oldest entries are freed
 until an eighth of the budget is left beside the new one (a pool kept full is
 listed once per eighth, not at every delete); the tally is set to what is
-left. A crash can leave it counting more, never less. A lock not had within ``_TALLY_WAIT_S`` (its holder
-stopped) frees the segment instead of pooling it, and so do this process's
-deletes for ``_TALLY_SKIP_S`` after, without waiting. A claim tries the segments this process pooled
-first (no listing); each process keeps at most ``max_maps``
-mappings (least recently used first to go; one still in use is unmapped when
-its last view goes). Neither holds a file descriptor: pooled segments are
+left. A crash can leave it counting more, never less. A lock not had within
+``_TALLY_WAIT_S`` (its holder stopped) frees the segment instead of pooling
+it, and so do this process's deletes for ``_TALLY_SKIP_S`` after, without
+waiting. A claim tries the segments this process pooled first (no listing);
+each process keeps at most ``max_maps`` mappings (least recently used first
+to go; one still in use is unmapped when its last view goes). Neither holds a
+file descriptor (the tally's is closed after each use): pooled segments are
 files in a directory, and kept mappings are :class:`backends.shm_mapping.Mapping`
 (the descriptor is closed once mapped). A kept mapping of a segment that
 another process freed would keep its memory alive unseen, so mappings whose

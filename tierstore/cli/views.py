@@ -77,7 +77,7 @@ def models_view(store: TierStore) -> list[dict[str, Any]]:
             "durable_lag_s": lag["durable_lag_s"],
             "objects": len(recs),
             "bytes": sum(r.size for r in recs),
-            # what a writer's retention pass reads after each save (see consistency.objects.list_rank_objects)
+            # what a writer's retention pass reads after each save (see ObjectIndex.list_rank_objects)
             "retention": "by rank" if store.index.links_rank_local(model) else "every rank",
         })
     return rows

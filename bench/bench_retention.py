@@ -4,8 +4,9 @@ After each save, every rank runs retention over its objects (``tierstore.train.w
 reads before deciding, beside the step records:
 
 * ``rank``: the rank listing (``ObjectIndex.list_rank_objects``, one ``ZRANGEBYLEX`` of this rank's
-  members) and the closure of this rank's objects of the steps in flight; what it does since this change,
-  wherever every link of the model is rank-local;
+  members), the closure of this rank's objects of the steps in flight, and the kept steps' complete sets of
+  this rank alone (``plan_retention(rank=)``); what it does since this change, wherever every link of the
+  model is rank-local;
 * ``world``: every rank's object names (``ZRANGE`` of the model's listing) and the closure of every rank's
   objects of the steps in flight; what it did before, and still does for a model whose links leave a rank.
 
@@ -81,7 +82,8 @@ def _one(store, how: str, rank: int, cache: dict) -> tuple[float, float, int, in
         objects = store.index.list_objects(M)
     t1 = time.perf_counter()
     with _Counted(store.index) as c:
-        plan_retention(store.steps, M, Retention(keep_last=1), objects=objects, cache=cache)
+        plan_retention(store.steps, M, Retention(keep_last=1), objects=objects, cache=cache,
+                       rank=rank if how == "rank" else None)
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, len(objects), c.records
 

@@ -30,20 +30,30 @@ __all__ = ["closure", "is_closed", "reachable", "read_keys", "read_steps", "read
 
 
 class _Cached(dict):
-    """A parsed manifest kept in a caller's cache (see :func:`required_steps`), its complete set parsed once:
-    the set holds every rank's objects, so parsing it at every retention pass cost each rank time
-    proportional to the world."""
+    """A parsed manifest kept in a caller's cache (see :func:`required_steps`), its complete set parsed once,
+    and split by rank once: the set holds every rank's objects, so parsing (or filtering) it at every
+    retention pass cost each rank time proportional to the world."""
 
     read: frozenset[ShardKey] | None = None
+    by_rank: dict[int, frozenset[ShardKey]] | None = None
 
 
-def read_keys(m: Mapping[str, Any]) -> AbstractSet[ShardKey]:
-    """The objects a restore of a manifest's step reads, from the manifest alone (its complete set)."""
+def read_keys(m: Mapping[str, Any], rank: int | None = None) -> AbstractSet[ShardKey]:
+    """The objects a restore of a manifest's step reads, from the manifest alone (its complete set); with
+    ``rank``, those of that rank alone."""
     if isinstance(m, _Cached):
         if m.read is None:
             m.read = frozenset(ShardKey.parse(o["key"]) for o in complete_entries(m))
-        return m.read
-    return {ShardKey.parse(o["key"]) for o in complete_entries(dict(m))}
+        if rank is None:
+            return m.read
+        if m.by_rank is None:
+            split: dict[int, set[ShardKey]] = {}
+            for k in m.read:
+                split.setdefault(k.rank, set()).add(k)
+            m.by_rank = {r: frozenset(ks) for r, ks in split.items()}
+        return m.by_rank.get(rank, frozenset())
+    keys = {ShardKey.parse(o["key"]) for o in complete_entries(dict(m))}
+    return keys if rank is None else {k for k in keys if k.rank == rank}
 
 
 def read_steps(m: Mapping[str, Any]) -> set[int]:
@@ -113,7 +123,7 @@ def is_closed(m: Mapping[str, Any]) -> bool:
 
 
 def reachable(steps: Any, model: str, step_numbers: list[int], *,
-              cache: dict[int, dict] | None = None) -> set[ShardKey]:
+              cache: dict[int, dict] | None = None, rank: int | None = None) -> set[ShardKey]:
     """Every object a restore of one of ``step_numbers`` reads: the complete sets their manifests (and the
     manifests of the steps they require) record, with any delta base or ref target the index links beyond.
     Each manifest is read once (``cache``: see :func:`required_steps`).
@@ -124,12 +134,22 @@ def reachable(steps: Any, model: str, step_numbers: list[int], *,
     superseded step's records move to the retired set before its keys are written again). So retention
     reads no object record for it: before, each rank read the record of every rank's objects of every kept
     step at every save (about 1.7 x world x layers records per rank per save). Only an older manifest's
-    objects are followed through the index's records."""
+    objects are followed through the index's records.
+
+    ``rank``: only that rank's objects of the result (a retention pass over one rank's objects). Where every
+    manifest is closed, each one's set of that rank is taken as it is (split once per cached manifest), so the
+    pass does not grow with the world; otherwise the whole result is computed and filtered."""
     cache = {} if cache is None else cache
+    manifests = [m for s in sorted(required_steps(steps, model, step_numbers, cache=cache))
+                 if (m := _manifest(steps, model, s, cache)) is not None]
+    if rank is not None and all(is_closed(m) for m in manifests):
+        mine: set[ShardKey] = set()
+        for m in manifests:
+            mine.update(read_keys(m, rank))
+        return mine
     closed: set[ShardKey] = set()
     roots: set[ShardKey] = set()
-    for s in sorted(required_steps(steps, model, step_numbers, cache=cache)):
-        m = _manifest(steps, model, s, cache)
-        if m is not None:
-            (closed if is_closed(m) else roots).update(read_keys(m))
-    return closed | closure(steps.index, roots - closed) if roots - closed else closed
+    for m in manifests:
+        (closed if is_closed(m) else roots).update(read_keys(m))
+    out = closed | closure(steps.index, roots - closed) if roots - closed else closed
+    return out if rank is None else {k for k in out if k.rank == rank}

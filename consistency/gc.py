@@ -208,7 +208,7 @@ def _ahead(recs: list) -> set[int]:
 def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, records: list | None = None,
                    max_staleness: int = 0, floor: Callable[[int], int] | None = None,
                    hold: Callable[[Any], bool] | None = None, cache: dict[int, dict] | None = None,
-                   objects: list[ShardKey] | None = None) -> RetentionPlan:
+                   objects: list[ShardKey] | None = None, rank: int | None = None) -> RetentionPlan:
     """Which steps each tier keeps, what is retired, and the objects that follows; see the module docstring.
 
     Args:
@@ -223,6 +223,8 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
             link of ``model`` is rank-local (:meth:`~consistency.objects.ObjectIndex.list_rank_objects`): the
             objects of its steps in flight, and what they reach, are what the plan protects, and only that
             rank's objects may be retired with it.
+        rank: the plan is for that rank's objects alone: its keep sets hold that rank's keys (each kept
+            step's complete set holds every rank's), so :meth:`RetentionPlan.fate` answers for them only.
     """
     recs = steps.records(model) if records is None else records
     state = {r.step: r.state for r in recs}
@@ -258,12 +260,12 @@ def plan_retention(steps: StepProtocol, model: str, retention: Retention, *, rec
     return RetentionPlan(
         memory=sorted(memory), durable=sorted(kept_durable - memory), retired=sorted(retired),
         aborted=sorted(aborted), held=sorted(held),
-        keep_memory=reachable(steps, model, sorted(memory), cache=cache),
-        keep_durable=reachable(steps, model, sorted(kept_durable), cache=cache),
+        keep_memory=reachable(steps, model, sorted(memory), cache=cache, rank=rank),
+        keep_durable=reachable(steps, model, sorted(kept_durable), cache=cache, rank=rank),
         protected=closure(steps.index, objects_in_flight) if objects_in_flight else set(),
         newest_decided=newest_decided, recorded=set(state), newest_durable=newest_durable, retention=retention,
         # a held step stays, so what its restore reads stays with it (from a retired step too)
-        keep_held=reachable(steps, model, sorted(held), cache=cache) if held else set(),
+        keep_held=reachable(steps, model, sorted(held), cache=cache, rank=rank) if held else set(),
         expired=expired, attempts={r.step: r.attempt for r in recs if r.state == "aborted"},
     )
 

@@ -177,3 +177,30 @@ def test_an_index_rebuilt_from_delta_chains_stays_unmarked(store):
     assert store.rebuild_index(M).restored[M] == [3]
     assert not marked(store)
     assert sorted(k.step for k in store.index.list_rank_objects(M, 1)[0]) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("manifests", ["closed", "older, followed through the index"])
+def test_a_plan_for_one_rank_keeps_what_the_whole_plan_keeps_of_it(store, monkeypatch, manifests):
+    """A plan made for one rank (its keep sets of that rank alone, read from each kept step's complete set split
+    by rank) keeps and deletes exactly the objects of that rank the plan over every rank does: on delta
+    chains and a ref across ranks and steps, with closed complete sets, and with older manifests whose links
+    the index holds (then the whole result is computed and filtered)."""
+    import consistency.closure as closure_mod
+    from consistency.gc import plan_retention
+    from tests.test_gc import _chains_and_refs
+
+    if manifests != "closed":
+        monkeypatch.setattr(closure_mod, "is_closed", lambda m: False)
+    _chains_and_refs(store)
+    store.flush()
+    objects = store.index.list_objects(M)
+    whole = plan_retention(store.steps, M, Retention(keep_last=1), objects=objects)
+    for rank in (0, 1):
+        cache: dict = {}
+        for _ in range(2):  # the second pass reads the split kept with the cached manifests
+            mine = plan_retention(store.steps, M, Retention(keep_last=1), objects=objects, cache=cache, rank=rank)
+            assert mine.keep_memory == {k for k in whole.keep_memory if k.rank == rank}
+            assert mine.keep_durable == {k for k in whole.keep_durable if k.rank == rank}
+            assert {k: mine.fate(k) for k in objects if k.rank == rank} == \
+                {k: whole.fate(k) for k in objects if k.rank == rank}
+    assert any(whole.fate(k) == "delete" for k in objects) and any(whole.fate(k) == "keep" for k in objects)

@@ -191,7 +191,7 @@ def _retain(store: Any, model: str, rank: int, keep_last: int, max_staleness: in
     if not local:
         objects = store.list(model)
     plan = plan_retention(store.steps, model, Retention(keep_last=max(1, keep_last)), max_staleness=max_staleness,
-                          floor=floor, hold=hold, cache=manifests, objects=objects)
+                          floor=floor, hold=hold, cache=manifests, objects=objects, rank=rank)
     signature = (tuple(plan.memory), tuple(plan.durable), tuple(plan.retired), tuple(plan.aborted))
     if signature == last:
         return last

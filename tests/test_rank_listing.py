@@ -14,7 +14,10 @@ retention then lists every rank's objects again. Tried here against the real Red
 - an index written before the rank listing (or by a writer that keeps none) is rebuilt with its mark;
 - retention of one rank keeps its copy that another rank's step in flight reads through a delta across
   ranks (with the mark ignored, that copy is deleted: the mutant fails), and reads no other rank's listing
-  where every link is rank-local.
+  where every link is rank-local;
+- an index rebuilt from delta chains stays unmarked (the rebuild records oldest first);
+- a plan for one rank (its part of each kept step's complete set) decides for that rank's objects exactly
+  what the plan over every rank decides.
 """
 
 from __future__ import annotations

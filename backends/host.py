@@ -587,7 +587,6 @@ class HostBackend(Backend):
         if self._pool.give(path, st.st_size, (st.st_dev, st.st_ino)):
             return True
         try:
-            st = os.stat(path)
             os.unlink(path)
         except FileNotFoundError:
             return False

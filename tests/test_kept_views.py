@@ -201,6 +201,35 @@ def test_the_checkpointer_preallocates_exactly_what_its_first_save_takes(store):
     ck.close()
 
 
+def test_the_checkpointer_preallocates_every_generation_retention_cycles_through(tmp_path, redis_url, shm_root):
+    """At a save's copy the host tier holds the ``keep_last`` + 1 last committed steps (the oldest is retired at
+    that save's finish, before its vote) and the new one. With two generations preallocated, the third save of a
+    ``keep_last=1`` run faulted a whole generation in (1.3 s at 1,000 layers, against 0.12 s for the others):
+    every save's objects must lie in segments the constructor preallocated."""
+    import tierstore
+    from torch import nn
+
+    from tierstore.train.checkpointer import Checkpointer
+
+    store = tierstore.open(tmp_path / "home", redis=redis_url, durable="none", host_root=str(shm_root / "gens"),
+                           node_id="gens")
+    try:
+        m = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16), nn.Linear(16, 8))
+        ck = Checkpointer(store, "gens", m, torch.optim.SGD(m.parameters(), lr=0.1), keep_last=1)
+        pool = store.host._pool.dir
+        made = {os.stat(pool / e.name).st_ino for e in store.host._pool.entries()}
+        for step in range(1, 8):
+            ck.save(step)
+            assert ck.wait() == "committed"
+            keys = store.list("gens", step=step)
+            assert keys
+            fresh = [k for k in keys if os.stat(live_path(store.host.root, store, k)).st_ino not in made]
+            assert not fresh, f"save {step} made fresh segments for {fresh}"
+        ck.close()
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("eager", [False, True])
 def test_a_verification_on_several_threads_names_exactly_the_bad_copies(threads, eager):

@@ -82,6 +82,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tierstore import gchold
 from tierstore.errors import (
     CommitError,
     ConfigError,
@@ -128,16 +129,24 @@ class Checkpointer(RestoreSide):
             keeps the newest durable step and what it reaches; steps in
             neither are retired. ``None`` keeps everything.
         preallocate: reserve and pre-fault the host tier's shared memory for
-            two generations of this rank's full shards up front.
+            the generations of this rank's full shards that retention cycles
+            through (``keep_last + 2``; two with ``keep_last=None``) up front,
+            within the reuse pool's budget (``StoreConfig.host_pool_bytes``).
         missing_rank_grace: seconds after its own ``save(step)`` before a rank
             reports the ranks that have not begun ``step``.
         lazy: ``save()`` returns before the copy; the copy overlaps the next
             forward/backward and the next ``optimizer.step()`` of every
             optimizer in the state waits for it (:meth:`before_update` in
             custom loops). Default ``False``: ``save()`` returns after the copy.
+        hold_gc: hold Python's cyclic garbage collector off during ``save()``
+            and ``restore()`` (:mod:`tierstore.gchold`; it runs again after, if it
+            ran before): a save of thousands of tensors otherwise triggers dozens
+            of collections, each walking every object of the process.
 
-    Memory bound (host tier, this rank): at most ``keep_last + 1`` generations
-    of the saved shards, plus the reuse pool.
+    Memory bound (host tier, this rank): ``keep_last + 1`` generations of the
+    saved shards between saves, ``keep_last + 2`` while a save copies (the
+    oldest is retired once the new one is written, before its vote), plus the
+    reuse pool.
     """
 
     def __init__(
@@ -158,6 +167,7 @@ class Checkpointer(RestoreSide):
         preallocate: bool = True,
         missing_rank_grace: float = 30.0,
         lazy: bool = False,
+        hold_gc: bool = True,
     ) -> None:
         if isinstance(module, Mapping):
             if state is not None or optimizer is not None:
@@ -191,6 +201,7 @@ class Checkpointer(RestoreSide):
             # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
             # whose copies verify after they returned hold the next update back
             self.lazy = lazy
+            self.hold_gc = hold_gc
             self._gate = UpdateGate(self.stats, getattr(store, "config", None))  # StoreConfig.lazy_check
             self._gate.watch(self._optimizers())
             self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()
@@ -227,8 +238,11 @@ class Checkpointer(RestoreSide):
 
     def _preallocate(self, col: Collected) -> None:
         sizes = [self.store.snapshot_nbytes(col.layers[ln], col.metas[ln]) for ln in sorted(col.layers)]
+        # at a save's copy the host tier holds keep_last + 1 committed generations (the oldest is retired only
+        # at the save's finish, before its vote) and the new one: fewer, and that save faults its pages in
+        generations = 2 if self.keep_last is None else max(1, self.keep_last) + 2
         try:
-            self.store.host.preallocate(sizes * 2)
+            self.store.host.preallocate(sizes * generations)
         except TierStoreError as e:  # a small host budget: saves will fault pages in as they go
             log.info("host tier pre-allocation skipped: %s", e)
 
@@ -245,7 +259,8 @@ class Checkpointer(RestoreSide):
         """
         t_in = time.perf_counter()
         try:
-            self._save(step, extra)
+            with gchold.held(self.hold_gc):
+                self._save(step, extra)
         finally:
             self.stats.save_s += time.perf_counter() - t_in
 

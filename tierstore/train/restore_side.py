@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from consistency.closure import readers_of
+from tierstore import gchold
 from tierstore.errors import NoValidCopyError, StepCommittedError, TierStoreError
 from tierstore.keys import ShardKey
 from tierstore.train.imported import adopt_import, import_seeds
@@ -76,6 +77,7 @@ class RestoreSide:
     _unproven: dict[int, str]
     _lost: dict[int, str]
     _seeds: dict[str, Any]
+    hold_gc: bool
 
     if TYPE_CHECKING:  # provided by the Checkpointer
         def _drain(self) -> str | None: ...
@@ -162,52 +164,53 @@ class RestoreSide:
                 has no valid copy in any tier.
             ConfigError: an unknown ``verify``.
         """
-        t_agree = time.perf_counter()
-        only = weights_of(self.state, only) if weights_only else only
-        mode = verify_mode(verify, read_only, self.state, self.world_size)
-        if verify is None and mode != "before_update":  # the default depends on this node's cores (and GPU): every
-            # rank verifies alike (the deferred and in-pass restores run different collectives), in the pass if any
-            # rank would (collective; every rank of a state of the same kind takes this branch)
-            mode = "before_return" if self.ranks.all_min(int(mode == "before_return")) else IN_PASS
-        self._drain()
-        self._abandon_restore()
-        if not read_only:
-            self.epoch = self.ranks.join()
-        committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
-        self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
-        self.report.phases["agree"] = time.perf_counter() - t_agree
-        self._seeds: dict[str, Any] = {}
-        self.report.verify = IN_PASS if self.plan.restores_itself else mode
-        pending = None
-        if self.plan.restores_itself:
-            got = Restored(*self.plan.restore(step, read_only=read_only, only=only))
-        else:
-            got, pending = self._restore(step, only, mode, read_only)
-        if not read_only:
-            self._reset_trackers()
-            self.plan.seed(self._seeds)  # an imported base: the first saves are deltas against it
-            self.plan.continue_from(got.step, self.report.base_step)
-        self.report.step, self.report.epoch = got.step, self.epoch
-        self._manifests.clear()  # a step of an older incarnation may have been superseded
-        self._passed = ({s for s in committed if s > got.step}
-                        if not read_only and step is None and got.step is not None else set())
-        self._standing = {}
-        self._lost = {}
-        self.report.fell_back = got.step != self.report.newest if got.step is not None else False
-        if pending is not None:
-            if mode == "before_update":
-                self._restoring = pending
-                self._gate.watch(self._optimizers())  # optimizers put in the state since the constructor
-                self._gate.hold(pending.before_update)
+        with gchold.held(self.hold_gc):  # thousands of small objects: no collections midway (tierstore.gchold)
+            t_agree = time.perf_counter()
+            only = weights_of(self.state, only) if weights_only else only
+            mode = verify_mode(verify, read_only, self.state, self.world_size)
+            if verify is None and mode != "before_update":  # the default depends on this node's cores (and GPU): every
+                # rank verifies alike (the deferred and in-pass restores run different collectives), in the pass if any
+                # rank would (collective; every rank of a state of the same kind takes this branch)
+                mode = "before_return" if self.ranks.all_min(int(mode == "before_return")) else IN_PASS
+            self._drain()
+            self._abandon_restore()
+            if not read_only:
+                self.epoch = self.ranks.join()
+            committed = [s for s, st in self.store.steps.steps(self.model) if st in ("committed", "durable")]
+            self.report = RestoreReport(newest=committed[-1] if committed else None, read_only=read_only)
+            self.report.phases["agree"] = time.perf_counter() - t_agree
+            self._seeds: dict[str, Any] = {}
+            self.report.verify = IN_PASS if self.plan.restores_itself else mode
+            pending = None
+            if self.plan.restores_itself:
+                got = Restored(*self.plan.restore(step, read_only=read_only, only=only))
             else:
-                try:
-                    again = pending.settle()
-                except TierStoreError as e:
-                    refuse_until_restored(self, e)
-                    raise
-                if again is not None:
-                    return again
-        return got
+                got, pending = self._restore(step, only, mode, read_only)
+            if not read_only:
+                self._reset_trackers()
+                self.plan.seed(self._seeds)  # an imported base: the first saves are deltas against it
+                self.plan.continue_from(got.step, self.report.base_step)
+            self.report.step, self.report.epoch = got.step, self.epoch
+            self._manifests.clear()  # a step of an older incarnation may have been superseded
+            self._passed = ({s for s in committed if s > got.step}
+                            if not read_only and step is None and got.step is not None else set())
+            self._standing = {}
+            self._lost = {}
+            self.report.fell_back = got.step != self.report.newest if got.step is not None else False
+            if pending is not None:
+                if mode == "before_update":
+                    self._restoring = pending
+                    self._gate.watch(self._optimizers())  # optimizers put in the state since the constructor
+                    self._gate.hold(pending.before_update)
+                else:
+                    try:
+                        again = pending.settle()
+                    except TierStoreError as e:
+                        refuse_until_restored(self, e)
+                        raise
+                    if again is not None:
+                        return again
+            return got
 
     def _abandon_restore(self) -> None:
         """Drop the hold of a restore still verifying (the state is about to be replaced, or closed)."""

@@ -113,7 +113,7 @@ def _rank(rank: int, a: argparse.Namespace, port: int, tmp: str, shm: str, out: 
             spent["reserve"] = spent["write"] = 0.0
             f0 = _faults()
             t0 = time.perf_counter()
-            pend = [store.snapshot(ShardKey("bench", lay, step, rank), ts) for lay, ts in state.items()]
+            pend = store.snapshot_many([(ShardKey("bench", lay, step, rank), ts, None) for lay, ts in state.items()])
             stall = time.perf_counter() - t0
             f_stall = _faults() - f0
             res_s, wr_s = spent["reserve"], spent["write"]

@@ -10,7 +10,9 @@ holds from several threads overlap without one turning it back on under another.
 from __future__ import annotations
 
 import gc
+import os
 import threading
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -123,3 +125,47 @@ def test_the_checkpointer_holds_it_off_in_save_and_restore_and_gives_it_back(sto
     assert probe.saw[-1] == ("restore", not hold)
     assert all(on == (not hold) for _, on in probe.saw), probe.saw  # the restore reads it too (its template)
     ck.close()
+
+
+class _Watched(Mapping):
+    """Tensors that note whether the collector ran whenever the store read them."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+        self.seen: list[bool] = []
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.seen.append(gc.isenabled())
+        return self.tensors[name]
+
+    def __iter__(self):
+        self.seen.append(gc.isenabled())
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def test_snapshot_many_holds_it_off_and_a_failure_aborts_the_ones_before(store):
+    from tierstore.keys import ShardKey
+
+    good = [_Watched(w=torch.full((64,), float(i))) for i in range(3)]
+    keys = [ShardKey("gcmany", f"l{i}", 1, 0) for i in range(3)]
+    with pytest.raises(InvalidValueError):
+        store.snapshot_many([(keys[0], good[0], None), (keys[1], good[1], None), (keys[2], {"w": "not a tensor"}, None)])
+    assert gc.isenabled()
+    assert all(g.seen and not any(g.seen) for g in good[:2]), [g.seen for g in good]
+    tmp = store.host.root / ".tmp"
+    left = [n for n in os.listdir(tmp) if n.startswith(".tmp-")]
+    assert not left, f"the snapshots before the failure left their reservations: {left}"
+    assert not list(store.host.list("gcmany/"))
+    pend = store.snapshot_many([(k, g, {"i": i}) for i, (k, g) in enumerate(zip(keys, good))])
+    assert [p.key for p in pend] == keys
+    store.finish_many(pend)
+    outs = [_Watched(w=torch.empty(64)) for _ in keys]
+    got = store.get_many(keys, outs=outs)
+    seen = [list(o.seen) for o in outs]
+    assert gc.isenabled()
+    assert all(s and not any(s) for s in seen), seen
+    assert [s.metadata["i"] for s in got] == [0, 1, 2]
+    assert all(torch.equal(o.tensors["w"], torch.full((64,), float(i))) for i, o in enumerate(outs))

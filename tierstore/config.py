@@ -184,6 +184,11 @@ class StoreConfig:
             recently used out, so a restore that reads the same layouts again skips their JSON parse
             and checks (default 1024; 0: parse every time). Process-wide: the store opened last sets it
             (:func:`tierstore.codec.head.set_table_cache_max`).
+        hold_gc: hold Python's cyclic garbage collector off while a call copies many objects on the
+            caller's thread (:meth:`~tierstore.store.TierStore.snapshot_many`,
+            :meth:`~tierstore.store.TierStore.get_many` and ``get_many_deferred``; a Checkpointer's
+            ``save()`` and ``restore()``), and give it back after, if it ran before
+            (:mod:`tierstore.gchold`). Default ``True``.
     """
 
     home: str = ".tierstore"
@@ -223,6 +228,7 @@ class StoreConfig:
     lazy_check_samples: int = 64
     publish_batch: int = 64
     table_cache: int = 1024
+    hold_gc: bool = True
 
     @property
     def retry(self) -> RetryPolicy:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.base import Backend
 from consistency.index import Index, ObjectRecord
-from tierstore import codec
+from tierstore import codec, gchold
 from tierstore.config import StoreConfig
 from tierstore.errors import (
     CorruptObjectError,
@@ -130,7 +130,8 @@ class ReadPath:
         if len(targets) != len(parsed):
             raise InvalidValueError(f"outs has {len(targets)} entries for {len(parsed)} keys")
         records = self.index.get_objects(parsed)
-        return [self._get(k, o, raw, depth=0, rec=r) for k, o, r in zip(parsed, targets, records)]
+        with gchold.held(self.config.hold_gc):  # thousands of small objects: no collections midway
+            return [self._get(k, o, raw, depth=0, rec=r) for k, o, r in zip(parsed, targets, records)]
 
     def get_copy(self, record: ObjectRecord, *, out: Mapping[str, torch.Tensor] | None = None) -> codec.Shard:
         """Read the copy ``record`` names (its physical name and checksum), whatever the index records now.

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from backends.base import Backend
 from backends.host import HostBackend
 from consistency.index import KINDS, Index, ObjectRecord
-from tierstore import codec
+from tierstore import codec, gchold
 from tierstore.background import lower_priority
 from tierstore.chains import ChainDepths
 from tierstore.config import StoreConfig
@@ -250,6 +250,31 @@ class WritePath:
             res.abort()
             raise
         return PendingObject(self, key, _Sealed(blob), res, kind, base, target, epoch, name, attempt=attempt)
+
+    def snapshot_many(
+        self,
+        items: Sequence[tuple[ShardKey | str, Mapping[str, torch.Tensor], Mapping[str, Any] | None]],
+        **kwargs: Any,
+    ) -> list[PendingObject]:
+        """:meth:`snapshot` of each ``(key, tensors, metadata)``, in order, with the same keyword arguments.
+
+        The cyclic garbage collector is held off for the loop (``config.hold_gc``, :mod:`tierstore.gchold`):
+        a thousand objects allocate tens of thousands of small ones, and the collections they trigger walk
+        every object of the process. If one fails, the ones before it are aborted and its error is raised.
+
+        Raises:
+            as :meth:`snapshot`.
+        """
+        out: list[PendingObject] = []
+        with gchold.held(self.config.hold_gc):
+            try:
+                for key, tensors, metadata in items:
+                    out.append(self.snapshot(key, tensors, metadata, **kwargs))
+            except BaseException:
+                for p in out:
+                    p.abort()
+                raise
+        return out
 
     def snapshot_nbytes(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None) -> int:
         """The host-tier bytes :meth:`snapshot` of a full object of ``tensors`` and ``metadata`` takes (what

@@ -141,7 +141,8 @@ class Checkpointer(RestoreSide):
         hold_gc: hold Python's cyclic garbage collector off during ``save()``
             and ``restore()`` (:mod:`tierstore.gchold`; it runs again after, if it
             ran before): a save of thousands of tensors otherwise triggers dozens
-            of collections, each walking every object of the process.
+            of collections, each walking every object of the process. Default:
+            the store's ``StoreConfig.hold_gc`` (``True``).
 
     Memory bound (host tier, this rank): ``keep_last + 1`` generations of the
     saved shards between saves, ``keep_last + 2`` while a save copies (the
@@ -167,7 +168,7 @@ class Checkpointer(RestoreSide):
         preallocate: bool = True,
         missing_rank_grace: float = 30.0,
         lazy: bool = False,
-        hold_gc: bool = True,
+        hold_gc: bool | None = None,
     ) -> None:
         if isinstance(module, Mapping):
             if state is not None or optimizer is not None:
@@ -201,7 +202,8 @@ class Checkpointer(RestoreSide):
             # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
             # whose copies verify after they returned hold the next update back
             self.lazy = lazy
-            self.hold_gc = hold_gc
+            self.hold_gc = bool(getattr(getattr(store, "config", None), "hold_gc", True) if hold_gc is None
+                                else hold_gc)
             self._gate = UpdateGate(self.stats, getattr(store, "config", None))  # StoreConfig.lazy_check
             self._gate.watch(self._optimizers())
             self.in_forward = InPlaceChanges()  # parameters a forward pass changes in place: copied at save()

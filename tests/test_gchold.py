@@ -169,3 +169,21 @@ def test_snapshot_many_holds_it_off_and_a_failure_aborts_the_ones_before(store):
     assert all(s and not any(s) for s in seen), seen
     assert [s.metadata["i"] for s in got] == [0, 1, 2]
     assert all(torch.equal(o.tensors["w"], torch.full((64,), float(i))) for i, o in enumerate(outs))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_a_hold_has_the_collector_and_can_hold_again():
+    """A fork while another thread holds (a save in flight): the child has no holder to give the collector back,
+    so it must start with it on, and a lock nobody holds."""
+    with gchold.held():
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only if every check passes
+            ok = gc.isenabled()
+            with gchold.held():
+                ok = ok and not gc.isenabled()
+            ok = ok and gc.isenabled()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert not gc.isenabled()  # the parent's hold is untouched
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()

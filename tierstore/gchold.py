@@ -17,13 +17,16 @@ for at most the block's duration, and the collector's next automatic pass
 come from several threads at once: the collector comes back when the last
 holder leaves. A program that calls ``gc.disable()`` itself while a hold is
 in force has it undone when the hold ends; one that disabled it before keeps
-it disabled. Megatron-LM's ``--manual-gc`` takes the same view of automatic
+it disabled. A child forked while a hold is in force (by another thread)
+holds nothing: it starts with the collector as it was before the hold, and a
+fresh lock. Megatron-LM's ``--manual-gc`` takes the same view of automatic
 collections during the latency-critical part of a step.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +36,19 @@ __all__ = ["held"]
 _lock = threading.Lock()
 _holders = 0
 _ours = False  # the collector was enabled when the first holder came in: the last one enables it again
+
+
+def _after_fork_in_child() -> None:
+    """The holders were threads of the parent: none of them will leave in the child."""
+    global _lock, _holders, _ours
+    _lock = threading.Lock()
+    if _holders and _ours:
+        gc.enable()
+    _holders, _ours = 0, False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

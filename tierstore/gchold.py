@@ -7,7 +7,8 @@ about 45 young and 4 middle collections, and a full one every third save. A
 full collection walks every object of the process: about 390,000 once torch
 and tierstore are imported, more in a real trainer. Measured on the
 Checkpointer at 1,000 parameters (0.25 GiB, eager): 262 ms per ``save()``
-with the collector running, 158 ms with it held off for the call.
+with the collector running, 142 ms with it held off for the call
+(docs/benchmarks.md, "Garbage collections inside a save").
 
 :func:`held` disables the automatic collector for the duration of a block and
 enables it again after, if it was enabled when the first holder came in. The

@@ -59,7 +59,7 @@ base a running writer's next delta or layer-wise step reads) is always kept.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,7 +288,7 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
            delete: Callable[[list[tuple[ShardKey, str]]], object],
            release: Callable[[ShardKey, ObjectRecord], bool], drop: Callable[[str], object],
            retired_ok: Callable[[RetiredCopy], bool] | None = None, report: GCReport | None = None,
-           dry_run: bool = False) -> GCReport:
+           dry_run: bool = False, known: Mapping[ShardKey, ObjectRecord] | None = None) -> GCReport:
     """Carry out ``plan`` on ``keys`` (the objects considered: a writer's own, or every object of ``model``).
 
     In this order: the records of the retired and collected steps (so no step is reported, or restored,
@@ -301,6 +301,11 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     that copy); then the retired steps' durable manifests once more (one a migration wrote meanwhile).
     Before all that, the copies of superseded steps older than the newest durable step of the live
     line (:mod:`consistency.retired`; those ``retired_ok`` accepts) go: ``drop(name)`` from every tier.
+
+    ``known``: records the caller wrote itself (a Checkpointer's own objects): an object to delete whose
+    record is there is not read again, its copy's name is taken from it. That is no weaker evidence: a
+    record is deleted only while it still names that copy, so a stale one leaves the object for a later
+    pass. Objects to release are always read (whether a durable copy is recorded is what decides).
     """
     report = report or GCReport(dry_run=dry_run)
     # copies of superseded steps, kept until the live line has a newer durable step
@@ -315,7 +320,11 @@ def retire(steps: StepProtocol, model: str, plan: RetentionPlan, keys: list[Shar
     report.dropped_steps = sorted(set(plan.retired) | set(plan.aborted))
     fates = {k: plan.fate(k) for k in keys}
     todo = [k for k, f in fates.items() if f != "keep"]
-    recs = dict(zip(todo, steps.index.get_objects(todo))) if todo else {}
+    known = known or {}
+    read = [k for k in todo if fates[k] == "release" or k not in known]
+    recs: dict[ShardKey, ObjectRecord | None] = {k: known[k] for k in todo if fates[k] != "release" and k in known}
+    if read:
+        recs.update(zip(read, steps.index.get_objects(read)))
     if not dry_run:  # no longer reported (nor restorable) before anything of them goes
         dropped = set(steps.drop_steps(model, plan.retired, keep_aborted_state=True))
         # aborted: only the attempt the plan saw (a newer incarnation may have begun the number again); the

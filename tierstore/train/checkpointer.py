@@ -197,6 +197,7 @@ class Checkpointer(RestoreSide):
             self._unproven: dict[int, str] = {}  # of those, why one could not be judged (a tier did not answer)
             self._lost: dict[int, str] = {}  # of those, agreed lost by every rank and not yet superseded: why
             self._manifests: dict[int, dict] = {}  # retention's parsed manifests, for this epoch
+            self._written: dict[int, dict[ShardKey, Any]] = {}  # this incarnation's records by step (retention)
             self.stats = SaveStats()
             self.report = RestoreReport()
             # the gate's hooks go on before replay's gradient capture, so they run first: lazy saves and restores
@@ -411,7 +412,8 @@ class Checkpointer(RestoreSide):
             if snap.before_vote is not None:
                 snap.before_vote(snap.vote_extra)
             self._retained = retain(self.store, self.model, self.rank, self.keep_last,
-                                    self.policy.max_staleness or 0, self._retained, self.plan.floor, self._manifests)
+                                    self.policy.max_staleness or 0, self._retained, self.plan.floor, self._manifests,
+                                    self._written)
             if snap.pendings:  # in order, with one index call per batch of objects (StoreConfig.publish_batch)
                 infos.extend(self.store.finish_many([p for _, p in snap.pendings]))
                 snap.pendings = []
@@ -424,6 +426,8 @@ class Checkpointer(RestoreSide):
             raise self._typed(step, e) from e
         self.stats.record(step, infos)
         self.stats.layers_saved += len(snap.selected)
+        if self.keep_last is not None:
+            self._written.setdefault(step, {}).update((info.key, info) for info in infos)
         try:
             state = self.store.vote(self.model, step, self.rank, infos, extra=snap.vote_extra, epoch=self.epoch)
         except IncompleteStepError as e:  # what its deltas, refs or inherited layers read is gone from the index

@@ -72,6 +72,7 @@ class RestoreSide:
     _gate: Any
     _restoring: PendingRestore | None
     _manifests: dict[int, dict]
+    _written: dict[int, dict[ShardKey, Any]]
     _passed: set[int]
     _standing: dict[int, str]
     _unproven: dict[int, str]
@@ -192,6 +193,7 @@ class RestoreSide:
                 self.plan.continue_from(got.step, self.report.base_step)
             self.report.step, self.report.epoch = got.step, self.epoch
             self._manifests.clear()  # a step of an older incarnation may have been superseded
+            self._written.clear()
             self._passed = ({s for s in committed if s > got.step}
                             if not read_only and step is None and got.step is not None else set())
             self._standing = {}
@@ -391,6 +393,7 @@ class RestoreSide:
                        "saved again (its copies are kept until a newer durable step)")
             del self._lost[s]
             self._manifests.pop(s, None)  # retention must read the new attempt's manifest
+            self._written.pop(s, None)
             if was in ("committed", "durable"):
                 log.warning("step %d of %s was %s but is lost: saved again (superseded with the other lost "
                             "steps; %s)", s, self.model, was, why)

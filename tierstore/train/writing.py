@@ -154,7 +154,8 @@ def write_layer(store: Any, model: str, rank: int, ln: str, step: int, tensors: 
 
 
 def retain(store: Any, model: str, rank: int, keep_last: int | None, max_staleness: int, last: Any,
-           floor: Callable[[int], int] | None = None, manifests: dict[int, dict] | None = None) -> Any:
+           floor: Callable[[int], int] | None = None, manifests: dict[int, dict] | None = None,
+           written: dict[int, dict[ShardKey, Any]] | None = None) -> Any:
     """Apply the per-tier retention of :mod:`consistency.gc` to this rank's objects of ``model``.
 
     Memory tiers keep the last ``keep_last`` committed steps; the durable tier the newest durable step
@@ -164,12 +165,14 @@ def retain(store: Any, model: str, rank: int, keep_last: int | None, max_stalene
     ``last`` is what the previous pass returned (the windows it acted on): an unchanged plan is not
     carried out again. ``floor(oldest)`` widens the memory window to the step a restore of ``oldest``
     starts from (replay: its base). ``manifests``: the caller's cache of parsed manifests (see
-    :func:`consistency.gc.reachable`); entries below every kept step are dropped from it.
+    :func:`consistency.gc.reachable`); entries below every kept step are dropped from it. ``written``: the
+    records of what this writer wrote, by step (``retire``'s ``known``: the objects it deletes are not read
+    again); the steps the pass left outside its windows are dropped from it.
     """
     if keep_last is None:
         return last
     try:
-        return _retain(store, model, rank, keep_last, max_staleness, last, floor, manifests)
+        return _retain(store, model, rank, keep_last, max_staleness, last, floor, manifests, written)
     except TierStoreError as e:  # best effort: what stays now goes at a later pass; the save goes on
         log.warning("retention of %s after a save was cut short (%s: %s); a later save retries it",
                     model, type(e).__name__, e)
@@ -177,7 +180,8 @@ def retain(store: Any, model: str, rank: int, keep_last: int | None, max_stalene
 
 
 def _retain(store: Any, model: str, rank: int, keep_last: int, max_staleness: int, last: Any,
-            floor: Callable[[int], int] | None, manifests: dict[int, dict] | None) -> Any:
+            floor: Callable[[int], int] | None, manifests: dict[int, dict] | None,
+            written: dict[int, dict[ShardKey, Any]] | None = None) -> Any:
     busy = store.migrating_steps(model)
 
     def hold(rec: Any) -> bool:  # a migration may still make it durable
@@ -198,7 +202,12 @@ def _retain(store: Any, model: str, rank: int, keep_last: int, max_staleness: in
     if manifests is not None and plan.kept:
         for s in [s for s in manifests if s < plan.kept[0]]:
             del manifests[s]
+    known = {k: rec for recs in (written or {}).values() for k, rec in recs.items()}
     retire(store.steps, model, plan, [k for k in objects if k.rank == rank], delete=store._collect,
            release=store.release, drop=store._drop_copy,
-           retired_ok=lambda c: c.key.rank == rank if c.key is not None else rank == 0)
+           retired_ok=lambda c: c.key.rank == rank if c.key is not None else rank == 0, known=known)
+    if written is not None:  # what the pass deleted, or left to the durable tier, is read afresh if ever again
+        window = set(plan.memory) | set(plan.durable)
+        for s in [s for s in written if s not in window and (not plan.kept or s < plan.kept[-1])]:
+            del written[s]
     return signature

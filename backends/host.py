@@ -149,6 +149,9 @@ class _ReadPin:
         _Held.give()
 
 
+_PUBLISH_TRIES = 4  # a publish makes its directory again this often when a delete's pruning races it
+
+
 def _make_dir(path: str) -> None:
     """``path`` as a directory: one ``mkdir`` where its parent exists (a step's directory under its layer's, the
     usual case), else every missing level."""
@@ -176,11 +179,16 @@ class _HostReservation(Reservation):
             raise RuntimeError(f"reservation for {self.name!r} already finished")
         final = self._backend._spath(self.name)
         try:
-            try:
-                self._publish(final, if_absent)
-            except FileNotFoundError:  # its directory's first object: made here, not in reserve (the stall)
-                _make_dir(os.path.dirname(final))
-                self._publish(final, if_absent)
+            for attempt in range(_PUBLISH_TRIES):
+                try:
+                    self._publish(final, if_absent)
+                    break
+                except FileNotFoundError:
+                    # its directory's first object (made here, not in reserve: the stall), or a delete of the
+                    # directory's last object removed it meanwhile (HostBackend.delete prunes empty ones)
+                    if attempt == _PUBLISH_TRIES - 1:
+                        raise
+                    _make_dir(os.path.dirname(final))
         except KeyExistsError:
             self.abort()
             raise
@@ -584,14 +592,25 @@ class HostBackend(Backend):
             st = os.stat(path)
         except FileNotFoundError:
             return False
-        if self._pool.give(path, st.st_size, (st.st_dev, st.st_ino)):
-            return True
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        self._pool.discard(st.st_dev, st.st_ino)
+        if not self._pool.give(path, st.st_size, (st.st_dev, st.st_ino)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+            self._pool.discard(st.st_dev, st.st_ino)
+        self._prune(os.path.dirname(path))
         return True
+
+    def _prune(self, directory: str) -> None:
+        """Remove an object's directory (its layer's and step's) once it is empty: every step saved would
+        otherwise leave one empty directory per layer in shared memory for good (tmpfs inodes, and every
+        listing walks them). A publish into it meanwhile makes it again (``_PUBLISH_TRIES``)."""
+        if directory == self._root_s:
+            return
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (another rank's copy of the step), or already gone
+            pass
 
     def drain_pool(self) -> int:
         """Free every pooled segment; return the bytes freed."""

@@ -127,3 +127,61 @@ def test_past_the_descriptor_budget_reads_are_private_copies(shm_root, monkeypat
     assert isinstance(reader.get("m/l/0/0"), memoryview)
     b.close()
     reader.close()
+
+
+def test_a_delete_removes_its_steps_directory_once_empty_and_keeps_it_while_not(shm_root):
+    """Every step saved made one directory per layer that stayed, empty, for good: over a long run, millions of
+    tmpfs inodes, and every listing of the tier walked them."""
+    b = HostBackend(shm_root / "node", recycle_grace_s=0.0)
+    for step in range(1, 4):
+        for rank in range(2):
+            b.put(f"m/l/{step}/{rank}.t", b"x" * 64)
+    assert b.delete("m/l/1/0.t")
+    assert (shm_root / "node" / "m" / "l" / "1").is_dir(), "rank 1's copy of the step is still in it"
+    assert b.delete("m/l/1/1.t")
+    assert not (shm_root / "node" / "m" / "l" / "1").exists()
+    assert (shm_root / "node" / "m" / "l").is_dir()
+    for step in (2, 3):
+        assert bytes(b.get(f"m/l/{step}/0.t")) == b"x" * 64
+    b.put("m/l/1/0.u", b"again")  # the step's directory is made again by the next publish into it
+    assert bytes(b.get("m/l/1/0.u")) == b"again"
+    b.close()
+
+
+def test_publishes_racing_the_deletes_that_empty_their_directory_all_land(shm_root):
+    """A writer publishing into a step's directory while another thread deletes that directory's last object
+    (and so removes it): each publish makes the directory again, none fails, nothing published is lost."""
+    import threading
+
+    b = HostBackend(shm_root / "node", recycle_grace_s=0.0)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:  # one object in the directory, deleted again and again: the directory goes each time
+        i = 0
+        while not stop.is_set():
+            try:
+                b.put(f"m/l/7/9.c{i}", b"c")
+                b.delete(f"m/l/7/9.c{i}")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                return
+            i += 1
+
+    t = threading.Thread(target=churn)
+    t.start()
+    read: list[bytes] = []
+    try:
+        for i in range(300):  # its own objects go too, so the directory empties from both sides
+            n = f"m/l/7/0.p{i}"
+            b.put(n, n.encode())
+            read.append(bytes(b.get(n)))
+            assert b.delete(n)
+    finally:
+        stop.set()
+        t.join(30)
+    assert not errors, errors
+    assert read == [f"m/l/7/0.p{i}".encode() for i in range(300)]
+    b.put("m/l/7/0.last", b"kept")
+    assert bytes(b.get("m/l/7/0.last")) == b"kept"
+    b.close()

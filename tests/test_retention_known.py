@@ -5,7 +5,8 @@ objects per step (docs/benchmarks.md, "Garbage collections inside a save"). The 
 records its saves wrote, by step, and retention takes an object's copy name from there
 (``consistency.gc.retire``'s ``known``). What must hold, tried on the real Redis server and host tier:
 
-- in steady state a pass reads no record of an object it deletes, and every retired step's objects go;
+- in steady state a pass reads no record of an object it deletes, and every retired step's objects go, with
+  their directories in the host tier;
 - a stale known record (the index names another copy) deletes nothing: the record stays, and the next pass,
   which reads it, deletes it.
 """
@@ -71,6 +72,9 @@ def test_a_pass_deletes_its_own_objects_without_reading_their_records(bare, monk
     steps = sorted({k.step for k in bare.list("known")})
     assert steps == [4, 5], steps  # keep_last=1: the newest committed and the one before its save's vote
     assert not [k for keys in reads for k in keys], f"retention read the records it deletes: {reads}"
+    model_dir = bare.host.root / "known"
+    dirs = sorted({p.name for layer in model_dir.iterdir() for p in layer.iterdir()})
+    assert dirs == ["4", "5"], f"the host tier kept the directories of deleted steps: {dirs}"
     ck.close()
 
 

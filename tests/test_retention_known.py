@@ -9,6 +9,8 @@ records its saves wrote, by step, and retention takes an object's copy name from
   their directories in the host tier;
 - a stale known record (the index names another copy) deletes nothing: the record stays, and the next pass,
   which reads it, deletes it.
+
+What a writer keeps per step stays bounded too: the save statistics' bytes per step keep the last steps saved.
 """
 
 from __future__ import annotations
@@ -100,3 +102,18 @@ def test_a_stale_known_record_deletes_nothing_and_the_next_pass_reads_it(bare, m
     assert not [k for k in bare.list("stale") if k.step == 1]
     assert [victim] in reads, reads
     ck.close()
+
+
+def test_the_bytes_per_step_keep_the_last_steps_saved_not_every_step_ever(monkeypatch):
+    """``SaveStats.per_step`` grew by an entry per step for good: a run that saves every step for a million
+    steps held a million entries."""
+    from types import SimpleNamespace
+
+    from tierstore.train.writing import SaveStats
+
+    monkeypatch.setattr(SaveStats, "PER_STEP_KEPT", 3)
+    stats = SaveStats()
+    for step in range(1, 7):
+        stats.record(step, [SimpleNamespace(size=10 * step, kind="full")] * 2)
+    assert stats.per_step == {4: 80, 5: 100, 6: 120}
+    assert stats.bytes == sum(20 * s for s in range(1, 7)) and stats.objects["full"] == 12

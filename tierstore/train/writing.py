@@ -39,8 +39,11 @@ class SaveStats:
     ``changed_in_forward``: lazy saves voted down because a tensor changed in
     place between ``save()`` and its copy (:class:`~tierstore.errors.SnapshotChangedError`).
     ``skipped``: saves that wrote nothing because a standing step of an earlier incarnation holds their step
-    (``wait()`` answers ``"skipped"``).
+    (``wait()`` answers ``"skipped"``). ``per_step``: bytes written per step, for the last
+    :attr:`PER_STEP_KEPT` steps saved (a run that saves every step would otherwise grow it for good).
     """
+
+    PER_STEP_KEPT = 10_000
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -74,6 +77,8 @@ class SaveStats:
             self.bytes += info.size
             self.objects[info.kind] = self.objects.get(info.kind, 0) + 1
             self.per_step[step] = self.per_step.get(step, 0) + info.size
+        while len(self.per_step) > self.PER_STEP_KEPT:
+            del self.per_step[next(iter(self.per_step))]  # the oldest saved
 
 
 @dataclass

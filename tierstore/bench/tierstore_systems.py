@@ -142,11 +142,8 @@ if _open is not None:
             ]
             # the stall: one copy of each layer straight into its shared-memory object (snapshot_many: with the
             # cyclic garbage collector held off for the loop, as a Checkpointer's save holds it)
-            many = getattr(self.store, "snapshot_many", None)
-            if many is not None:
-                self._pending = many([(key, group, None) for key, group in zip(self.keys, self.staging.values())])
-            else:
-                self._pending = [self.store.snapshot(key, group) for key, group in zip(self.keys, self.staging.values())]
+            self._pending = self.store.snapshot_many([(key, group, None)
+                                                      for key, group in zip(self.keys, self.staging.values())])
             self._t_done: float | None = None
             self._err: BaseException | None = None
             self._ev = threading.Event()

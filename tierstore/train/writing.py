@@ -172,7 +172,7 @@ def retain(store: Any, model: str, rank: int, keep_last: int | None, max_stalene
     starts from (replay: its base). ``manifests``: the caller's cache of parsed manifests (see
     :func:`consistency.gc.reachable`); entries below every kept step are dropped from it. ``written``: the
     records of what this writer wrote, by step (``retire``'s ``known``: the objects it deletes are not read
-    again); the steps the pass left outside its windows are dropped from it.
+    again); its entries below every kept step are dropped, as ``manifests``'.
     """
     if keep_last is None:
         return last
@@ -204,15 +204,12 @@ def _retain(store: Any, model: str, rank: int, keep_last: int, max_staleness: in
     signature = (tuple(plan.memory), tuple(plan.durable), tuple(plan.retired), tuple(plan.aborted))
     if signature == last:
         return last
-    if manifests is not None and plan.kept:
-        for s in [s for s in manifests if s < plan.kept[0]]:
-            del manifests[s]
     known = {k: rec for recs in (written or {}).values() for k, rec in recs.items()}
     retire(store.steps, model, plan, [k for k in objects if k.rank == rank], delete=store._collect,
            release=store.release, drop=store._drop_copy,
            retired_ok=lambda c: c.key.rank == rank if c.key is not None else rank == 0, known=known)
-    if written is not None:  # what the pass deleted, or left to the durable tier, is read afresh if ever again
-        window = set(plan.memory) | set(plan.durable)
-        for s in [s for s in written if s not in window and (not plan.kept or s < plan.kept[-1])]:
-            del written[s]
+    for cache in (manifests, written):  # entries below every kept step: no later pass needs them
+        if cache is not None and plan.kept:
+            for s in [s for s in cache if s < plan.kept[0]]:
+                del cache[s]
     return signature
